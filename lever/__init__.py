@@ -1,0 +1,1 @@
+"""Lever: flash-resident speculative decoding."""

@@ -1,0 +1,104 @@
+/* lever_kernels.h: the one header of Lever's native kernels.
+ *
+ * Everything the model core computes per token goes through these calls: quantized
+ * matrix x activations (decode at 1 row up to tree verification at 64+ rows), dequantization,
+ * and the per-token operators of a llama-style layer. Python loads the shared library with
+ * ctypes (lever/native.py); ctypes drops the GIL for the call, so reads and compute overlap.
+ *
+ * Each kernel has a scalar reference and SIMD paths (AVX2/FMA, AVX-512, NEON) chosen once at
+ * load from the CPU; lever_set_isa() forces a path so tests can compare them.
+ *
+ * Batch invariance is a contract, not an accident: every output row is reduced in a fixed
+ * order that depends only on its own inputs and the ISA, never on how many rows are computed
+ * together, which rows they are, or the thread count. Speculative decoding relies on it to
+ * reproduce autoregressive output bit for bit.
+ *
+ * Return codes: 0 on success, LEVER_E* (negative) on bad arguments.
+ */
+#ifndef LEVER_KERNELS_H
+#define LEVER_KERNELS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Tensor types, numbered as ggml numbers them on disk in GGUF. */
+enum lever_type {
+    LEVER_F32 = 0,
+    LEVER_F16 = 1,
+    LEVER_Q4_0 = 2,
+    LEVER_Q5_0 = 6,
+    LEVER_Q8_0 = 8,
+    LEVER_Q4_K = 12,
+    LEVER_Q6_K = 14,
+    LEVER_BF16 = 30,
+};
+
+enum lever_isa {
+    LEVER_ISA_SCALAR = 0,
+    LEVER_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
+    LEVER_ISA_AVX512 = 2, /* AVX-512 F/BW/VL (+VNNI where the CPU has it) */
+    LEVER_ISA_NEON = 3,   /* arm64 NEON (+dotprod) */
+};
+
+enum lever_err {
+    LEVER_OK = 0,
+    LEVER_EUNSUPPORTED_TYPE = -1,
+    LEVER_EBAD_SHAPE = -2,  /* e.g. n_in not a multiple of the type's block size */
+    LEVER_ENOMEM = -3,
+};
+
+/* ISA dispatch. lever_set_isa clamps to what this CPU and build support and returns
+ * the ISA now in force. */
+int lever_isa_best(void);
+int lever_get_isa(void);
+int lever_set_isa(int isa);
+
+/* Dequantize n_rows rows of n_cols elements each (rows contiguous, in `type`'s block
+ * format) into out, float32 (n_rows, n_cols). */
+int lever_dequantize(int type, const void *src, int64_t n_rows, int64_t n_cols, float *out);
+
+/* y[t, r] = sum_k W[r, k] * x[t, k]   for r < n_out, t < n_tok.
+ *   w: n_out rows of n_in weights in `type`'s block format, contiguous  # (n_out, n_in)
+ *   x: float32, contiguous                                               # (n_tok, n_in)
+ *   y: float32, contiguous                                               # (n_tok, n_out)
+ * Quantized types multiply against activations quantized per token the way ggml does
+ * (Q8_0 blocks for Q4_0/Q5_0/Q8_0, Q8_K blocks for Q4_K/Q6_K); float types use float32
+ * activations. n_threads <= 0 means all cores. Batch-invariant (see above). */
+int lever_matmul(int type, const void *w, int64_t n_out, int64_t n_in,
+                 const float *x, int64_t n_tok, float *y, int n_threads);
+
+/* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w[:]     # x, out: (n_rows, n) */
+void lever_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps,
+                   float *out);
+
+/* Rotary embedding in place on x: (n_tok, n_head, head_dim). Only the first n_rot dims of
+ * each head rotate. theta_i = pos[t] * inv_freq[i], i < n_rot/2 (inv_freq carries any rope
+ * scaling). neox = 0 rotates adjacent pairs (2i, 2i+1); neox = 1 rotates (i, i + n_rot/2).
+ * cos and sin are multiplied by attn_factor (1.0 unless YaRN). */
+void lever_rope(float *x, const int32_t *pos, int64_t n_tok, int64_t n_head, int64_t head_dim,
+                int64_t n_rot, const float *inv_freq, int neox, float attn_factor);
+
+/* Attention with an explicit mask, grouped-query.
+ *   q:    float32                                   # (n_tok, n_head, head_dim)
+ *   k, v: kv_type (LEVER_F32 or LEVER_F16)           # (n_kv, n_kv_head, head_dim)
+ *   mask: uint8, 1 = token t may attend to row j     # (n_tok, n_kv)
+ *   out:  float32                                   # (n_tok, n_head, head_dim)
+ * Query head h reads kv head h / (n_head / n_kv_head). scores scaled by `scale`, softmax
+ * over the allowed rows only (rows with mask 0 are never read). A token with no allowed row
+ * gets zeros. Batch-invariant: a token's output depends only on its q, its mask row and
+ * the rows it may see. */
+int lever_attention(const float *q, int64_t n_tok, int64_t n_head, int64_t head_dim,
+                    const void *k, const void *v, int kv_type, int64_t n_kv, int64_t n_kv_head,
+                    const uint8_t *mask, float scale, float *out, int n_threads);
+
+/* out[i] = silu(gate[i]) * up[i]; the result for an element never depends on its index
+ * or on n (no separate tail arithmetic). */
+void lever_swiglu(const float *gate, const float *up, int64_t n, float *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
