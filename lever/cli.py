@@ -1,0 +1,166 @@
+"""The `lever` command: argument parsing and user-facing errors for every subcommand.
+
+Each subcommand is a small function over the library; a LeverError (or a missing file, or
+Ctrl-C) becomes one line on stderr and a non-zero exit, with the traceback only under --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from lever.errors import LeverError
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    p.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise LeverError(f"--tokens: expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_generate(args) -> int:
+    from lever.generate import generate
+    from lever.model import Model
+    from lever.sampling import SamplingParams
+    from lever.tokenizer import StreamDecoder, Tokenizer
+
+    params = SamplingParams(args.temp, args.top_k, args.top_p, args.seed)
+    model = Model(args.model)
+    tok = Tokenizer.from_gguf(model.file.reader)
+    prompt = tok.encode(args.prompt, add_bos=None if args.bos is None else args.bos)
+    n_ctx = min(args.ctx, model.spec.n_ctx_train) if args.ctx else min(4096, model.spec.n_ctx_train)
+
+    stream = StreamDecoder(tok)
+    on_token = None
+    if not args.json:
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+
+        def on_token(t: int) -> None:
+            sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+
+    res = generate(model, prompt, args.n, params, n_ctx, frozenset(tok.eos_ids), on_token)
+    text = tok.decode(res.tokens)
+    if args.json:
+        print(json.dumps({
+            "model": str(args.model), "prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": text,
+            "prefill_s": res.prefill_s, "decode_s": res.decode_s, "prefill_tps": res.prefill_tps,
+            "decode_tps": res.decode_tps, "stop_reason": res.stop_reason,
+        }))
+    else:
+        sys.stdout.write(stream.flush() + "\n")
+        print(f"prefill: {len(res.prompt_tokens)} tokens, {res.prefill_tps:.1f} tok/s | "
+              f"decode: {len(res.tokens)} tokens, {res.decode_tps:.1f} tok/s | stop: {res.stop_reason}",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from lever.gguf_file import GGUFFile
+    from lever.model_spec import read_spec
+
+    f = GGUFFile(args.model)
+    spec = read_spec(f)
+    n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+    hist = collections.Counter(t.type.name for t in f.tensors.values())
+    layer_bytes = [sum(t.n_bytes for n, t in f.tensors.items() if n.startswith(f"blk.{i}.")) for i in range(spec.n_layer)]
+    other = sum(t.n_bytes for n, t in f.tensors.items() if not n.startswith("blk."))
+    print(f"file:          {f.path} ({f.path.stat().st_size / 2**20:.1f} MiB)")
+    print(f"architecture:  {spec.arch}  name: {f.get('general.name', '?')}")
+    print(f"layers:        {spec.n_layer}   embd: {spec.n_embd}   ff: {spec.n_ff}   vocab: {spec.n_vocab}")
+    print(f"heads:         {spec.n_head} q / {spec.n_head_kv} kv, head dim {spec.head_dim}, rope dims {spec.n_rot} "
+          f"({'neox' if spec.rope_neox else 'normal'}, base {spec.rope_base:g})")
+    print(f"context:       {spec.n_ctx_train} (trained)   rms eps: {spec.rms_eps:g}")
+    print(f"parameters:    {n_params:,} ({n_params / 1e6:.2f} M)")
+    print("tensor types:  " + ", ".join(f"{k} x{v}" for k, v in sorted(hist.items())))
+    print(f"bytes/layer:   {np.mean(layer_bytes) / 2**20:.2f} MiB mean (min {min(layer_bytes):,}, max {max(layer_bytes):,})")
+    print(f"other tensors: {other / 2**20:.2f} MiB (embeddings, output, norms)")
+    return 0
+
+
+def cmd_logits(args) -> int:
+    from lever.kv_cache import causal_mask
+    from lever.model import Model
+
+    model = Model(args.model)
+    ids = np.asarray(_parse_tokens(args.tokens), np.int64)
+    if ids.size == 0:
+        raise LeverError("--tokens: no token ids given")
+    if ids.size > model.spec.n_ctx_train:
+        raise LeverError(f"--tokens: {ids.size} tokens, over the context of {model.spec.n_ctx_train}")
+    cache = model.new_cache(ids.size)
+    hidden = model.forward(ids, np.arange(ids.size, dtype=np.int32), causal_mask(0, ids.size), cache)
+    logits = model.logits(hidden).astype(np.float32)  # (n_tokens, n_vocab)
+    np.save(args.out, logits)
+    print(f"wrote {args.out}: logits {logits.shape} float32", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lever", description="Flash-resident speculative decoding of LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with one model held in memory")
+    g.add_argument("-m", "--model", type=Path, required=True, help="GGUF model file")
+    g.add_argument("-p", "--prompt", required=True)
+    g.add_argument("-n", type=int, default=128, help="tokens to generate")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ctx", type=int, default=0, help="context length (default: min(4096, trained))")
+    g.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None, help="add BOS (default: the file's)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_common(g)
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("inspect", help="describe a GGUF model")
+    i.add_argument("model", type=Path)
+    _add_common(i)
+    i.set_defaults(func=cmd_inspect)
+
+    lg = sub.add_parser("logits", help="full-vocabulary logits after every position, as .npy")
+    lg.add_argument("-m", "--model", type=Path, required=True)
+    lg.add_argument("--tokens", required=True, help="comma-separated token ids")
+    lg.add_argument("--out", type=Path, required=True, help="output .npy, float32 (n_tokens, vocab)")
+    _add_common(lg)
+    lg.set_defaults(func=cmd_logits)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from lever import native
+
+        native.n_threads_default = args.threads
+        return args.func(args)
+    except LeverError as e:
+        if args.debug:
+            raise
+        print(f"lever: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if args.debug:
+            raise
+        print(f"lever: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nlever: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

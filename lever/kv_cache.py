@@ -1,0 +1,55 @@
+"""The KV cache of one model: rows of keys and values, one row per token position kept.
+
+A pass reserves rows for its tokens, each layer writes its keys/values there, and attention
+reads rows through an explicit mask. After a pass the caller decides what stays: everything
+(`commit` of autoregressive decoding), a prefix (`truncate`), or only some rows (`keep`, for
+the accepted path of a token tree). Rows are stored as float16, as llama.cpp stores them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lever.errors import LeverError
+from lever.model_spec import ModelSpec
+
+
+class KVCache:
+    def __init__(self, spec: ModelSpec, n_ctx: int, dtype=np.float16):
+        self.n_ctx = n_ctx
+        shape = (n_ctx, spec.n_head_kv, spec.head_dim)
+        self.k = [np.zeros(shape, dtype) for _ in range(spec.n_layer)]  # per layer (n_ctx, n_kv_head, head_dim)
+        self.v = [np.zeros(shape, dtype) for _ in range(spec.n_layer)]
+        self.n_rows = 0  # rows in use, committed or pending
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    def reserve(self, n_tok: int) -> slice:
+        """Rows for the next pass's tokens, appended after the rows in use."""
+        if self.n_rows + n_tok > self.n_ctx:
+            raise LeverError(f"context full: {self.n_rows} + {n_tok} tokens exceed the context of {self.n_ctx}")
+        rows = slice(self.n_rows, self.n_rows + n_tok)
+        self.n_rows += n_tok
+        return rows
+
+    def truncate(self, n_rows: int) -> None:
+        self.n_rows = min(self.n_rows, n_rows)
+
+    def keep(self, rows: np.ndarray) -> None:
+        """Keep only `rows` (ascending), moved down to be contiguous in that order."""
+        rows = np.asarray(rows, np.int64)
+        if rows.size and (np.any(np.diff(rows) <= 0) or rows[-1] >= self.n_rows):
+            raise ValueError("keep: rows must be ascending and in use")
+        for arrays in (self.k, self.v):
+            for a in arrays:
+                a[: rows.size] = a[rows]
+        self.n_rows = rows.size
+
+
+def causal_mask(n_past: int, n_tok: int) -> np.ndarray:
+    """(n_tok, n_past + n_tok) bool: token i sees the past and tokens 0..i of its batch."""
+    mask = np.ones((n_tok, n_past + n_tok), bool)
+    mask[:, n_past:] = np.tri(n_tok, dtype=bool)
+    return mask

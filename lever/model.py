@@ -1,0 +1,192 @@
+"""The forward pass of a llama-style transformer (llama, qwen2, qwen3) over native kernels.
+
+This is the model core every pipeline stage stands on: `Model.embed` turns tokens into rows,
+`layer_forward` runs one layer over any set of tokens with explicit positions and an explicit
+attention mask (so token trees need nothing else), and `Model.logits` applies the output
+projection to only the rows asked for. Layers are plain data (`LayerWeights`), so a caller
+may hand in a layer read from flash instead of one mapped from the file.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from lever import native
+from lever.errors import LeverError
+from lever.gguf_file import GGUFFile
+from lever.kv_cache import KVCache
+from lever.model_spec import ModelSpec, read_spec
+
+
+@attrs.frozen
+class Weight:
+    """A matrix of n_out rows by n_in columns in a GGUF tensor type."""
+
+    type_id: int
+    n_out: int
+    n_in: int
+    data: np.ndarray = attrs.field(eq=False)  # (n_out, row_bytes) uint8, or a float view
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return native.matmul(self.type_id, self.data, self.n_out, self.n_in, x)  # (n_tok, n_out)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+# Per-layer tensors: field name -> (GGUF name suffix, required).
+LAYER_TENSORS: dict[str, tuple[str, bool]] = {
+    "attn_norm": ("attn_norm.weight", True),
+    "wq": ("attn_q.weight", True),
+    "wk": ("attn_k.weight", True),
+    "wv": ("attn_v.weight", True),
+    "bq": ("attn_q.bias", False),
+    "bk": ("attn_k.bias", False),
+    "bv": ("attn_v.bias", False),
+    "q_norm": ("attn_q_norm.weight", False),
+    "k_norm": ("attn_k_norm.weight", False),
+    "wo": ("attn_output.weight", True),
+    "ffn_norm": ("ffn_norm.weight", True),
+    "w_gate": ("ffn_gate.weight", True),
+    "w_up": ("ffn_up.weight", True),
+    "w_down": ("ffn_down.weight", True),
+}
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@attrs.frozen
+class LayerWeights:
+    attn_norm: np.ndarray = attrs.field(eq=False)  # (n_embd,)
+    wq: Weight
+    wk: Weight
+    wv: Weight
+    wo: Weight
+    ffn_norm: np.ndarray = attrs.field(eq=False)  # (n_embd,)
+    w_gate: Weight
+    w_up: Weight
+    w_down: Weight
+    bq: np.ndarray | None = attrs.field(default=None, eq=False)  # (n_head * head_dim,)
+    bk: np.ndarray | None = attrs.field(default=None, eq=False)  # (n_kv_head * head_dim,)
+    bv: np.ndarray | None = attrs.field(default=None, eq=False)
+    q_norm: np.ndarray | None = attrs.field(default=None, eq=False)  # (head_dim,)
+    k_norm: np.ndarray | None = attrs.field(default=None, eq=False)
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    q, kv = spec.n_head * spec.head_dim, spec.kv_dim
+    return {
+        "attn_norm": (spec.n_embd,), "ffn_norm": (spec.n_embd,),
+        "wq": (q, spec.n_embd), "wk": (kv, spec.n_embd), "wv": (kv, spec.n_embd),
+        "bq": (q,), "bk": (kv,), "bv": (kv,),
+        "q_norm": (spec.head_dim,), "k_norm": (spec.head_dim,),
+        "wo": (spec.n_embd, q),
+        "w_gate": (spec.n_ff, spec.n_embd), "w_up": (spec.n_ff, spec.n_embd), "w_down": (spec.n_embd, spec.n_ff),
+    }
+
+
+def layer_tensor_names(f: GGUFFile, layer: int) -> dict[str, str]:
+    """Field -> GGUF tensor name for the tensors this layer has."""
+    names = {}
+    for field, (suffix, required) in LAYER_TENSORS.items():
+        name = f"blk.{layer}.{suffix}"
+        if name in f.tensors:
+            names[field] = name
+        elif required:
+            raise LeverError(f"{f.path}: missing tensor {name}")
+    return names
+
+
+def weight_from(f: GGUFFile, name: str, raw: np.ndarray | None = None) -> Weight:
+    info = f.tensor(name)
+    if len(info.shape) != 2:
+        raise LeverError(f"{f.path}: tensor {name} has shape {info.shape}, expected a matrix")
+    n_out, n_in = info.shape
+    if n_in % info.type.block_elems:
+        raise LeverError(f"{f.path}: tensor {name}: {n_in} columns is not a multiple of {info.type.name}'s block")
+    return Weight(info.type.ggml_id, n_out, n_in, f.raw(name) if raw is None else raw)
+
+
+def load_layer(f: GGUFFile, spec: ModelSpec, layer: int, raws: dict[str, np.ndarray] | None = None) -> LayerWeights:
+    """A layer's weights, from the mapping or from `raws` (tensor name -> bytes already read)."""
+    shapes = expected_shapes(spec)
+    fields = {}
+    for field, name in layer_tensor_names(f, layer).items():
+        info = f.tensor(name)
+        if info.shape != shapes[field]:
+            raise LeverError(f"{f.path}: tensor {name} has shape {info.shape}, expected {shapes[field]}")
+        raw = None if raws is None else raws.get(name)
+        if field in MATRICES:
+            fields[field] = weight_from(f, name, raw)
+        else:
+            fields[field] = f.floats(name).reshape(-1)
+    return LayerWeights(**fields)
+
+
+def layer_forward(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
+                  cache: KVCache, layer: int, rows: slice, inv_freq: np.ndarray) -> np.ndarray:
+    """One transformer layer over tokens x (n_tok, n_embd); writes their k/v into cache rows
+    `rows` and attends over cache rows [0, rows.stop) through mask (n_tok, rows.stop)."""
+    n_tok = x.shape[0]
+    h = native.rmsnorm(x, lw.attn_norm, spec.rms_eps)
+    q, k, v = lw.wq(h), lw.wk(h), lw.wv(h)
+    if lw.bq is not None:
+        q += lw.bq
+    if lw.bk is not None:
+        k += lw.bk
+    if lw.bv is not None:
+        v += lw.bv
+    q = q.reshape(n_tok, spec.n_head, spec.head_dim)
+    k = k.reshape(n_tok, spec.n_head_kv, spec.head_dim)
+    if lw.q_norm is not None:
+        q = native.rmsnorm(q, lw.q_norm, spec.rms_eps)
+    if lw.k_norm is not None:
+        k = native.rmsnorm(k, lw.k_norm, spec.rms_eps)
+    native.rope(q, pos, spec.n_rot, inv_freq, spec.rope_neox)
+    native.rope(k, pos, spec.n_rot, inv_freq, spec.rope_neox)
+    ck, cv = cache.k[layer], cache.v[layer]
+    ck[rows] = k
+    cv[rows] = v.reshape(n_tok, spec.n_head_kv, spec.head_dim)
+    attn = native.attention(q, ck[: rows.stop], cv[: rows.stop], mask, 1.0 / float(np.sqrt(spec.head_dim)))
+    x = x + lw.wo(attn.reshape(n_tok, -1))
+    h = native.rmsnorm(x, lw.ffn_norm, spec.rms_eps)
+    return x + lw.w_down(native.swiglu(lw.w_gate(h), lw.w_up(h)))
+
+
+class Model:
+    """A GGUF model whose weights are all mapped from the file (memory-resident)."""
+
+    def __init__(self, path):
+        self.file = f = GGUFFile(path)
+        self.spec = spec = read_spec(f)
+        self.inv_freq = spec.inv_freq()
+        self.tok_embd = weight_from(f, "token_embd.weight")
+        if self.tok_embd.n_in != spec.n_embd:
+            raise LeverError(f"{f.path}: token_embd.weight has {self.tok_embd.n_in} columns, expected {spec.n_embd}")
+        self.output_norm = f.floats("output_norm.weight").reshape(-1)
+        # Tied embeddings: without output.weight the projection reuses token_embd.
+        self.output = weight_from(f, "output.weight") if "output.weight" in f.tensors else self.tok_embd
+        self.layers = [load_layer(f, spec, i) for i in range(spec.n_layer)]
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        return KVCache(self.spec, n_ctx)
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        tokens = np.asarray(tokens, np.int64)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.spec.n_vocab):
+            raise LeverError(f"token id out of range [0, {self.spec.n_vocab}): {tokens.min()}..{tokens.max()}")
+        e = self.tok_embd
+        return native.dequantize(e.type_id, np.ascontiguousarray(e.data[tokens]), tokens.size, e.n_in)
+
+    def forward(self, tokens: np.ndarray, pos: np.ndarray, mask: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Hidden states (n_tok, n_embd) after the last layer; cache gains n_tok pending rows."""
+        rows = cache.reserve(len(tokens))
+        x = self.embed(tokens)
+        for i, lw in enumerate(self.layers):
+            x = layer_forward(self.spec, lw, x, pos, mask, cache, i, rows, self.inv_freq)
+        return x
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """Output projection of the given rows only: (n, n_embd) -> (n, n_vocab)."""
+        return self.output(native.rmsnorm(hidden, self.output_norm, self.spec.rms_eps))

@@ -1,0 +1,107 @@
+"""The native forward pass against the numpy reference, for every architecture and type."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lever.errors import LeverError
+from lever.generate import generate
+from lever.kv_cache import causal_mask
+from lever.model import Model
+from lever.reference.forward import ReferenceModel
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"]
+# Relative error (Frobenius) of native logits vs the float64 reference. Float weights differ
+# only by float32 accumulation; quantized types also quantize activations to 8 bits per token
+# (as ggml does), which costs about a percent.
+LOGIT_RTOL = {"F32": 1e-5, "F16": 1e-4, "BF16": 1e-4, "Q8_0": 3e-2, "Q4_0": 3e-2, "Q5_0": 3e-2,
+              "Q4_K": 3e-2, "Q6_K": 3e-2}
+TOKENS = [5, 17, 101, 3, 250, 44, 44, 9, 120, 7, 66, 200]
+
+
+def native_logits(model: Model, tokens: list[int]) -> np.ndarray:
+    n = len(tokens)
+    cache = model.new_cache(64)
+    hidden = model.forward(np.array(tokens), np.arange(n, dtype=np.int32), causal_mask(0, n), cache)
+    return model.logits(hidden)
+
+
+@pytest.mark.parametrize("wtype", TYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_matches_reference(tiny_model, arch, wtype):
+    path = tiny_model(arch, wtype)
+    got = native_logits(Model(path), TOKENS)
+    want = ReferenceModel(path).logits(TOKENS)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < LOGIT_RTOL[wtype], f"{arch}/{wtype}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("wtype", ["F32", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_equals_batch_bit_for_bit(tiny_model, arch, wtype):
+    """Token by token through the cache gives the very bits of one batched pass."""
+    model = Model(tiny_model(arch, wtype))
+    batched = native_logits(model, TOKENS)
+    cache = model.new_cache(64)
+    rows = []
+    for i, t in enumerate(TOKENS):
+        h = model.forward(np.array([t]), np.array([i], np.int32), causal_mask(i, 1), cache)
+        rows.append(model.logits(h)[0])
+    assert np.array_equal(np.stack(rows), batched)
+
+
+def test_tied_embeddings_and_head_dim_override(tiny_model):
+    path = tiny_model("qwen3", "Q8_0", tied=True, head_dim=32)
+    model = Model(path)
+    assert model.output is model.tok_embd and model.spec.head_dim == 32
+    got, want = native_logits(model, TOKENS), ReferenceModel(path).logits(TOKENS)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < LOGIT_RTOL["Q8_0"]
+
+
+def test_tree_pass_then_keep_equals_the_chosen_branch(tiny_model):
+    """A token tree verified in one pass, then `keep` of one branch, leaves the very cache rows
+    (and logits) of running that branch alone: tree attention plus batch invariance."""
+    model = Model(tiny_model("llama", "F32"))
+    cache = model.new_cache(32)
+    # root 5; children 6 and 7 (position 1); 8 under 6, 9 under 7 (position 2)
+    tree_mask = np.array([[1, 0, 0, 0, 0],
+                          [1, 1, 0, 0, 0],
+                          [1, 0, 1, 0, 0],
+                          [1, 1, 0, 1, 0],
+                          [1, 0, 1, 0, 1]], bool)
+    h = model.forward(np.array([5, 6, 7, 8, 9]), np.array([0, 1, 1, 2, 2], np.int32), tree_mask, cache)
+    cache.keep(np.array([0, 2, 4]))
+    fresh = model.new_cache(32)
+    h_branch = model.forward(np.array([5, 7, 9]), np.arange(3, dtype=np.int32), causal_mask(0, 3), fresh)
+    assert cache.n_rows == 3
+    for a, b in zip(cache.k + cache.v, fresh.k + fresh.v):
+        assert np.array_equal(a[:3], b[:3])
+    assert np.array_equal(model.logits(h[[0, 2, 4]]), model.logits(h_branch))
+
+
+def test_generation_stops_at_context(tiny_model):
+    model = Model(tiny_model("llama", "F32"))
+    res = generate(model, [1, 2, 3], n_predict=50, n_ctx=10)
+    assert res.stop_reason == "context" and len(res.tokens) == 8
+
+
+def test_prompt_over_context_is_an_error(tiny_model):
+    model = Model(tiny_model("llama", "F32"))
+    with pytest.raises(LeverError, match="over the context of 4"):
+        generate(model, [1, 2, 3, 4, 5], n_predict=1, n_ctx=4)
+
+
+def test_stories260k_greedy_reproduces_documented_text(stories):
+    """SOURCES.md: greedy from BOS gives 'Once upon a time, there was a little girl named Lily...'."""
+    from lever.tokenizer import Tokenizer
+
+    model = Model(stories)
+    tok = Tokenizer.from_gguf(stories)
+    res = generate(model, [tok.bos_id], n_predict=60)
+    text = tok.decode(res.tokens)
+    assert text.startswith(
+        "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+        "One day, she saw a big, red ball. She wanted to play with it, but it was too"
+    ), text

@@ -1,0 +1,145 @@
+"""Tiny GGUF models written in the tests with gguf.GGUFWriter, for every architecture and type.
+
+Weights are random (seeded), so these test arithmetic, not language: the native forward pass
+against the numpy reference (lever.reference.forward), batch invariance, cache handling and
+the loader's checks. A small byte-level tokenizer makes them usable from the CLI too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+QUANTIZABLE = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0"}  # gguf-py can quantize these
+K_QUANTS = {"Q4_K", "Q6_K"}  # random valid blocks (gguf-py only dequantizes them)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def random_k_blocks(qtype: str, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random but well-scaled Q4_K / Q6_K rows (n_rows, row_bytes) uint8."""
+    n_blocks = n_rows * n_cols // 256
+    if qtype == "Q4_K":  # d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+        d = rng.uniform(0.002, 0.01, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+        dmin = rng.uniform(0.001, 0.005, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+        rest = rng.integers(0, 256, (n_blocks, 140), dtype=np.uint8)
+        blocks = np.concatenate([d, dmin, rest], axis=1)
+    else:  # Q6_K: 128 ql, 64 qh, 16 int8 scales, f16 d
+        q = rng.integers(0, 256, (n_blocks, 192), dtype=np.uint8)
+        scales = rng.integers(-24, 24, (n_blocks, 16), dtype=np.int8).view(np.uint8)
+        d = rng.uniform(0.0005, 0.002, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+        blocks = np.concatenate([q, scales, d], axis=1)
+    return blocks.reshape(n_rows, -1)
+
+
+def encode_weight(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.ndarray, Q]:
+    """w: float32 (n_out, n_in) -> (array to write, its GGML type)."""
+    t = Q[qtype]
+    if qtype == "F32":
+        return w.astype(np.float32), t
+    if qtype == "F16":
+        return w.astype(np.float16), t
+    if qtype in K_QUANTS:
+        return random_k_blocks(qtype, *w.shape, rng), t
+    return gguf.quants.quantize(w.astype(np.float32), t), t
+
+
+def write_tiny_model(path: Path, arch: str = "llama", wtype: str = "F32", *, n_layer: int = 2,
+                     n_embd: int = 64, n_ff: int = 128, n_head: int = 4, n_head_kv: int = 2,
+                     head_dim: int | None = None, n_vocab: int = 300, tied: bool = False,
+                     embd_type: str | None = None, seed: int = 0, n_ctx: int = 256) -> Path:
+    if wtype in K_QUANTS:
+        n_embd, n_ff = max(n_embd, 256), max(n_ff, 256)
+    rng = np.random.default_rng(seed)
+    head_dim = head_dim or n_embd // n_head
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}-{wtype}")
+    w.add_block_count(n_layer)
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    if head_dim != n_embd // n_head:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0 if arch == "llama" else 1000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    _add_byte_tokenizer(w, n_vocab)
+
+    def mat(name, n_out, n_in, qtype=wtype, scale=None):
+        data = rng.standard_normal((n_out, n_in)).astype(np.float32) * (scale or 1.0 / np.sqrt(n_in))
+        arr, t = encode_weight(data, qtype, rng)
+        w.add_tensor(name, arr, raw_dtype=t if t not in (Q.F32, Q.F16) else None)
+
+    def vec(name, n, around=1.0):
+        w.add_tensor(name, (around + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    etype = embd_type or wtype
+    mat("token_embd.weight", n_vocab, n_embd, etype, scale=1.0)
+    vec("output_norm.weight", n_embd)
+    if not tied:
+        mat("output.weight", n_vocab, n_embd)
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        vec(p + "attn_norm.weight", n_embd)
+        mat(p + "attn_q.weight", q_dim, n_embd)
+        mat(p + "attn_k.weight", kv_dim, n_embd)
+        mat(p + "attn_v.weight", kv_dim, n_embd)
+        if arch == "qwen2":
+            vec(p + "attn_q.bias", q_dim, 0.0)
+            vec(p + "attn_k.bias", kv_dim, 0.0)
+            vec(p + "attn_v.bias", kv_dim, 0.0)
+        if arch == "qwen3":
+            vec(p + "attn_q_norm.weight", head_dim)
+            vec(p + "attn_k_norm.weight", head_dim)
+        mat(p + "attn_output.weight", n_embd, q_dim)
+        vec(p + "ffn_norm.weight", n_embd)
+        mat(p + "ffn_gate.weight", n_ff, n_embd)
+        mat(p + "ffn_up.weight", n_ff, n_embd)
+        mat(p + "ffn_down.weight", n_embd, n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def _add_byte_tokenizer(w: gguf.GGUFWriter, n_vocab: int) -> None:
+    """Byte-level BPE: 256 byte tokens, a few merges, then filler tokens up to n_vocab, eos last."""
+    b2u = _bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    merges = []
+    for a, b in (("t", "h"), ("th", "e"), ("Ġ", "t"), ("i", "n"), ("Ġt", "he")):
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+    while len(tokens) < n_vocab - 1:
+        tokens.append(f"<unused{len(tokens)}>")
+    tokens.append("<|endoftext|>")
+    types = [gguf.TokenType.NORMAL] * (n_vocab - 1) + [gguf.TokenType.CONTROL]
+    for i, t in enumerate(tokens):
+        if t.startswith("<unused"):
+            types[i] = gguf.TokenType.UNUSED
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(n_vocab - 1)
+    w.add_eos_token_id(n_vocab - 1)
+    w.add_add_bos_token(False)
