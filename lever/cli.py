@@ -108,6 +108,16 @@ def cmd_logits(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from lever.bench import bench_model
+
+    if args.what == "model":
+        if not args.model:
+            raise LeverError("lever bench model: -m MODEL.gguf is required")
+        bench_model(str(args.model), args.n_prompt, args.n_gen, args.rounds, args.llama_bench, args.threads)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lever", description="Flash-resident speculative decoding of LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,6 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--out", type=Path, required=True, help="output .npy, float32 (n_tokens, vocab)")
     _add_common(lg)
     lg.set_defaults(func=cmd_logits)
+
+    b = sub.add_parser("bench", help="benchmarks printed as ratios measured side by side")
+    b.add_argument("what", choices=["model"], help="model: tg/pp tokens/s of one model in DRAM, vs llama-bench")
+    b.add_argument("-m", "--model", type=Path)
+    b.add_argument("--n-prompt", type=int, default=32)
+    b.add_argument("--n-gen", type=int, default=32)
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--llama-bench", default=None, help="llama-bench binary to compare with (or $LLAMA_BENCH)")
+    _add_common(b)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

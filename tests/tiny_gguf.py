@@ -32,12 +32,19 @@ def _bytes_to_unicode() -> dict[int, str]:
 def random_k_blocks(qtype: str, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random but well-scaled Q4_K / Q6_K rows (n_rows, row_bytes) uint8."""
     n_blocks = n_rows * n_cols // 256
-    if qtype == "Q4_K":  # d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
-        d = rng.uniform(0.002, 0.01, (n_blocks, 1)).astype(np.float16).view(np.uint8)
-        dmin = rng.uniform(0.001, 0.005, (n_blocks, 1)).astype(np.float16).view(np.uint8)
-        rest = rng.integers(0, 256, (n_blocks, 140), dtype=np.uint8)
-        blocks = np.concatenate([d, dmin, rest], axis=1)
-    else:  # Q6_K: 128 ql, 64 qh, 16 int8 scales, f16 d
+    if qtype == "Q4_K":
+        # d, dmin (f16), 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles. dmin = d and
+        # min = 7.5 x scale centre each sub-block, so weights are zero-mean like real ones.
+        d = rng.uniform(0.002, 0.01, (n_blocks, 1)).astype(np.float16)
+        sc = rng.integers(4, 9, (n_blocks, 8))
+        m = np.rint(7.5 * sc).astype(np.int64)
+        packed = np.zeros((n_blocks, 12), np.int64)
+        packed[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+        packed[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+        packed[:, 8:12] = (sc[:, 4:8] & 15) | ((m[:, 4:8] & 15) << 4)
+        qs = rng.integers(0, 256, (n_blocks, 128), dtype=np.uint8)
+        blocks = np.concatenate([d.view(np.uint8), d.view(np.uint8), packed.astype(np.uint8), qs], axis=1)
+    else:  # Q6_K: 128 ql, 64 qh, 16 int8 scales, f16 d; 6-bit q - 32 is zero-mean already
         q = rng.integers(0, 256, (n_blocks, 192), dtype=np.uint8)
         scales = rng.integers(-24, 24, (n_blocks, 16), dtype=np.int8).view(np.uint8)
         d = rng.uniform(0.0005, 0.002, (n_blocks, 1)).astype(np.float16).view(np.uint8)

@@ -14,12 +14,6 @@ from lever.gguf_file import GGUFFile
 from lever.model_spec import ModelSpec, read_spec
 
 
-def _deq(f: GGUFFile, name: str) -> np.ndarray:
-    t = f.reader.get_tensor(next(i for i, t in enumerate(f.reader.tensors) if t.name == name))
-    shape = tuple(int(d) for d in reversed(t.shape))
-    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float64)
-
-
 def _rmsnorm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
@@ -43,25 +37,34 @@ class ReferenceModel:
     def __init__(self, path):
         self.file = f = GGUFFile(path)
         self.spec = read_spec(f)
-        self.w = {name: _deq(f, name) for name in f.tensors}
+        self._index = {t.name: i for i, t in enumerate(f.reader.tensors)}
+
+    def w(self, name: str) -> np.ndarray:
+        """Dequantized on each use, so a 1.5B model never sits in memory as float64."""
+        t = self.file.reader.tensors[self._index[name]]
+        shape = tuple(int(d) for d in reversed(t.shape))
+        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float64)
+
+    def has(self, name: str) -> bool:
+        return name in self._index
 
     def logits(self, tokens: list[int]) -> np.ndarray:
         """Causal logits after every position: (n_tokens, n_vocab) float64."""
         s, w = self.spec, self.w
         n = len(tokens)
         pos = np.arange(n)
-        x = w["token_embd.weight"][np.asarray(tokens)]
+        x = w("token_embd.weight")[np.asarray(tokens)]
         mask = np.tri(n, dtype=bool)
         for i in range(s.n_layer):
             p = f"blk.{i}."
-            h = _rmsnorm(x, w[p + "attn_norm.weight"], s.rms_eps)
-            q, k, v = (h @ w[p + f"attn_{c}.weight"].T + w.get(p + f"attn_{c}.bias", 0.0) for c in "qkv")
+            h = _rmsnorm(x, w(p + "attn_norm.weight"), s.rms_eps)
+            q, k, v = (h @ w(p + f"attn_{c}.weight").T + self._bias(p + f"attn_{c}.bias") for c in "qkv")
             q = q.reshape(n, s.n_head, s.head_dim)
             k = k.reshape(n, s.n_head_kv, s.head_dim)
             v = v.reshape(n, s.n_head_kv, s.head_dim)
-            if p + "attn_q_norm.weight" in w:
-                q = _rmsnorm(q, w[p + "attn_q_norm.weight"], s.rms_eps)
-                k = _rmsnorm(k, w[p + "attn_k_norm.weight"], s.rms_eps)
+            if self.has(p + "attn_q_norm.weight"):
+                q = _rmsnorm(q, w(p + "attn_q_norm.weight"), s.rms_eps)
+                k = _rmsnorm(k, w(p + "attn_k_norm.weight"), s.rms_eps)
             q, k = _rope(q, pos, s), _rope(k, pos, s)
             group = s.n_head // s.n_head_kv
             k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
@@ -70,9 +73,12 @@ class ReferenceModel:
             scores = np.exp(scores - scores.max(-1, keepdims=True))
             scores /= scores.sum(-1, keepdims=True)
             attn = np.einsum("hts,shd->thd", scores, v).reshape(n, -1)
-            x = x + attn @ w[p + "attn_output.weight"].T
-            h = _rmsnorm(x, w[p + "ffn_norm.weight"], s.rms_eps)
-            g, u = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
-            x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "ffn_down.weight"].T
-        out = w.get("output.weight", w["token_embd.weight"])
-        return _rmsnorm(x, w["output_norm.weight"], s.rms_eps) @ out.T
+            x = x + attn @ w(p + "attn_output.weight").T
+            h = _rmsnorm(x, w(p + "ffn_norm.weight"), s.rms_eps)
+            g, u = h @ w(p + "ffn_gate.weight").T, h @ w(p + "ffn_up.weight").T
+            x = x + (g / (1 + np.exp(-g)) * u) @ w(p + "ffn_down.weight").T
+        out = w("output.weight" if self.has("output.weight") else "token_embd.weight")
+        return _rmsnorm(x, w("output_norm.weight"), s.rms_eps) @ out.T
+
+    def _bias(self, name: str):
+        return self.w(name) if self.has(name) else 0.0
