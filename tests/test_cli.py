@@ -1,0 +1,106 @@
+"""The `lever` command end to end: output formats and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lever.cli import main
+from tiny_gguf import write_tiny_model
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lever.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("lever: error: ") and "Traceback" not in err
+    for n in needles:
+        assert n in err, err
+
+
+def test_generate_json_fields(stories):
+    proc = run_cli("generate", "-m", str(stories), "-p", "Once upon a time", "-n", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert {"prompt_tokens", "tokens", "text", "prefill_s", "decode_s"} <= out.keys()
+    assert out["prompt_tokens"][0] == 1 and len(out["tokens"]) == 12 and out["text"]
+
+
+def test_generate_streams_same_text_as_json(stories):
+    streamed = run_cli("generate", "-m", str(stories), "-p", "Tom had a dog", "-n", "20")
+    js = json.loads(run_cli("generate", "-m", str(stories), "-p", "Tom had a dog", "-n", "20", "--json").stdout)
+    assert streamed.returncode == 0
+    assert streamed.stdout.rstrip("\n") == "Tom had a dog" + js["text"]
+    assert "decode:" in streamed.stderr and "tok/s" in streamed.stderr
+
+
+def test_sampling_with_seed_is_reproducible(stories):
+    args = ["generate", "-m", str(stories), "-p", "Once", "-n", "16", "--temp", "0.9", "--top-k", "40",
+            "--top-p", "0.9", "--json"]
+    a = json.loads(run_cli(*args, "--seed", "7").stdout)["tokens"]
+    b = json.loads(run_cli(*args, "--seed", "7").stdout)["tokens"]
+    c = json.loads(run_cli(*args, "--seed", "8").stdout)["tokens"]
+    assert a == b and a != c
+
+
+def test_inspect(stories, capsys):
+    assert main(["inspect", str(stories)]) == 0
+    out = capsys.readouterr().out
+    assert "llama" in out and "layers:        5" in out and "F32 x48" in out and "292,800" in out
+
+
+def test_logits_file(stories, tmp_path):
+    out = tmp_path / "l.npy"
+    assert main(["logits", "-m", str(stories), "--tokens", "1,403,407", "--out", str(out)]) == 0
+    logits = np.load(out)
+    assert logits.shape == (3, 512) and logits.dtype == np.float32
+
+
+def test_missing_file():
+    assert_one_line_error(run_cli("inspect", "/nonexistent/model.gguf"), "/nonexistent/model.gguf", "no such file")
+
+
+def test_not_gguf(tmp_path):
+    p = tmp_path / "notes.gguf"
+    p.write_text("hello, this is not a model")
+    assert_one_line_error(run_cli("generate", "-m", str(p), "-p", "x"), str(p), "not a GGUF file")
+
+
+def test_truncated_gguf(stories, tmp_path):
+    p = tmp_path / "cut.gguf"
+    data = stories.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    assert_one_line_error(run_cli("generate", "-m", str(p), "-p", "x"), str(p))
+
+
+def test_unsupported_architecture(tmp_path):
+    p = write_tiny_model(tmp_path / "m.gguf", arch="mamba")
+    assert_one_line_error(run_cli("inspect", str(p)), str(p), "unsupported architecture 'mamba'")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    p = write_tiny_model(tmp_path / "m.gguf", wtype="Q4_1")
+    assert_one_line_error(run_cli("inspect", str(p)), str(p), "unsupported tensor type Q4_1")
+
+
+def test_prompt_over_context(stories):
+    proc = run_cli("generate", "-m", str(stories), "-p", "Once upon a time " * 20, "--ctx", "16")
+    assert_one_line_error(proc, "over the context of 16")
+
+
+def test_debug_shows_traceback():
+    proc = run_cli("inspect", "/nonexistent/model.gguf", "--debug")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_bad_token_list(stories):
+    assert_one_line_error(run_cli("logits", "-m", str(stories), "--tokens", "1,x", "--out", "/tmp/x.npy"), "--tokens")
