@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_gguf import write_tiny_model
+from tests.tiny_gguf import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

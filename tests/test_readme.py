@@ -2,7 +2,7 @@
 
 import re
 
-from conftest import ROOT
+from tests.conftest import ROOT
 
 
 def test_ci_runs_the_readme_commands():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lever.cli import main
-from tiny_gguf import write_tiny_model
+from tests.tiny_gguf import write_tiny_model
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
