@@ -1,0 +1,177 @@
+"""Configs: TOML files read with tomllib into frozen attrs classes, one class per section.
+
+A config names the models, the storage of the target, the pipeline to compose and the sizes of
+its channels. Section classes live beside what they configure (FlashConfig in the flash
+backend, stage configs in their stage modules) and are registered here. Every key is checked:
+an unknown or mistyped key or a bad value is one LeverError naming the file, section and key.
+`--set section.key=value` overrides are parsed as TOML values and checked the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from lever.errors import LeverError
+
+
+@attrs.frozen
+class ModelConfig:
+    """The models of a pipeline."""
+
+    target: str = ""  # GGUF of the target model (streamed from flash); relative to the config file
+    draft: str = ""  # GGUF of the draft model (resident); empty for autoregressive pipelines
+    n_ctx: int = 4096  # context length (KV cache rows), capped by the model's trained context
+
+
+@attrs.frozen
+class PipelineConfig:
+    """Which composition of stages runs."""
+
+    kind: str = "flash-ar"  # flash-ar: autoregressive, target streamed from flash
+
+    def __attrs_post_init__(self):
+        if self.kind not in PIPELINE_KINDS:
+            raise LeverError(f"[pipeline] kind: unknown pipeline {self.kind!r} (known: {', '.join(PIPELINE_KINDS)})")
+
+
+PIPELINE_KINDS = ("flash-ar",)
+
+
+@attrs.frozen
+class ChannelsConfig:
+    """Capacities of the bounded channels between stages (small integers, never unbounded)."""
+
+    layers: int = 2  # Prefetch -> PrunedVerify: streamed layers waiting to be computed
+    tokens: int = 1  # Draft -> PrunedVerify and Accept -> Draft: one cycle in flight
+
+    def __attrs_post_init__(self):
+        for f in attrs.fields(type(self)):
+            v = getattr(self, f.name)
+            if not 1 <= v <= 64:
+                raise LeverError(f"[channels] {f.name}: capacity must be between 1 and 64, got {v}")
+
+
+@attrs.frozen
+class GenerateConfig:
+    """What to generate and how tokens are chosen."""
+
+    n_predict: int = 128  # tokens to generate at most
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = -1  # -1: a fresh seed each run
+
+
+@attrs.frozen
+class RuntimeConfig:
+    """Threads of this machine."""
+
+    threads: int = 0  # compute threads (0: all cores)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "pipeline": PipelineConfig,
+    "channels": ChannelsConfig,
+    "generate": GenerateConfig,
+    "runtime": RuntimeConfig,
+}
+
+
+def register_section(name: str, cls: type) -> None:
+    SECTIONS[name] = cls
+
+
+@attrs.frozen
+class Config:
+    path: Path | None
+    sections: dict[str, Any] = attrs.field(eq=False)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.sections[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def resolve_path(self, value: str) -> Path:
+        """Model paths: ~ and $VARS expanded, relative ones taken from the config's folder."""
+        p = Path(os.path.expandvars(os.path.expanduser(value)))
+        if not p.is_absolute() and self.path is not None:
+            p = self.path.parent / p
+        return p
+
+
+def _check_type(where: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(hint):
+            if arm is type(None) and value is None:
+                return None
+            try:
+                return _check_type(where, value, arm)
+            except LeverError:
+                pass
+        raise LeverError(f"{where}: {value!r} is not a {hint}")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise LeverError(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def build_section(name: str, values: dict[str, Any], where: str) -> Any:
+    cls = SECTIONS[name]
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in attrs.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise LeverError(f"{where}: [{name}] unknown key {key!r} (known: {', '.join(sorted(known))})")
+        kwargs[key] = _check_type(f"{where}: [{name}] {key}", value, hints[key])
+    try:
+        return cls(**kwargs)
+    except LeverError as e:
+        raise LeverError(f"{where}: {e}") from None
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise LeverError(f"--set {item!r}: expected section.key=value")
+    lhs, rhs = item.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {rhs}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = rhs  # a bare word is a string
+    return section, key, value
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    data: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise LeverError(f"{path}: no such config file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise LeverError(f"{path}: not valid TOML: {e}") from None
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        data.setdefault(section, {})[key] = value
+    for name, values in data.items():
+        if name not in SECTIONS:
+            raise LeverError(f"{where}: unknown section [{name}] (known: {', '.join(sorted(SECTIONS))})")
+        if not isinstance(values, dict):
+            raise LeverError(f"{where}: {name} must be a [section] table")
+    sections = {name: build_section(name, data.get(name, {}), where) for name in SECTIONS}
+    return Config(Path(path) if path is not None else None, sections)

@@ -1,0 +1,94 @@
+"""The messages that move between stages, all in one module.
+
+One decoding cycle is a loop of three nouns: Draft sends a `TokenTree` (what the target should
+verify this pass), PrunedVerify turns it into `Verified` hidden states, Accept answers with
+`Accepted` (the tokens that came out and which tree rows the caches keep). Beside the loop,
+Prefetch streams `StreamedLayer`s (a layer's weights, read from flash into a window buffer) to
+PrunedVerify, which hands each buffer back as a `FreeBuffer` once the layer is computed.
+Ownership follows the messages: the target's KV cache belongs to PrunedVerify and changes only
+by the `commit` a TokenTree carries, so no two stages share mutable state.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from lever.model import LayerWeights
+
+
+@attrs.frozen
+class TokenTree:
+    """The nodes one verification pass runs, hanging off the committed prefix.
+
+    Node 0 is the root: the newest accepted token, whose KV row does not exist yet. Nodes
+    0..n_given-1 form a chain of tokens already decided (the prompt at prefill, else the root
+    alone); the rest are the draft's guesses. parents[i] < i, and parents[0] = -1.
+    """
+
+    pass_id: int
+    tokens: np.ndarray = attrs.field(eq=False)  # (n_nodes,) int64
+    parents: np.ndarray = attrs.field(eq=False)  # (n_nodes,) int32
+    n_given: int = 1
+    draft_probs: np.ndarray | None = attrs.field(default=None, eq=False)  # (n_nodes,) draft p of each node
+    commit: tuple[int, ...] | None = None  # rows of the previous pass to keep; None keeps all
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.tokens.size)
+
+    def depths(self) -> np.ndarray:
+        d = np.zeros(self.n_nodes, np.int32)
+        for i in range(1, self.n_nodes):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    def ancestor_mask(self) -> np.ndarray:
+        """(n_nodes, n_nodes) bool: node i sees node j when j is i or an ancestor of i."""
+        m = np.eye(self.n_nodes, dtype=bool)
+        for i in range(1, self.n_nodes):
+            m[i] |= m[self.parents[i]]
+        return m
+
+    @staticmethod
+    def chain(pass_id: int, tokens, n_given: int | None = None, commit=None) -> TokenTree:
+        t = np.asarray(tokens, np.int64)
+        return TokenTree(pass_id, t, np.arange(-1, t.size - 1, dtype=np.int32),
+                         t.size if n_given is None else n_given, commit=commit)
+
+
+@attrs.frozen
+class Verified:
+    """The target's last-layer hidden states for every node of a tree (before the final norm)."""
+
+    tree: TokenTree
+    hidden: np.ndarray = attrs.field(eq=False)  # (n_nodes, n_embd)
+
+
+@attrs.frozen
+class Accepted:
+    """What one cycle produced."""
+
+    pass_id: int
+    tokens: tuple[int, ...]  # newly emitted tokens, in order (the last is the next root)
+    keep: tuple[int, ...]  # tree nodes whose KV rows stay (the accepted path, given chain first)
+    done: bool = False
+    stop_reason: str = ""  # "eos", "length", "context" when done
+
+
+@attrs.frozen
+class StreamedLayer:
+    """One layer's weights, read from flash into a window buffer for one pass."""
+
+    pass_id: int
+    layer: int
+    weights: LayerWeights
+    buffer_id: int  # which window buffer holds the bytes (returned as a FreeBuffer)
+    n_bytes: int
+
+
+@attrs.frozen
+class FreeBuffer:
+    """A window buffer handed back to Prefetch after its layer was computed."""
+
+    buffer_id: int
