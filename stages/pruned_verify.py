@@ -1,0 +1,104 @@
+"""PrunedVerify: the target model's pass over a token tree, layer by layer.
+
+Resident layers come from DRAM; every other layer arrives from Prefetch's channel as a
+`StreamedLayer` and its window buffer goes back as soon as the layer is computed, so reading
+the next layers overlaps this one's compute. Each node attends to the committed prefix and to
+its own ancestors (positions by depth), so a whole tree costs one streamed pass. The KV cache
+belongs to this stage: it changes only by the `commit` each tree carries from Accept.
+Pruning by a mid-layer predictor hooks in between layers (`prune_after`); none yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+import attrs
+import numpy as np
+
+from lever.graph import Stage
+from lever.kv_cache import KVCache
+from lever.messages import FreeBuffer, StreamedLayer, TokenTree, Verified
+from lever.model import LayerWeights, layer_forward
+from lever.model_spec import ModelSpec
+from lever.trace import Tracer
+
+
+@attrs.define
+class PassState:
+    """One tree's pass in progress."""
+
+    tree: TokenTree
+    x: np.ndarray  # (n_nodes, n_embd) hidden states entering the next layer
+    pos: np.ndarray  # (n_nodes,) int32
+    mask: np.ndarray  # (n_nodes, n_past + n_nodes) bool
+    rows: slice  # the cache rows of this pass
+
+
+@attrs.define
+class PrunedVerify(Stage):
+    """TokenTree + streamed layers -> Verified."""
+
+    name: str
+    spec: ModelSpec
+    embed: Callable[[np.ndarray], np.ndarray]  # token ids -> (n, n_embd)
+    cache: KVCache
+    resident: dict[int, LayerWeights]  # layers kept in DRAM; the others stream
+    limiter: anyio.CapacityLimiter | None = None  # compute slots (shared with other compute stages)
+    tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
+    INPUTS = {"tree": TokenTree, "layers": StreamedLayer}
+    OUTPUTS = {"verified": Verified, "free": FreeBuffer}
+    OPTIONAL = frozenset({"layers", "free"})  # all-resident (memory AR) needs no streaming
+
+    token_layers: int = 0  # sum over passes of nodes x layers computed (verification compute)
+    _last_n_nodes: int = 0  # nodes of the previous pass, whose rows the next commit selects from
+    inv_freq: np.ndarray = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        self.inv_freq = self.spec.inv_freq()
+
+    def begin(self, tree: TokenTree) -> PassState:
+        """Commits the previous pass's kept rows, then lays out this tree's rows and mask."""
+        if tree.commit is not None:
+            base = self.cache.n_rows - self._last_n_nodes
+            self.cache.keep(np.concatenate([np.arange(base), base + np.asarray(tree.commit, np.int64)]))
+        n_past = self.cache.n_rows
+        rows = self.cache.reserve(tree.n_nodes)
+        mask = np.zeros((tree.n_nodes, n_past + tree.n_nodes), bool)
+        mask[:, :n_past] = True
+        mask[:, n_past:] = tree.ancestor_mask()
+        self._last_n_nodes = tree.n_nodes
+        pos = (n_past + tree.depths()).astype(np.int32)
+        return PassState(tree, self.embed(tree.tokens), pos, mask, rows)
+
+    def layer(self, st: PassState, i: int, weights: LayerWeights) -> None:
+        st.x = layer_forward(self.spec, weights, st.x, st.pos, st.mask, self.cache, i, st.rows, self.inv_freq)
+        self.token_layers += st.tree.n_nodes
+
+    def finish(self, st: PassState) -> Verified:
+        return Verified(st.tree, st.x)
+
+    def verify(self, tree: TokenTree, layers: dict[int, LayerWeights]) -> Verified:
+        """The whole pass at once, with every layer given (tests, and memory-resident use)."""
+        st = self.begin(tree)
+        for i in range(self.spec.n_layer):
+            self.layer(st, i, layers[i])
+        return self.finish(st)
+
+    async def run(self, inputs, outputs):
+        layers_in, free_out = inputs.get("layers"), outputs.get("free")
+        async for tree in inputs["tree"]:
+            st = self.begin(tree)
+            for i in range(self.spec.n_layer):
+                msg = None
+                if i in self.resident:
+                    weights = self.resident[i]
+                else:
+                    msg = await layers_in.receive()
+                    assert msg.layer == i, f"expected layer {i}, Prefetch sent {msg.layer}"
+                    weights = msg.weights
+                with self.tracer.span(self.name, f"layer {i}", batch=tree.n_nodes):
+                    await anyio.to_thread.run_sync(self.layer, st, i, weights, limiter=self.limiter)
+                if msg is not None:
+                    await free_out.send(FreeBuffer(msg.buffer_id))
+            await outputs["verified"].send(self.finish(st))
