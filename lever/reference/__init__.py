@@ -1,0 +1,1 @@
+"""Readable numpy references that the native kernels and the model are tested against."""
