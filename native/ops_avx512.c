@@ -108,34 +108,42 @@ void lever_ops_swiglu_avx512(const float *gate, const float *up, int64_t n, floa
 #define RB 16
 
 /* Points rp[0..RB) at RB rows of one kv head as floats, zero-padded to hdp. f32 rows whose
- * length is a whole number of vectors are used in place; others are staged in buf. Slots
- * past nr repeat row 0 so the score loop can run full blocks (their lanes are dropped). */
+ * length is a whole number of vectors are used in place; others are staged in buf (f16 to
+ * f32 is exact, so staging changes no value). Slots past nr repeat row 0 so the score loops
+ * can run full blocks (their lanes are dropped). */
 static void stage_rows(const void *base, int kv_type, int64_t stride, const int32_t *rows,
                        int64_t nr, int64_t hd, int64_t hdp, float *buf, const float **rp) {
-    for (int64_t r = 0; r < nr; r++) {
-        const int64_t off = (int64_t)rows[r] * stride;
-        if (kv_type == LEVER_F32 && hd == hdp) {
-            rp[r] = (const float *)base + off;
-            continue;
+    if (kv_type == LEVER_F32 && hd == hdp) {
+        for (int64_t r = 0; r < nr; r++) rp[r] = (const float *)base + (int64_t)rows[r] * stride;
+    } else if (kv_type == LEVER_F16 && hd == hdp) { /* the common case: whole vectors */
+        for (int64_t r = 0; r < nr; r++) {
+            const uint16_t *src = (const uint16_t *)base + (int64_t)rows[r] * stride;
+            float *dst = buf + r * hdp;
+            for (int64_t d = 0; d < hdp; d += LANES)
+                _mm512_store_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + d))));
+            rp[r] = dst;
         }
-        float *dst = buf + r * hdp;
-        for (int64_t d = 0; d < hdp; d += LANES) {
-            const __mmask16 mk = tail_mask(hd - d);
-            __m512 f;
-            if (kv_type == LEVER_F16)
-                f = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)base + off + d));
-            else
-                f = _mm512_maskz_loadu_ps(mk, (const float *)base + off + d);
-            _mm512_store_ps(dst + d, f);
+    } else {
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t off = (int64_t)rows[r] * stride;
+            float *dst = buf + r * hdp;
+            for (int64_t d = 0; d < hdp; d += LANES) {
+                const __mmask16 mk = tail_mask(hd - d);
+                const __m512 f = kv_type == LEVER_F16
+                    ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)base + off + d))
+                    : _mm512_maskz_loadu_ps(mk, (const float *)base + off + d);
+                _mm512_store_ps(dst + d, f);
+            }
+            rp[r] = dst;
         }
-        rp[r] = dst;
     }
     for (int64_t r = nr; r < RB; r++) rp[r] = rp[0];
 }
 
 /* Horizontal sums of 16 vectors at once: lane r of the result is the sum of a[r]'s lanes.
  * A transpose-and-add tree, ~3 shuffles+adds per vector instead of ~8 for separate
- * reductions; each lane goes through the same tree, whatever the other lanes hold. */
+ * reductions. Every lane goes through the same tree, ((x0+x2)+(x1+x3)) within each 128-bit
+ * lane and then (L0+L1)+(L2+L3), so a sum does not depend on the lane it lands in. */
 INLINE __m512 hsum16(const __m512 a[16]) {
     __m512 s[8], u[4];
     for (int i = 0; i < 8; i++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
@@ -155,55 +163,105 @@ INLINE __m512 hsum16(const __m512 a[16]) {
                          _mm512_shuffle_f32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* s[0..nr) = scale * (q . row r) for one head over one block of rows. The 16 dot products
- * run side by side (q chunk loaded once per 16 rows), then reduce together. */
-static void block_scores(const float *qh, const float *const *rp, int64_t hdp, int64_t nr,
-                         float scale, float *s) {
-    __m512 acc[RB];
+/* A score is the same arithmetic in both kernels below: q . row over 16-lane chunks in d
+ * order (one FMA chain per lane), then the hsum16 tree, then times scale. Which kernel, and
+ * which lane, computes it changes nothing. */
+
+/* One head, 16 rows: s[0..nr) = scale * (q . row r). */
+static void scores_1x16(const float *qh, const float *const *rp, int64_t hdp, int64_t nr,
+                        float scale, float *s) {
+    __m512 acc[16];
 #pragma GCC unroll 16
-    for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t d = 0; d < hdp; d += LANES) {
         const __m512 qv = _mm512_loadu_ps(qh + d);
 #pragma GCC unroll 16
-        for (int r = 0; r < RB; r++) acc[r] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rp[r] + d), acc[r]);
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rp[r] + d), acc[r]);
+    }
+    _mm512_mask_storeu_ps(s, tail_mask(nr), _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+}
+
+/* Two heads, 8 rows: each row chunk is loaded once for both heads, halving the loads. */
+static void scores_2x8(const float *qa, const float *qb, const float *const *rp, int64_t hdp,
+                       int64_t nr, float scale, float *sa, float *sb) {
+    __m512 acc[16]; /* acc[r]: head a, acc[8 + r]: head b */
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hdp; d += LANES) {
+        const __m512 qav = _mm512_loadu_ps(qa + d), qbv = _mm512_loadu_ps(qb + d);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
+            const __m512 kv = _mm512_loadu_ps(rp[r] + d);
+            acc[r] = _mm512_fmadd_ps(qav, kv, acc[r]);
+            acc[8 + r] = _mm512_fmadd_ps(qbv, kv, acc[8 + r]);
+        }
     }
     const __m512 sc = _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(s, tail_mask(nr), sc);
+    const __mmask8 mk = (__mmask8)tail_mask(nr);
+    _mm256_mask_storeu_ps(sa, mk, _mm512_castps512_ps256(sc));
+    _mm256_mask_storeu_ps(sb, mk, _mm512_extractf32x8_ps(sc, 1));
 }
 
-/* acc[0..NC*16) += sum over the block's rows r of p[r] * row r, in row order. NC is a
- * compile-time constant after inlining, so the accumulators live in registers. */
-INLINE void block_weighted_sum(int NC, float *acc, const float *p, const float *const *rp,
-                               int64_t off, int64_t nr) {
-    __m512 a[8];
+/* Scores of all nh heads over one staged block of nr <= 16 rows. */
+static void block_scores(const float *qs, int64_t nh, const float *const *rp, int64_t hdp,
+                         int64_t nr, float scale, float *s, int64_t ms) {
+    int64_t h = 0;
+    for (; h + 2 <= nh; h += 2) {
+        const float *qa = qs + h * hdp, *qb = qa + hdp;
+        float *sa = s + h * ms, *sb = sa + ms;
+        scores_2x8(qa, qb, rp, hdp, nr < 8 ? nr : 8, scale, sa, sb);
+        if (nr > 8) scores_2x8(qa, qb, rp + 8, hdp, nr - 8, scale, sa + 8, sb + 8);
+    }
+    if (h < nh) scores_1x16(qs + h * hdp, rp, hdp, nr, scale, s + h * ms);
+}
+
+/* For NH (1 or 2) heads: acc[h][0..NC*16) += sum over the block's rows r of p[h][r] * row r,
+ * in row order, one FMA per row per accumulator. NC and NH are compile-time constants after
+ * inlining, so the accumulators live in registers; with two heads each V chunk is loaded
+ * once for both and there are twice as many independent FMA chains. A head's arithmetic is
+ * the same whether it runs alone or paired. */
+INLINE void wsum_block(int NH, int NC, float *acc, int64_t acc_stride, const float *p,
+                       int64_t p_stride, const float *const *rp, int64_t off, int64_t nr) {
+    __m512 a[2][8];
+    for (int h = 0; h < NH; h++)
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; c++) a[c] = _mm512_load_ps(acc + c * LANES);
+        for (int c = 0; c < NC; c++) a[h][c] = _mm512_load_ps(acc + h * acc_stride + off + c * LANES);
     for (int64_t r = 0; r < nr; r++) {
-        const __m512 pr = _mm512_set1_ps(p[r]);
+        __m512 pr[2];
+        for (int h = 0; h < NH; h++) pr[h] = _mm512_set1_ps(p[h * p_stride + r]);
         const float *row = rp[r] + off;
 #pragma GCC unroll 8
-        for (int c = 0; c < NC; c++)
-            a[c] = _mm512_fmadd_ps(pr, _mm512_loadu_ps(row + c * LANES), a[c]);
+        for (int c = 0; c < NC; c++) {
+            const __m512 vv = _mm512_loadu_ps(row + c * LANES);
+            for (int h = 0; h < NH; h++) a[h][c] = _mm512_fmadd_ps(pr[h], vv, a[h][c]);
+        }
     }
+    for (int h = 0; h < NH; h++)
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; c++) _mm512_store_ps(acc + c * LANES, a[c]);
+        for (int c = 0; c < NC; c++) _mm512_store_ps(acc + h * acc_stride + off + c * LANES, a[h][c]);
 }
 
-/* One head's accumulators over one block, in groups of up to 8 vectors (128 floats). */
-static void head_weighted_sum(float *acc, const float *p, const float *const *rp, int64_t hdp,
-                              int64_t nr) {
+#define WSUM_CASES(NH)                                                          \
+    switch (nc) {                                                               \
+    case 1: wsum_block(NH, 1, acc, hdp, p, ms, rp, off, nr); break;             \
+    case 2: wsum_block(NH, 2, acc, hdp, p, ms, rp, off, nr); break;             \
+    case 3: wsum_block(NH, 3, acc, hdp, p, ms, rp, off, nr); break;             \
+    case 4: wsum_block(NH, 4, acc, hdp, p, ms, rp, off, nr); break;             \
+    case 5: wsum_block(NH, 5, acc, hdp, p, ms, rp, off, nr); break;             \
+    case 6: wsum_block(NH, 6, acc, hdp, p, ms, rp, off, nr); break;             \
+    case 7: wsum_block(NH, 7, acc, hdp, p, ms, rp, off, nr); break;             \
+    default: wsum_block(NH, 8, acc, hdp, p, ms, rp, off, nr); break;            \
+    }
+
+/* Weighted V sums of nh1 (1 or 2) heads over one block, in groups of up to 8 vectors. */
+static void heads_weighted_sum(int nh1, float *acc, const float *p, int64_t ms,
+                               const float *const *rp, int64_t hdp, int64_t nr) {
     for (int64_t off = 0; off < hdp; off += 8 * LANES) {
         const int64_t nc = (hdp - off) / LANES < 8 ? (hdp - off) / LANES : 8;
-        float *a = acc + off;
-        switch (nc) {
-        case 1: block_weighted_sum(1, a, p, rp, off, nr); break;
-        case 2: block_weighted_sum(2, a, p, rp, off, nr); break;
-        case 3: block_weighted_sum(3, a, p, rp, off, nr); break;
-        case 4: block_weighted_sum(4, a, p, rp, off, nr); break;
-        case 5: block_weighted_sum(5, a, p, rp, off, nr); break;
-        case 6: block_weighted_sum(6, a, p, rp, off, nr); break;
-        case 7: block_weighted_sum(7, a, p, rp, off, nr); break;
-        default: block_weighted_sum(8, a, p, rp, off, nr); break;
+        if (nh1 == 2) {
+            WSUM_CASES(2)
+        } else {
+            WSUM_CASES(1)
         }
     }
 }
@@ -248,7 +306,7 @@ void lever_ops_attn_heads_avx512(const float *q, float *out, int64_t nh, int64_t
     for (int64_t i0 = 0; i0 < m; i0 += RB) {
         const int64_t nr = m - i0 < RB ? m - i0 : RB;
         stage_rows(k, kv_type, kv_stride, rows + i0, nr, hd, hdp, buf, rp);
-        for (int64_t h = 0; h < nh; h++) block_scores(qs + h * hdp, rp, hdp, nr, scale, s + h * ms + i0);
+        block_scores(qs, nh, rp, hdp, nr, scale, s + i0, ms);
     }
 
     for (int64_t h = 0; h < nh; h++) wsum[h] = softmax_weights(s + h * ms, m);
@@ -258,7 +316,8 @@ void lever_ops_attn_heads_avx512(const float *q, float *out, int64_t nh, int64_t
     for (int64_t i0 = 0; i0 < m; i0 += RB) {
         const int64_t nr = m - i0 < RB ? m - i0 : RB;
         stage_rows(v, kv_type, kv_stride, rows + i0, nr, hd, hdp, buf, rp);
-        for (int64_t h = 0; h < nh; h++) head_weighted_sum(acc + h * hdp, s + h * ms + i0, rp, hdp, nr);
+        for (int64_t h = 0; h < nh; h += 2)
+            heads_weighted_sum(nh - h >= 2 ? 2 : 1, acc + h * hdp, s + h * ms + i0, ms, rp, hdp, nr);
     }
 
     for (int64_t h = 0; h < nh; h++) {
