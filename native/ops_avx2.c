@@ -116,40 +116,46 @@ void lever_ops_swiglu_avx2(const float *gate, const float *up, int64_t n, float 
 #define RB 8
 
 /* Points rp[0..RB) at RB rows of one kv head as floats, zero-padded to hdp. f32 rows whose
- * length is a whole number of vectors are used in place; others are staged in buf. Slots
- * past nr repeat row 0 so the score loop can run full blocks (their lanes are dropped). */
+ * length is a whole number of vectors are used in place; others are staged in buf (f16 to
+ * f32 is exact, so staging changes no value). Slots past nr repeat row 0 so the score loops
+ * can run full blocks (their lanes are dropped). */
 static void stage_rows(const void *base, int kv_type, int64_t stride, const int32_t *rows,
                        int64_t nr, int64_t hd, int64_t hdp, float *buf, const float **rp) {
-    for (int64_t r = 0; r < nr; r++) {
-        const int64_t off = (int64_t)rows[r] * stride;
-        if (kv_type == LEVER_F32 && hd == hdp) {
-            rp[r] = (const float *)base + off;
-            continue;
+    if (kv_type == LEVER_F32 && hd == hdp) {
+        for (int64_t r = 0; r < nr; r++) rp[r] = (const float *)base + (int64_t)rows[r] * stride;
+    } else if (kv_type == LEVER_F16 && hd == hdp) { /* the common case: whole vectors */
+        for (int64_t r = 0; r < nr; r++) {
+            const uint16_t *src = (const uint16_t *)base + (int64_t)rows[r] * stride;
+            float *dst = buf + r * hdp;
+            for (int64_t d = 0; d < hdp; d += LANES)
+                _mm256_store_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + d))));
+            rp[r] = dst;
         }
-        float *dst = buf + r * hdp;
-        for (int64_t d = 0; d < hdp; d += LANES) {
-            __m256 f;
-            if (kv_type == LEVER_F16) {
-                const uint16_t *src = (const uint16_t *)base + off + d;
-                if (hd - d >= LANES) {
-                    f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
-                } else { /* F16C has no masked load: copy the tail into a zeroed vector */
+    } else {
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t off = (int64_t)rows[r] * stride;
+            float *dst = buf + r * hdp;
+            for (int64_t d = 0; d < hdp; d += LANES) {
+                __m256 f;
+                if (kv_type == LEVER_F16) { /* F16C has no masked load: zero-fill a copy */
                     uint16_t tmp[LANES] = {0};
-                    memcpy(tmp, src, (size_t)(hd - d) * sizeof(uint16_t));
+                    const int64_t n = hd - d < LANES ? hd - d : LANES;
+                    memcpy(tmp, (const uint16_t *)base + off + d, (size_t)n * sizeof(uint16_t));
                     f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tmp));
+                } else {
+                    f = _mm256_maskload_ps((const float *)base + off + d, tail_mask(hd - d));
                 }
-            } else {
-                f = _mm256_maskload_ps((const float *)base + off + d, tail_mask(hd - d));
+                _mm256_store_ps(dst + d, f);
             }
-            _mm256_store_ps(dst + d, f);
+            rp[r] = dst;
         }
-        rp[r] = dst;
     }
     for (int64_t r = nr; r < RB; r++) rp[r] = rp[0];
 }
 
 /* Horizontal sums of 8 vectors at once: lane r of the result is the sum of a[r]'s lanes.
- * A transpose-and-add tree; each lane goes through the same tree. */
+ * A transpose-and-add tree; every lane goes through the same tree, ((x0+x2)+(x1+x3)) in
+ * each 128-bit half and then L0+L1, so a sum does not depend on the lane it lands in. */
 INLINE __m256 hsum8(const __m256 a[8]) {
     __m256 s[4], u[2];
     for (int i = 0; i < 4; i++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
@@ -164,55 +170,107 @@ INLINE __m256 hsum8(const __m256 a[8]) {
                          _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 
-/* s[0..nr) = scale * (q . row r) for one head over one block of rows, 8 dot products side
- * by side, reduced together. */
-static void block_scores(const float *qh, const float *const *rp, int64_t hdp, int64_t nr,
-                         float scale, float *s) {
-    __m256 acc[RB];
+/* A score is the same arithmetic in both kernels below: q . row over 8-lane chunks in d
+ * order (one FMA chain per lane), then the hsum8 tree, then times scale. */
+
+/* One head, 8 rows: s[0..nr) = scale * (q . row r). */
+static void scores_1x8(const float *qh, const float *const *rp, int64_t hdp, int64_t nr,
+                       float scale, float *s) {
+    __m256 acc[8];
 #pragma GCC unroll 8
-    for (int r = 0; r < RB; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < hdp; d += LANES) {
         const __m256 qv = _mm256_loadu_ps(qh + d);
 #pragma GCC unroll 8
-        for (int r = 0; r < RB; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rp[r] + d), acc[r]);
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rp[r] + d), acc[r]);
+    }
+    _mm256_maskstore_ps(s, tail_mask(nr), _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+}
+
+/* Two heads, 4 rows: each row chunk is loaded once for both heads. */
+static void scores_2x4(const float *qa, const float *qb, const float *const *rp, int64_t hdp,
+                       int64_t nr, float scale, float *sa, float *sb) {
+    __m256 acc[8]; /* acc[r]: head a, acc[4 + r]: head b */
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hdp; d += LANES) {
+        const __m256 qav = _mm256_loadu_ps(qa + d), qbv = _mm256_loadu_ps(qb + d);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const __m256 kv = _mm256_loadu_ps(rp[r] + d);
+            acc[r] = _mm256_fmadd_ps(qav, kv, acc[r]);
+            acc[4 + r] = _mm256_fmadd_ps(qbv, kv, acc[4 + r]);
+        }
     }
     const __m256 sc = _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale));
-    _mm256_maskstore_ps(s, tail_mask(nr), sc);
+    const __m128i mk = _mm256_castsi256_si128(tail_mask(nr));
+    _mm_maskstore_ps(sa, mk, _mm256_castps256_ps128(sc));
+    _mm_maskstore_ps(sb, mk, _mm256_extractf128_ps(sc, 1));
 }
 
-/* acc[0..NC*8) += sum over the block's rows r of p[r] * row r, in row order. NC is a
- * compile-time constant after inlining, so the accumulators live in registers. */
-INLINE void block_weighted_sum(int NC, float *acc, const float *p, const float *const *rp,
-                               int64_t off, int64_t nr) {
-    __m256 a[8];
+/* Scores of all nh heads over one staged block of nr <= 8 rows. */
+static void block_scores(const float *qs, int64_t nh, const float *const *rp, int64_t hdp,
+                         int64_t nr, float scale, float *s, int64_t ms) {
+    int64_t h = 0;
+    for (; h + 2 <= nh; h += 2) {
+        const float *qa = qs + h * hdp, *qb = qa + hdp;
+        float *sa = s + h * ms, *sb = sa + ms;
+        scores_2x4(qa, qb, rp, hdp, nr < 4 ? nr : 4, scale, sa, sb);
+        if (nr > 4) scores_2x4(qa, qb, rp + 4, hdp, nr - 4, scale, sa + 4, sb + 4);
+    }
+    if (h < nh) scores_1x8(qs + h * hdp, rp, hdp, nr, scale, s + h * ms);
+}
+
+/* For NH (1 or 2) heads: acc[h][0..NC*8) += sum over the block's rows r of p[h][r] * row r,
+ * in row order, one FMA per row per accumulator. NC and NH are compile-time constants after
+ * inlining, so the accumulators live in registers; with two heads each V chunk is loaded
+ * once for both. A head's arithmetic is the same whether it runs alone or paired. */
+INLINE void wsum_block(int NH, int NC, float *acc, int64_t acc_stride, const float *p,
+                       int64_t p_stride, const float *const *rp, int64_t off, int64_t nr) {
+    __m256 a[2][8];
+    for (int h = 0; h < NH; h++)
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; c++) a[c] = _mm256_load_ps(acc + c * LANES);
+        for (int c = 0; c < NC; c++) a[h][c] = _mm256_load_ps(acc + h * acc_stride + off + c * LANES);
     for (int64_t r = 0; r < nr; r++) {
-        const __m256 pr = _mm256_broadcast_ss(p + r);
+        __m256 pr[2];
+        for (int h = 0; h < NH; h++) pr[h] = _mm256_broadcast_ss(p + h * p_stride + r);
         const float *row = rp[r] + off;
 #pragma GCC unroll 8
-        for (int c = 0; c < NC; c++)
-            a[c] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(row + c * LANES), a[c]);
+        for (int c = 0; c < NC; c++) {
+            const __m256 vv = _mm256_loadu_ps(row + c * LANES);
+            for (int h = 0; h < NH; h++) a[h][c] = _mm256_fmadd_ps(pr[h], vv, a[h][c]);
+        }
     }
+    for (int h = 0; h < NH; h++)
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; c++) _mm256_store_ps(acc + c * LANES, a[c]);
+        for (int c = 0; c < NC; c++) _mm256_store_ps(acc + h * acc_stride + off + c * LANES, a[h][c]);
 }
 
-/* One head's accumulators over one block, in groups of up to 8 vectors (64 floats). */
-static void head_weighted_sum(float *acc, const float *p, const float *const *rp, int64_t hdp,
-                              int64_t nr) {
-    for (int64_t off = 0; off < hdp; off += 8 * LANES) {
-        const int64_t nc = (hdp - off) / LANES < 8 ? (hdp - off) / LANES : 8;
-        float *a = acc + off;
-        switch (nc) {
-        case 1: block_weighted_sum(1, a, p, rp, off, nr); break;
-        case 2: block_weighted_sum(2, a, p, rp, off, nr); break;
-        case 3: block_weighted_sum(3, a, p, rp, off, nr); break;
-        case 4: block_weighted_sum(4, a, p, rp, off, nr); break;
-        case 5: block_weighted_sum(5, a, p, rp, off, nr); break;
-        case 6: block_weighted_sum(6, a, p, rp, off, nr); break;
-        case 7: block_weighted_sum(7, a, p, rp, off, nr); break;
-        default: block_weighted_sum(8, a, p, rp, off, nr); break;
+/* Weighted V sums of nh1 (1 or 2) heads over one block: groups of up to 8 vectors for one
+ * head, 4 for two (16 registers). */
+static void heads_weighted_sum(int nh1, float *acc, const float *p, int64_t ms,
+                               const float *const *rp, int64_t hdp, int64_t nr) {
+    const int64_t group = nh1 == 2 ? 4 : 8;
+    for (int64_t off = 0; off < hdp; off += group * LANES) {
+        const int64_t nc = (hdp - off) / LANES < group ? (hdp - off) / LANES : group;
+        if (nh1 == 2) {
+            switch (nc) {
+            case 1: wsum_block(2, 1, acc, hdp, p, ms, rp, off, nr); break;
+            case 2: wsum_block(2, 2, acc, hdp, p, ms, rp, off, nr); break;
+            case 3: wsum_block(2, 3, acc, hdp, p, ms, rp, off, nr); break;
+            default: wsum_block(2, 4, acc, hdp, p, ms, rp, off, nr); break;
+            }
+        } else {
+            switch (nc) {
+            case 1: wsum_block(1, 1, acc, hdp, p, ms, rp, off, nr); break;
+            case 2: wsum_block(1, 2, acc, hdp, p, ms, rp, off, nr); break;
+            case 3: wsum_block(1, 3, acc, hdp, p, ms, rp, off, nr); break;
+            case 4: wsum_block(1, 4, acc, hdp, p, ms, rp, off, nr); break;
+            case 5: wsum_block(1, 5, acc, hdp, p, ms, rp, off, nr); break;
+            case 6: wsum_block(1, 6, acc, hdp, p, ms, rp, off, nr); break;
+            case 7: wsum_block(1, 7, acc, hdp, p, ms, rp, off, nr); break;
+            default: wsum_block(1, 8, acc, hdp, p, ms, rp, off, nr); break;
+            }
         }
     }
 }
@@ -264,7 +322,7 @@ void lever_ops_attn_heads_avx2(const float *q, float *out, int64_t nh, int64_t h
     for (int64_t i0 = 0; i0 < m; i0 += RB) {
         const int64_t nr = m - i0 < RB ? m - i0 : RB;
         stage_rows(k, kv_type, kv_stride, rows + i0, nr, hd, hdp, buf, rp);
-        for (int64_t h = 0; h < nh; h++) block_scores(qs + h * hdp, rp, hdp, nr, scale, s + h * ms + i0);
+        block_scores(qs, nh, rp, hdp, nr, scale, s + i0, ms);
     }
 
     for (int64_t h = 0; h < nh; h++) wsum[h] = softmax_weights(s + h * ms, m);
@@ -274,7 +332,8 @@ void lever_ops_attn_heads_avx2(const float *q, float *out, int64_t nh, int64_t h
     for (int64_t i0 = 0; i0 < m; i0 += RB) {
         const int64_t nr = m - i0 < RB ? m - i0 : RB;
         stage_rows(v, kv_type, kv_stride, rows + i0, nr, hd, hdp, buf, rp);
-        for (int64_t h = 0; h < nh; h++) head_weighted_sum(acc + h * hdp, s + h * ms + i0, rp, hdp, nr);
+        for (int64_t h = 0; h < nh; h += 2)
+            heads_weighted_sum(nh - h >= 2 ? 2 : 1, acc + h * hdp, s + h * ms + i0, ms, rp, hdp, nr);
     }
 
     for (int64_t h = 0; h < nh; h++) {
