@@ -145,52 +145,106 @@ static void stage_rows(const void *base, int kv_type, int64_t stride, const int3
     for (int64_t r = nr; r < RB; r++) rp[r] = rp[0];
 }
 
-/* s[0..nr) = scale * (q . row r) for one head over one block of rows, 8 dot products side
- * by side; pairwise adds then reduce four accumulators into one vector of four sums. */
-static void block_scores(const float *qh, const float *const *rp, int64_t hdp, int64_t nr,
-                         float scale, float *s) {
-    float32x4_t acc[RB];
+/* Sums of four vectors at once: lane r is the sum of a[r]'s lanes, by the same tree
+ * ((x0+x1)+(x2+x3)) in every lane. */
+INLINE float32x4_t hsum4(float32x4_t a0, float32x4_t a1, float32x4_t a2, float32x4_t a3) {
+    return vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3));
+}
+
+/* A score is the same arithmetic in both kernels below: q . row over 4-lane chunks in d
+ * order (one FMA chain per lane), then the hsum4 tree, then times scale. */
+
+/* One head, 8 rows: s[0..nr) = scale * (q . row r). */
+static void scores_1x8(const float *qh, const float *const *rp, int64_t hdp, int64_t nr,
+                       float scale, float *s) {
+    float32x4_t acc[8];
 #pragma GCC unroll 8
-    for (int r = 0; r < RB; r++) acc[r] = vdupq_n_f32(0.0f);
+    for (int r = 0; r < 8; r++) acc[r] = vdupq_n_f32(0.0f);
     for (int64_t d = 0; d < hdp; d += LANES) {
         const float32x4_t qv = vld1q_f32(qh + d);
 #pragma GCC unroll 8
-        for (int r = 0; r < RB; r++) acc[r] = vfmaq_f32(acc[r], qv, vld1q_f32(rp[r] + d));
+        for (int r = 0; r < 8; r++) acc[r] = vfmaq_f32(acc[r], qv, vld1q_f32(rp[r] + d));
     }
-    float res[RB];
-    for (int g = 0; g < RB; g += 4) {
-        const float32x4_t sum = vpaddq_f32(vpaddq_f32(acc[g], acc[g + 1]),
-                                           vpaddq_f32(acc[g + 2], acc[g + 3]));
-        vst1q_f32(res + g, vmulq_n_f32(sum, scale));
-    }
+    float res[8];
+    vst1q_f32(res, vmulq_n_f32(hsum4(acc[0], acc[1], acc[2], acc[3]), scale));
+    vst1q_f32(res + 4, vmulq_n_f32(hsum4(acc[4], acc[5], acc[6], acc[7]), scale));
     memcpy(s, res, (size_t)nr * sizeof(float));
 }
 
-/* acc[0..NC*4) += sum over the block's rows r of p[r] * row r, in row order. NC is a
- * compile-time constant after inlining, so the accumulators live in registers. */
-INLINE void block_weighted_sum(int NC, float *acc, const float *p, const float *const *rp,
-                               int64_t off, int64_t nr) {
-    float32x4_t a[16];
-#pragma GCC unroll 16
-    for (int c = 0; c < NC; c++) a[c] = vld1q_f32(acc + c * LANES);
-    for (int64_t r = 0; r < nr; r++) {
-        const float pr = p[r];
-        const float *row = rp[r] + off;
-#pragma GCC unroll 16
-        for (int c = 0; c < NC; c++) a[c] = vfmaq_n_f32(a[c], vld1q_f32(row + c * LANES), pr);
+/* Two heads, 4 rows: each row chunk is loaded once for both heads. */
+static void scores_2x4(const float *qa, const float *qb, const float *const *rp, int64_t hdp,
+                       int64_t nr, float scale, float *sa, float *sb) {
+    float32x4_t acc[8]; /* acc[r]: head a, acc[4 + r]: head b */
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) acc[r] = vdupq_n_f32(0.0f);
+    for (int64_t d = 0; d < hdp; d += LANES) {
+        const float32x4_t qav = vld1q_f32(qa + d), qbv = vld1q_f32(qb + d);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const float32x4_t kv = vld1q_f32(rp[r] + d);
+            acc[r] = vfmaq_f32(acc[r], qav, kv);
+            acc[4 + r] = vfmaq_f32(acc[4 + r], qbv, kv);
+        }
     }
-#pragma GCC unroll 16
-    for (int c = 0; c < NC; c++) vst1q_f32(acc + c * LANES, a[c]);
+    float res[8];
+    vst1q_f32(res, vmulq_n_f32(hsum4(acc[0], acc[1], acc[2], acc[3]), scale));
+    vst1q_f32(res + 4, vmulq_n_f32(hsum4(acc[4], acc[5], acc[6], acc[7]), scale));
+    memcpy(sa, res, (size_t)nr * sizeof(float));
+    memcpy(sb, res + 4, (size_t)nr * sizeof(float));
 }
 
-/* One head's accumulators over one block: groups of 16 vectors (64 floats), then the rest
- * in groups of 4 and single vectors. */
-static void head_weighted_sum(float *acc, const float *p, const float *const *rp, int64_t hdp,
-                              int64_t nr) {
+/* Scores of all nh heads over one staged block of nr <= 8 rows. */
+static void block_scores(const float *qs, int64_t nh, const float *const *rp, int64_t hdp,
+                         int64_t nr, float scale, float *s, int64_t ms) {
+    int64_t h = 0;
+    for (; h + 2 <= nh; h += 2) {
+        const float *qa = qs + h * hdp, *qb = qa + hdp;
+        float *sa = s + h * ms, *sb = sa + ms;
+        scores_2x4(qa, qb, rp, hdp, nr < 4 ? nr : 4, scale, sa, sb);
+        if (nr > 4) scores_2x4(qa, qb, rp + 4, hdp, nr - 4, scale, sa + 4, sb + 4);
+    }
+    if (h < nh) scores_1x8(qs + h * hdp, rp, hdp, nr, scale, s + h * ms);
+}
+
+/* For NH (1 or 2) heads: acc[h][0..NC*4) += sum over the block's rows r of p[h][r] * row r,
+ * in row order, one FMA per row per accumulator. NC and NH are compile-time constants after
+ * inlining, so the accumulators live in registers; with two heads each V chunk is loaded
+ * once for both. A head's arithmetic is the same whether it runs alone or paired. */
+INLINE void wsum_block(int NH, int NC, float *acc, int64_t acc_stride, const float *p,
+                       int64_t p_stride, const float *const *rp, int64_t off, int64_t nr) {
+    float32x4_t a[2][16];
+    for (int h = 0; h < NH; h++)
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; c++) a[h][c] = vld1q_f32(acc + h * acc_stride + off + c * LANES);
+    for (int64_t r = 0; r < nr; r++) {
+        float pr[2];
+        for (int h = 0; h < NH; h++) pr[h] = p[h * p_stride + r];
+        const float *row = rp[r] + off;
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; c++) {
+            const float32x4_t vv = vld1q_f32(row + c * LANES);
+            for (int h = 0; h < NH; h++) a[h][c] = vfmaq_n_f32(a[h][c], vv, pr[h]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; c++) vst1q_f32(acc + h * acc_stride + off + c * LANES, a[h][c]);
+}
+
+/* Weighted V sums of nh1 (1 or 2) heads over one block: 16 accumulator registers of 32,
+ * i.e. groups of 16 vectors for one head or 8 for two, then what is left 4 and 1 at a time. */
+static void heads_weighted_sum(int nh1, float *acc, const float *p, int64_t ms,
+                               const float *const *rp, int64_t hdp, int64_t nr) {
     int64_t off = 0;
-    for (; hdp - off >= 16 * LANES; off += 16 * LANES) block_weighted_sum(16, acc + off, p, rp, off, nr);
-    for (; hdp - off >= 4 * LANES; off += 4 * LANES) block_weighted_sum(4, acc + off, p, rp, off, nr);
-    for (; off < hdp; off += LANES) block_weighted_sum(1, acc + off, p, rp, off, nr);
+    if (nh1 == 2) {
+        for (; hdp - off >= 8 * LANES; off += 8 * LANES) wsum_block(2, 8, acc, hdp, p, ms, rp, off, nr);
+        for (; hdp - off >= 4 * LANES; off += 4 * LANES) wsum_block(2, 4, acc, hdp, p, ms, rp, off, nr);
+        for (; off < hdp; off += LANES) wsum_block(2, 1, acc, hdp, p, ms, rp, off, nr);
+    } else {
+        for (; hdp - off >= 16 * LANES; off += 16 * LANES) wsum_block(1, 16, acc, hdp, p, ms, rp, off, nr);
+        for (; hdp - off >= 4 * LANES; off += 4 * LANES) wsum_block(1, 4, acc, hdp, p, ms, rp, off, nr);
+        for (; off < hdp; off += LANES) wsum_block(1, 1, acc, hdp, p, ms, rp, off, nr);
+    }
 }
 
 /* Scores of one head -> softmax weights in place; returns the sum of the weights.
@@ -240,7 +294,7 @@ void lever_ops_attn_heads_neon(const float *q, float *out, int64_t nh, int64_t h
     for (int64_t i0 = 0; i0 < m; i0 += RB) {
         const int64_t nr = m - i0 < RB ? m - i0 : RB;
         stage_rows(k, kv_type, kv_stride, rows + i0, nr, hd, hdp, buf, rp);
-        for (int64_t h = 0; h < nh; h++) block_scores(qs + h * hdp, rp, hdp, nr, scale, s + h * ms + i0);
+        block_scores(qs, nh, rp, hdp, nr, scale, s + i0, ms);
     }
 
     for (int64_t h = 0; h < nh; h++) wsum[h] = softmax_weights(s + h * ms, m);
@@ -250,7 +304,8 @@ void lever_ops_attn_heads_neon(const float *q, float *out, int64_t nh, int64_t h
     for (int64_t i0 = 0; i0 < m; i0 += RB) {
         const int64_t nr = m - i0 < RB ? m - i0 : RB;
         stage_rows(v, kv_type, kv_stride, rows + i0, nr, hd, hdp, buf, rp);
-        for (int64_t h = 0; h < nh; h++) head_weighted_sum(acc + h * hdp, s + h * ms + i0, rp, hdp, nr);
+        for (int64_t h = 0; h < nh; h += 2)
+            heads_weighted_sum(nh - h >= 2 ? 2 : 1, acc + h * hdp, s + h * ms + i0, ms, rp, hdp, nr);
     }
 
     for (int64_t h = 0; h < nh; h++) {
