@@ -1,0 +1,351 @@
+/* quants.c: the scalar reference for every tensor format Lever computes with.
+ *
+ * - dequantization of F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q6_K (ggml's formulas, so the
+ *   result equals gguf-py's dequantize bit for bit),
+ * - quantization of activations to Q8_0 and Q8_K exactly as ggml's reference quantizers,
+ * - per-block integer dot products and the scalar tile kernels, which define the canonical
+ *   reduction order the SIMD files reproduce bit for bit (see quants_internal.h).
+ *
+ * Float steps are written as separate multiplies and adds, or as explicit fmaf where the
+ * canonical order fuses them, and contraction is off here: on arm64 the compiler would
+ * otherwise fuse d * q - m in dequantization and drift from gguf-py by an ulp.
+ */
+#pragma GCC optimize("fp-contract=off")
+
+#include <math.h>
+
+#include "lever_kernels.h"
+#include "quants_internal.h"
+
+int lever_type_block(int type, int *block_bytes) {
+    switch (type) {
+    case LEVER_F32: *block_bytes = 4; return 1;
+    case LEVER_F16: *block_bytes = 2; return 1;
+    case LEVER_BF16: *block_bytes = 2; return 1;
+    case LEVER_Q8_0: *block_bytes = sizeof(block_q8_0); return QK8_0;
+    case LEVER_Q4_0: *block_bytes = sizeof(block_q4_0); return QK8_0;
+    case LEVER_Q5_0: *block_bytes = sizeof(block_q5_0); return QK8_0;
+    case LEVER_Q4_K: *block_bytes = sizeof(block_q4_K); return QK_K;
+    case LEVER_Q6_K: *block_bytes = sizeof(block_q6_K); return QK_K;
+    default: *block_bytes = 0; return 0;
+    }
+}
+
+/* ---- element decoding, shared by dequantization and the dot products ---------------- */
+
+static inline int q4_0_value(const block_q4_0 *b, int j) {
+    return (j < 16 ? b->qs[j] & 15 : b->qs[j - 16] >> 4) - 8;
+}
+
+static inline int q5_0_value(const block_q5_0 *b, int j) {
+    uint32_t qh;
+    memcpy(&qh, b->qh, 4);
+    const int lo = j < 16 ? b->qs[j] & 15 : b->qs[j - 16] >> 4;
+    return (lo | (int)((qh >> j) & 1) << 4) - 16;
+}
+
+/* Q4_K element e (unsigned 0..15): chunk e / 64 holds 32 bytes, low nibbles first. */
+static inline int q4_K_value(const block_q4_K *b, int e) {
+    const uint8_t q = b->qs[32 * (e / 64) + e % 32];
+    return (e % 64) < 32 ? q & 15 : q >> 4;
+}
+
+/* Q6_K element e (signed -32..31): each 128-element half has 64 ql and 32 qh bytes; group
+ * g = (e % 128) / 32 takes a nibble of ql[l] or ql[l + 32] and bits 2g..2g+1 of qh[l]. */
+static inline int q6_K_value(const block_q6_K *b, int e) {
+    const int h = e / 128, g = (e % 128) / 32, l = e % 32;
+    const uint8_t ql = b->ql[64 * h + 32 * (g & 1) + l];
+    const int lo = g < 2 ? ql & 15 : ql >> 4;
+    const int hi = (b->qh[32 * h + l] >> (2 * g)) & 3;
+    return (lo | hi << 4) - 32;
+}
+
+/* ---- dequantization ------------------------------------------------------------------ */
+
+static void dequantize_f32(const void *src, float *out, int64_t n) {
+    memcpy(out, src, (size_t)n * sizeof(float));
+}
+
+static void dequantize_f16(const void *src, float *out, int64_t n) {
+    const uint16_t *h = src;
+    for (int64_t i = 0; i < n; i++) out[i] = lever_fp16_to_fp32(h[i]);
+}
+
+static void dequantize_bf16(const void *src, float *out, int64_t n) {
+    const uint16_t *h = src;
+    for (int64_t i = 0; i < n; i++) out[i] = lever_bf16_to_fp32(h[i]);
+}
+
+static void dequantize_q8_0(const void *src, float *out, int64_t n) {
+    const block_q8_0 *b = src;
+    for (int64_t i = 0; i < n / QK8_0; i++, out += QK8_0) {
+        const float d = lever_fp16_to_fp32(b[i].d);
+        for (int j = 0; j < QK8_0; j++) out[j] = (float)b[i].qs[j] * d;
+    }
+}
+
+static void dequantize_q4_0(const void *src, float *out, int64_t n) {
+    const block_q4_0 *b = src;
+    for (int64_t i = 0; i < n / QK8_0; i++, out += QK8_0) {
+        const float d = lever_fp16_to_fp32(b[i].d);
+        for (int j = 0; j < QK8_0; j++) out[j] = (float)q4_0_value(&b[i], j) * d;
+    }
+}
+
+static void dequantize_q5_0(const void *src, float *out, int64_t n) {
+    const block_q5_0 *b = src;
+    for (int64_t i = 0; i < n / QK8_0; i++, out += QK8_0) {
+        const float d = lever_fp16_to_fp32(b[i].d);
+        for (int j = 0; j < QK8_0; j++) out[j] = (float)q5_0_value(&b[i], j) * d;
+    }
+}
+
+static void dequantize_q4_K(const void *src, float *out, int64_t n) {
+    const block_q4_K *b = src;
+    for (int64_t i = 0; i < n / QK_K; i++, out += QK_K) {
+        const float d = lever_fp16_to_fp32(b[i].d), dmin = lever_fp16_to_fp32(b[i].dmin);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            q4_K_scale_min(b[i].scales, j, &sc, &m);
+            const float d1 = d * (float)sc, m1 = dmin * (float)m;
+            for (int l = 0; l < 32; l++) out[32 * j + l] = d1 * (float)q4_K_value(&b[i], 32 * j + l) - m1;
+        }
+    }
+}
+
+static void dequantize_q6_K(const void *src, float *out, int64_t n) {
+    const block_q6_K *b = src;
+    for (int64_t i = 0; i < n / QK_K; i++, out += QK_K) {
+        const float d = lever_fp16_to_fp32(b[i].d);
+        for (int e = 0; e < QK_K; e++)
+            out[e] = d * (float)b[i].scales[e / 16] * (float)q6_K_value(&b[i], e);
+    }
+}
+
+int lever_dequantize(int type, const void *src, int64_t n_rows, int64_t n_cols, float *out) {
+    int block_bytes;
+    const int block = lever_type_block(type, &block_bytes);
+    if (!block) return LEVER_EUNSUPPORTED_TYPE;
+    if (n_rows < 0 || n_cols < 0 || n_cols % block) return LEVER_EBAD_SHAPE;
+    void (*row)(const void *, float *, int64_t);
+    switch (type) {
+    case LEVER_F32: row = dequantize_f32; break;
+    case LEVER_F16: row = dequantize_f16; break;
+    case LEVER_BF16: row = dequantize_bf16; break;
+    case LEVER_Q8_0: row = dequantize_q8_0; break;
+    case LEVER_Q4_0: row = dequantize_q4_0; break;
+    case LEVER_Q5_0: row = dequantize_q5_0; break;
+    case LEVER_Q4_K: row = dequantize_q4_K; break;
+    default: row = dequantize_q6_K; break;
+    }
+    const int64_t row_bytes = n_cols / block * block_bytes;
+    for (int64_t r = 0; r < n_rows; r++)
+        row((const uint8_t *)src + r * row_bytes, out + r * n_cols, n_cols);
+    return LEVER_OK;
+}
+
+/* ---- activation quantization ---------------------------------------------------------- */
+
+/* roundf (half away from zero) for |v| < 2^23, without a libm call: the truncation and the
+ * remainder v - trunc(v) are both exact. */
+static inline int round_half_away(float v) {
+    const int i = (int)v;
+    const float rest = v - (float)i;
+    return i + (rest >= 0.5f) - (rest <= -0.5f);
+}
+
+/* Round to nearest even for |v| < 2^22: adding 1.5 * 2^23 leaves the integer in the low
+ * mantissa bits, rounded by the float add itself. */
+static inline int round_nearest_even(float v) {
+    const float biased = v + 12582912.0f;
+    return (int)(lever_fp32_to_bits(biased) & 0x7fffff) - 0x400000;
+}
+
+void lever_quantize_row_q8_0x(const float *x, lever_q8_0x *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK8_0; b++, x += QK8_0, y++) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK8_0; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < QK8_0; j++) {
+            y->qs[j] = (int8_t)round_half_away(x[j] * id);
+            sum += y->qs[j];
+        }
+        y->d = lever_fp16_to_fp32(lever_fp32_to_fp16(d)); /* ggml stores d as fp16 */
+        y->sum = sum;
+    }
+}
+
+void lever_quantize_row_q8_K(const float *x, block_q8_K *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK_K; b++, x += QK_K, y++) {
+        float max = 0.0f, amax = 0.0f;
+        for (int j = 0; j < QK_K; j++) {
+            if (fabsf(x[j]) > amax) {
+                amax = fabsf(x[j]);
+                max = x[j];
+            }
+        }
+        if (amax == 0.0f) {
+            memset(y, 0, sizeof(*y));
+            continue;
+        }
+        const float iscale = -127.0f / max;
+        for (int j = 0; j < QK_K; j++) {
+            const int v = round_nearest_even(iscale * x[j]);
+            y->qs[j] = (int8_t)(v < 127 ? v : 127);
+        }
+        for (int i = 0; i < QK_K / 16; i++) {
+            int sum = 0;
+            for (int l = 0; l < 16; l++) sum += y->qs[16 * i + l];
+            y->bsums[i] = (int16_t)sum;
+        }
+        y->d = 1.0f / iscale;
+    }
+}
+
+/* ---- per-block integer dot products ------------------------------------------------- */
+
+static int32_t dot_q8_0_block(const block_q8_0 *w, const int8_t *a) {
+    int32_t s = 0;
+    for (int j = 0; j < QK8_0; j++) s += w->qs[j] * a[j];
+    return s;
+}
+
+static int32_t dot_q4_0_block(const block_q4_0 *w, const int8_t *a) {
+    int32_t s = 0;
+    for (int j = 0; j < QK8_0; j++) s += q4_0_value(w, j) * a[j];
+    return s;
+}
+
+static int32_t dot_q5_0_block(const block_q5_0 *w, const int8_t *a) {
+    int32_t s = 0;
+    for (int j = 0; j < QK8_0; j++) s += q5_0_value(w, j) * a[j];
+    return s;
+}
+
+/* isum = sum_j scale_j * (q . a over sub-block j); msum = sum_j min_j * (sum of a over j),
+ * the part that dmin multiplies (a 4-bit weight is d * scale * q - dmin * min). */
+static void dot_q4_K_block(const block_q4_K *w, const block_q8_K *a, int32_t *isum, int32_t *msum) {
+    int32_t is = 0, ms = 0;
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        q4_K_scale_min(w->scales, j, &sc, &m);
+        int32_t s = 0;
+        for (int l = 0; l < 32; l++) s += q4_K_value(w, 32 * j + l) * a->qs[32 * j + l];
+        is += sc * s;
+        ms += m * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
+    }
+    *isum = is;
+    *msum = ms;
+}
+
+static int32_t dot_q6_K_block(const block_q6_K *w, const block_q8_K *a) {
+    int32_t is = 0;
+    for (int i = 0; i < QK_K / 16; i++) {
+        int32_t s = 0;
+        for (int l = 0; l < 16; l++) s += q6_K_value(w, 16 * i + l) * a->qs[16 * i + l];
+        is += w->scales[i] * s;
+    }
+    return is;
+}
+
+/* ---- row dot products in the canonical order ---------------------------------------- */
+
+static float row_dot_f32(const uint8_t *w, const float *x, int64_t n) {
+    const float *wf = (const float *)w;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < n; k++) acc = fmaf(wf[k], x[k], acc);
+    return acc;
+}
+
+static float row_dot_f16(const uint8_t *w, const float *x, int64_t n) {
+    const uint16_t *wh = (const uint16_t *)w;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < n; k++) acc = fmaf(lever_fp16_to_fp32(wh[k]), x[k], acc);
+    return acc;
+}
+
+static float row_dot_bf16(const uint8_t *w, const float *x, int64_t n) {
+    const uint16_t *wh = (const uint16_t *)w;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < n; k++) acc = fmaf(lever_bf16_to_fp32(wh[k]), x[k], acc);
+    return acc;
+}
+
+static float row_dot_q8_0(const uint8_t *w, const lever_q8_0x *x, int64_t nb) {
+    const block_q8_0 *b = (const block_q8_0 *)w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; i++)
+        acc = fmaf((float)dot_q8_0_block(&b[i], x[i].qs), lever_fp16_to_fp32(b[i].d) * x[i].d, acc);
+    return acc;
+}
+
+static float row_dot_q4_0(const uint8_t *w, const lever_q8_0x *x, int64_t nb) {
+    const block_q4_0 *b = (const block_q4_0 *)w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; i++)
+        acc = fmaf((float)dot_q4_0_block(&b[i], x[i].qs), lever_fp16_to_fp32(b[i].d) * x[i].d, acc);
+    return acc;
+}
+
+static float row_dot_q5_0(const uint8_t *w, const lever_q8_0x *x, int64_t nb) {
+    const block_q5_0 *b = (const block_q5_0 *)w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; i++)
+        acc = fmaf((float)dot_q5_0_block(&b[i], x[i].qs), lever_fp16_to_fp32(b[i].d) * x[i].d, acc);
+    return acc;
+}
+
+static float row_dot_q4_K(const uint8_t *w, const block_q8_K *x, int64_t nb) {
+    const block_q4_K *b = (const block_q4_K *)w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int32_t isum, msum;
+        dot_q4_K_block(&b[i], &x[i], &isum, &msum);
+        acc = fmaf((float)isum, lever_fp16_to_fp32(b[i].d) * x[i].d, acc);
+        acc = fmaf(-(float)msum, lever_fp16_to_fp32(b[i].dmin) * x[i].d, acc);
+    }
+    return acc;
+}
+
+static float row_dot_q6_K(const uint8_t *w, const block_q8_K *x, int64_t nb) {
+    const block_q6_K *b = (const block_q6_K *)w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; i++)
+        acc = fmaf((float)dot_q6_K_block(&b[i], &x[i]), lever_fp16_to_fp32(b[i].d) * x[i].d, acc);
+    return acc;
+}
+
+/* ---- scalar tile kernels: every (row, token) on its own ------------------------------ */
+
+#define SCALAR_TILE(name, act_t, n_of)                                                       \
+    static void tile_##name##_scalar(const uint8_t *w, int64_t w_stride, int n_rows,          \
+                                     int64_t n_in, const uint8_t *x, int64_t x_stride,         \
+                                     int n_tok, float *y, int64_t ldy) {                       \
+        for (int t = 0; t < n_tok; t++)                                                        \
+            for (int r = 0; r < n_rows; r++)                                                   \
+                y[t * ldy + r] = row_dot_##name(w + r * w_stride,                              \
+                                                (const act_t *)(x + t * x_stride), n_of);      \
+    }
+
+SCALAR_TILE(f32, float, n_in)
+SCALAR_TILE(f16, float, n_in)
+SCALAR_TILE(bf16, float, n_in)
+SCALAR_TILE(q8_0, lever_q8_0x, n_in / QK8_0)
+SCALAR_TILE(q4_0, lever_q8_0x, n_in / QK8_0)
+SCALAR_TILE(q5_0, lever_q8_0x, n_in / QK8_0)
+SCALAR_TILE(q4_K, block_q8_K, n_in / QK_K)
+SCALAR_TILE(q6_K, block_q8_K, n_in / QK_K)
+
+const lever_kernel_set lever_kernels_scalar = {
+    .rows = 4,
+    .f32 = tile_f32_scalar,
+    .f16 = tile_f16_scalar,
+    .bf16 = tile_bf16_scalar,
+    .q8_0 = tile_q8_0_scalar,
+    .q4_0 = tile_q4_0_scalar,
+    .q5_0 = tile_q5_0_scalar,
+    .q4_K = tile_q4_K_scalar,
+    .q6_K = tile_q6_K_scalar,
+};

@@ -1,0 +1,179 @@
+/* quants_internal.h: what the quantization and matmul files share, and nothing else sees.
+ *
+ * Block layouts are ggml's, byte for byte, because the weights are GGUF tensors streamed
+ * from flash without repacking. fp16 <-> fp32 helpers are bit exact (round to nearest
+ * even), so every ISA converts scales identically.
+ *
+ * The matmul kernels all follow one reduction order, the canonical one, so that scalar,
+ * AVX2, AVX-512 and NEON give bit-identical results for every type:
+ *   acc = 0
+ *   for each weight block b, in order:          (block = 32 or 256 weights, 1 for float types)
+ *       isum = exact integer dot of the block   (int32 for quantized types)
+ *       acc  = fmaf((float)isum, d_w[b] * d_x[b], acc)
+ *       (Q4_K then also: acc = fmaf(-(float)msum, dmin_w[b] * d_x[b], acc))
+ *   float types: acc = fmaf(w[k], x[k], acc) for k in order.
+ * Integer sums are associative, so SIMD may add them in any order; only the float steps are
+ * ordered, and they are per (row, token): y[t, r] never depends on other rows or tokens.
+ */
+#ifndef LEVER_QUANTS_INTERNAL_H
+#define LEVER_QUANTS_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK8_0 32
+#define QK_K 256
+
+typedef struct {
+    uint16_t d; /* fp16 */
+    int8_t qs[QK8_0];
+} block_q8_0;
+
+typedef struct {
+    uint16_t d;               /* fp16 */
+    uint8_t qs[QK8_0 / 2];    /* element j: low nibble of qs[j]; element j + 16: high nibble */
+} block_q4_0;
+
+typedef struct {
+    uint16_t d;               /* fp16 */
+    uint8_t qh[4];            /* bit j: fifth bit of element j */
+    uint8_t qs[QK8_0 / 2];    /* low four bits, laid out as in Q4_0 */
+} block_q5_0;
+
+typedef struct {
+    uint16_t d;               /* fp16 super-block scale of the 6-bit sub-block scales */
+    uint16_t dmin;            /* fp16 super-block scale of the 6-bit sub-block mins */
+    uint8_t scales[12];       /* 8 scales and 8 mins, 6 bits each (see q4_K_scale_min) */
+    uint8_t qs[QK_K / 2];     /* 64-element chunk c: low nibbles of qs[32c..] then high */
+} block_q4_K;
+
+typedef struct {
+    uint8_t ql[QK_K / 2];     /* low four bits */
+    uint8_t qh[QK_K / 4];     /* high two bits */
+    int8_t scales[QK_K / 16]; /* one per 16 elements */
+    uint16_t d;               /* fp16 */
+} block_q6_K;
+
+/* Activations for Q4_K/Q6_K, as ggml's quantize_row_q8_K makes them. */
+typedef struct {
+    float d;
+    int8_t qs[QK_K];
+    int16_t bsums[QK_K / 16]; /* sum of each 16 qs */
+} block_q8_K;
+
+/* Activations for Q4_0/Q5_0/Q8_0: ggml's block_q8_0 (d rounded to fp16, qs as
+ * quantize_row_q8_0_ref), with d already widened to float and the sum of qs, which the
+ * SIMD kernels need to undo the offset they give the weights. */
+typedef struct {
+    float d;
+    int32_t sum;
+    int8_t qs[QK8_0];
+} lever_q8_0x;
+
+_Static_assert(sizeof(block_q8_0) == 34, "block_q8_0 layout");
+_Static_assert(sizeof(block_q4_0) == 18, "block_q4_0 layout");
+_Static_assert(sizeof(block_q5_0) == 22, "block_q5_0 layout");
+_Static_assert(sizeof(block_q4_K) == 144, "block_q4_K layout");
+_Static_assert(sizeof(block_q6_K) == 210, "block_q6_K layout");
+_Static_assert(sizeof(block_q8_K) == 292, "block_q8_K layout");
+_Static_assert(sizeof(lever_q8_0x) == 40, "lever_q8_0x layout");
+
+static inline float lever_fp32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t lever_fp32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float lever_fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    const uint32_t exp = (h >> 10) & 0x1f;
+    const uint32_t mant = h & 0x3ff;
+    if (exp == 0) {
+        /* zero or subnormal: mant * 2^-24 is exact in float */
+        const float v = (float)mant * 0x1p-24f;
+        return lever_fp32_from_bits(lever_fp32_to_bits(v) | sign);
+    }
+    if (exp == 31) return lever_fp32_from_bits(sign | 0x7f800000u | (mant << 13));
+    return lever_fp32_from_bits(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+/* Round to nearest even, like F16C's vcvtps2ph and numpy's astype(float16). */
+static inline uint16_t lever_fp32_to_fp16(float f) {
+    const uint32_t u = lever_fp32_to_bits(f);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00; /* NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00; /* rounds to or past 65520: inf */
+    if (a < 0x38800000u) {
+        /* result is subnormal in fp16: a float add rounds it at the 2^-24 grid for us */
+        const float r = lever_fp32_from_bits(a) + 0.5f; /* 0.5 = 2^-1: ulp of r is 2^-24 */
+        return sign | (uint16_t)(lever_fp32_to_bits(r) - lever_fp32_to_bits(0.5f));
+    }
+    /* normal: drop 13 mantissa bits with round to nearest even, carry may bump exponent */
+    const uint32_t rounded = a + 0xfffu + ((a >> 13) & 1u);
+    return sign | (uint16_t)((rounded - (112u << 23)) >> 13);
+}
+
+static inline float lever_bf16_to_fp32(uint16_t h) {
+    return lever_fp32_from_bits((uint32_t)h << 16);
+}
+
+/* Q4_K packs 8 scales and 8 mins of 6 bits into 12 bytes: j < 4 in the low 6 bits of bytes
+ * j and j + 4; j >= 4 in a nibble of byte j + 4 plus the top 2 bits of bytes j - 4, j. */
+static inline void q4_K_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Block size (weights) and bytes of `type`; 0 if Lever does not compute with it. */
+int lever_type_block(int type, int *block_bytes);
+
+/* ---- quantization of activations (quants.c) ---------------------------------------- */
+
+/* ggml quantize_row_q8_0_ref: d = amax / 127 rounded to fp16, q = roundf(x / d). */
+void lever_quantize_row_q8_0x(const float *x, lever_q8_0x *y, int64_t n);
+/* ggml quantize_row_q8_K_ref: d = max / -127 of the largest-magnitude x, q rounded to
+ * nearest even and capped at 127, bsums per 16. */
+void lever_quantize_row_q8_K(const float *x, block_q8_K *y, int64_t n);
+
+/* ---- tile kernels ------------------------------------------------------------------- */
+
+/* Most tokens a tile kernel takes at once: its per-token state lives on the stack. */
+#define LEVER_TOK_TILE 64
+
+/* One tile of the output: y[t * ldy + r] for r < n_rows, t < n_tok, where row r of the
+ * weights starts at w + r * w_stride and token t's activations (float, or quantized blocks
+ * for quantized types) start at x + t * x_stride. n_rows <= the ISA's rows per tile,
+ * n_tok <= LEVER_TOK_TILE. */
+typedef void (*lever_tile_fn)(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
+                              const uint8_t *x, int64_t x_stride, int n_tok, float *y,
+                              int64_t ldy);
+
+/* The same set of tile kernels for every ISA, one per weight type. */
+typedef struct {
+    int rows; /* rows per tile: the SIMD width in 32-bit lanes */
+    lever_tile_fn f32, f16, bf16, q8_0, q4_0, q5_0, q4_K, q6_K;
+} lever_kernel_set;
+
+extern const lever_kernel_set lever_kernels_scalar;
+#if defined(LEVER_HAVE_X86)
+extern const lever_kernel_set lever_kernels_avx2;
+extern const lever_kernel_set lever_kernels_avx512;
+#endif
+#if defined(LEVER_HAVE_NEON)
+extern const lever_kernel_set lever_kernels_neon;
+#endif
+
+#endif

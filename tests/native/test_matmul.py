@@ -1,0 +1,144 @@
+"""native matmul against lever.reference.quants on every ISA this CPU runs, its
+batch-invariance contract, and its error against a float64 product.
+
+Every ISA reduces each (row, token) in the same canonical order (native/quants_internal.h):
+exact integer block sums, then float32 fused multiply-adds block by block. So scalar C,
+AVX2, AVX-512 and the numpy reference agree bit for bit and are compared with
+assert_array_equal; the float64 comparison carries the tolerances.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lever import native
+from lever.errors import LeverError
+from lever.quants import TYPES
+from lever.reference import quants as ref
+from tests.native.test_quants import TYPE_NAMES, random_weights, real_tensor_rows, rng_for
+
+# Against float64 x @ W.T. Quantized types: each activation moves by at most half a
+# quantization step, amax / 254 of its block (with 0.1% slack for the float32 arithmetic of
+# the quantizer); Q8_0 also rounds the step to fp16, which moves a value by up to 127 times
+# that rounding (relative 2^-11, or absolute 2^-25 where the step is subnormal in fp16).
+# Summed against |W|, that bounds the error of every output.
+HALF_STEP = 1.001 / 254
+# Float32 accumulation: n sequential fused steps err by at most n * 2^-24 of sum |w x|
+# (the standard first-order bound), for every type on top of the above.
+F32_UNIT_ROUNDOFF = 2.0**-24
+
+ISAS = [isa for isa in ("scalar", "avx2", "avx512", "neon") if native.set_isa(isa) == isa]
+native.set_isa(native.best_isa())
+
+# n_in per type for the small cases: two blocks or more, F32 off any SIMD width (172).
+N_IN = {"F32": 172, "F16": 96, "BF16": 96, "Q8_0": 160, "Q4_0": 160, "Q5_0": 160, "Q4_K": 512, "Q6_K": 512}
+N_OUT = 37  # a partial tile for every ISA width (4, 8, 16)
+N_TOK = 37
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    native.set_isa(request.param)
+    yield request.param
+    native.set_isa(native.best_isa())
+
+
+def activations(rng, n_tok: int, n_in: int) -> np.ndarray:
+    """Normal rows, plus the awkward ones: all zero, tiny, huge, one zero block."""
+    x = rng.standard_normal((max(n_tok, 5), n_in)).astype(np.float32)
+    x[1] = 0
+    x[2] *= np.float32(1e-6)
+    x[3] *= np.float32(1e4)
+    x[4, :32] = 0
+    return x[:n_tok]
+
+
+def case(name: str, n_out: int = N_OUT, n_tok: int = N_TOK, n_in: int | None = None):
+    rng = rng_for("matmul", name, n_out, n_tok, n_in)
+    n_in = n_in or N_IN[name]
+    return TYPES[name].ggml_id, random_weights(rng, name, n_out, n_in), n_out, n_in, activations(rng, n_tok, n_in)
+
+
+@pytest.mark.parametrize("name", TYPE_NAMES)
+def test_matches_reference_bit_for_bit(name, isa):
+    tid, w, n_out, n_in, x = case(name)
+    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x), ref.matmul(tid, w, n_out, n_in, x))
+
+
+@pytest.mark.parametrize("name", TYPE_NAMES)
+def test_batch_invariance(name, isa):
+    """Each token's row is the same alone, in any batch, in any order, on 1 or 2 threads."""
+    tid, w, n_out, n_in, x = case(name)
+    batch = native.matmul(tid, w, n_out, n_in, x, n_threads=2)
+    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x, n_threads=1), batch)
+    for t in range(x.shape[0]):
+        np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x[t : t + 1]), batch[t : t + 1])
+    perm = rng_for("perm", name).permutation(x.shape[0])
+    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x[perm], n_threads=2), batch[perm])
+    others = activations(rng_for("others", name), 11, n_in)
+    mixed = np.concatenate([others[:5], x[7:9], others[5:]])
+    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, mixed)[5:7], batch[7:9])
+
+
+@pytest.mark.parametrize("name", TYPE_NAMES)
+def test_many_tokens_split_into_token_tiles(name):
+    """130 tokens run as several token tiles inside the kernels: rows stay the same."""
+    tid, w, n_out, n_in, x = case(name, n_out=21, n_tok=130)
+    batch = native.matmul(tid, w, n_out, n_in, x)
+    for t in (0, 63, 64, 127, 128, 129):
+        np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x[t : t + 1])[0], batch[t])
+
+
+@pytest.mark.parametrize("name", TYPE_NAMES)
+def test_close_to_float64_product(name):
+    tid, w, n_out, n_in, x = case(name)
+    W = ref.dequantize(tid, w, n_out, n_in).astype(np.float64)
+    x64 = x.astype(np.float64)
+    y = native.matmul(tid, w, n_out, n_in, x)
+    scale = np.abs(x64) @ np.abs(W).T
+    bound = n_in * F32_UNIT_ROUNDOFF * scale
+    act = TYPES[name].activation
+    if act != "f32":
+        block = 256 if act == "q8_K" else 32
+        amax = np.abs(x64).reshape(x.shape[0], -1, block).max(axis=-1)
+        per_value = HALF_STEP * amax
+        if act == "q8_0":
+            step = (amax / 127).astype(np.float32)
+            per_value += 127 * np.abs(step.astype(np.float16).astype(np.float64) - step)
+        bound = bound + np.repeat(per_value, block, axis=1) @ np.abs(W).T
+    err = np.abs(y - x64 @ W.T)
+    assert (err <= bound).all(), f"worst error / bound: {(err / np.maximum(bound, 1e-300)).max()}"
+    assert (y[1] == 0).all()  # an all-zero token gives exact zeros
+
+
+def test_errors_and_empty_shapes():
+    w = np.zeros((4, 34), np.uint8)
+    x = np.zeros((2, 32), np.float32)
+    with pytest.raises(LeverError, match="unsupported"):
+        native.matmul(3, w, 4, 32, x)
+    with pytest.raises(LeverError, match="bad shape"):
+        native.matmul(TYPES["Q4_K"].ggml_id, np.zeros((4, 144), np.uint8), 4, 128, np.zeros((2, 128), np.float32))
+    with pytest.raises(LeverError, match="bad shape"):
+        native.matmul(TYPES["Q8_0"].ggml_id, w, 4, 33, np.zeros((2, 33), np.float32))
+    assert native.matmul(TYPES["Q8_0"].ggml_id, w, 4, 32, np.zeros((0, 32), np.float32)).shape == (0, 4)
+
+
+def test_vocab_sized_output():
+    """151936 rows (the Qwen vocab): thread split and tiles over a large n_out."""
+    tid, w, n_out, n_in, x = case("Q8_0", n_out=151936, n_tok=3, n_in=64)
+    y = native.matmul(tid, w, n_out, n_in, x, n_threads=2)
+    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x, n_threads=1), y)
+    for r0 in (0, 75968, 151920):
+        rows = w[r0 : r0 + 16]
+        np.testing.assert_array_equal(y[:, r0 : r0 + 16], ref.matmul(tid, rows, 16, n_in, x))
+
+
+def test_real_tensors(qwen_draft, isa):
+    """The first rows of one tensor of each quantized type of the real draft model."""
+    tensors = real_tensor_rows(qwen_draft)
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= tensors.keys()
+    for name, (n_in, w) in tensors.items():
+        tid, n_out = TYPES[name].ggml_id, len(w)
+        x = activations(rng_for("real", name), 6, n_in)
+        np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x), ref.matmul(tid, w, n_out, n_in, x))
