@@ -30,13 +30,15 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def random_k_blocks(qtype: str, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random but well-scaled Q4_K / Q6_K rows (n_rows, row_bytes) uint8."""
+    """Random but well-scaled Q4_K / Q6_K rows (n_rows, row_bytes) uint8: zero-mean weights
+    with a standard deviation near 1/sqrt(n_cols), like a trained layer's."""
     n_blocks = n_rows * n_cols // 256
+    std = 1.0 / np.sqrt(n_cols)
     if qtype == "Q4_K":
         # d, dmin (f16), 12 bytes of packed 6-bit scales/mins, 128 bytes of nibbles. dmin = d and
         # min = 7.5 x scale centre each sub-block, so weights are zero-mean like real ones.
-        d = rng.uniform(0.002, 0.01, (n_blocks, 1)).astype(np.float16)
         sc = rng.integers(4, 9, (n_blocks, 8))
+        d = (rng.uniform(0.5, 1.5, (n_blocks, 1)) * std / (6 * 4.6)).astype(np.float16)  # E|sc| 6, std(q-7.5) 4.6
         m = np.rint(7.5 * sc).astype(np.int64)
         packed = np.zeros((n_blocks, 12), np.int64)
         packed[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
@@ -46,8 +48,8 @@ def random_k_blocks(qtype: str, n_rows: int, n_cols: int, rng: np.random.Generat
         blocks = np.concatenate([d.view(np.uint8), d.view(np.uint8), packed.astype(np.uint8), qs], axis=1)
     else:  # Q6_K: 128 ql, 64 qh, 16 int8 scales, f16 d; 6-bit q - 32 is zero-mean already
         q = rng.integers(0, 256, (n_blocks, 192), dtype=np.uint8)
-        scales = rng.integers(-24, 24, (n_blocks, 16), dtype=np.int8).view(np.uint8)
-        d = rng.uniform(0.0005, 0.002, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+        scales = rng.integers(-24, 25, (n_blocks, 16), dtype=np.int8).view(np.uint8)
+        d = (rng.uniform(0.5, 1.5, (n_blocks, 1)) * std / (14 * 18.5)).astype(np.float16).view(np.uint8)  # E|sc| 12, std(q-32) 18.5
         blocks = np.concatenate([q, scales, d], axis=1)
     return blocks.reshape(n_rows, -1)
 

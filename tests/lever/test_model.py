@@ -13,11 +13,14 @@ from lever.reference.forward import ReferenceModel
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"]
-# Relative error (Frobenius) of native logits vs the float64 reference. Float weights differ
-# only by float32 accumulation; quantized types also quantize activations to 8 bits per token
-# (as ggml does), which costs about a percent.
-LOGIT_RTOL = {"F32": 1e-5, "F16": 1e-4, "BF16": 1e-4, "Q8_0": 3e-2, "Q4_0": 3e-2, "Q5_0": 3e-2,
-              "Q4_K": 3e-2, "Q6_K": 3e-2}
+# Relative error (Frobenius) of native logits vs the float64 reference. Float weights differ by
+# float32 arithmetic and the float16 KV cache (rounding k and v to 11 bits: ~2e-4 seen);
+# quantized types also quantize activations to 8 bits per token as ggml does: ~0.7% per matmul,
+# compounding over the 14 matmuls of two layers to 1-3% seen.
+FLOAT_RTOL = 1e-3
+QUANT_RTOL = 6e-2
+LOGIT_RTOL = {"F32": FLOAT_RTOL, "F16": FLOAT_RTOL, "BF16": FLOAT_RTOL, "Q8_0": QUANT_RTOL, "Q4_0": QUANT_RTOL,
+              "Q5_0": QUANT_RTOL, "Q4_K": QUANT_RTOL, "Q6_K": QUANT_RTOL}
 TOKENS = [5, 17, 101, 3, 250, 44, 44, 9, 120, 7, 66, 200]
 
 
