@@ -41,7 +41,7 @@ def cmd_generate(args) -> int:
     prompt = tok.encode(args.prompt, add_bos=None if args.bos is None else args.bos)
     n_ctx = min(args.ctx, model.spec.n_ctx_train) if args.ctx else min(4096, model.spec.n_ctx_train)
 
-    stream = StreamDecoder(tok)
+    stream = StreamDecoder(tok, at_start=False)  # the completion continues the prompt: keep its space
     on_token = None
     if not args.json:
         sys.stdout.write(args.prompt)
@@ -52,8 +52,9 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
 
     res = generate(model, prompt, args.n, params, n_ctx, frozenset(tok.eos_ids), on_token)
-    text = tok.decode(res.tokens)
     if args.json:
+        d = StreamDecoder(tok, at_start=False)
+        text = "".join(d.push(t) for t in res.tokens) + d.flush()
         print(json.dumps({
             "model": str(args.model), "prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": text,
             "prefill_s": res.prefill_s, "decode_s": res.decode_s, "prefill_tps": res.prefill_tps,

@@ -21,9 +21,7 @@ ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "neon"}
 _ERRORS = {-1: "unsupported tensor type", -2: "bad shape", -3: "out of memory"}
 _LIB_NAMES = ("liblever_kernels.so", "liblever_kernels.dylib")
 
-_f32p = np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS")
-_i32p = np.ctypeslib.ndpointer(np.int32, flags="C_CONTIGUOUS")
-_u8p = np.ctypeslib.ndpointer(np.uint8, flags="C_CONTIGUOUS")
+_vp = ctypes.c_void_p
 _i64 = ctypes.c_int64
 _int = ctypes.c_int
 
@@ -46,20 +44,18 @@ def _find_library() -> Path:
 
 def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_find_library()))
+    # Arrays pass as raw addresses: numpy's ndpointer checks cost ~1 us per argument, and a
+    # decode step makes ~500 calls. The wrappers below check dtype and layout instead.
     sig = {
         "lever_isa_best": ([], _int),
         "lever_get_isa": ([], _int),
         "lever_set_isa": ([_int], _int),
-        "lever_dequantize": ([_int, ctypes.c_void_p, _i64, _i64, _f32p], _int),
-        "lever_matmul": ([_int, ctypes.c_void_p, _i64, _i64, _f32p, _i64, _f32p, _int], _int),
-        "lever_rmsnorm": ([_f32p, _f32p, _i64, _i64, ctypes.c_float, _f32p], None),
-        "lever_rope": ([_f32p, _i32p, _i64, _i64, _i64, _i64, _f32p, _int, ctypes.c_float], None),
-        "lever_attention": (
-            [_f32p, _i64, _i64, _i64, ctypes.c_void_p, ctypes.c_void_p, _int, _i64, _i64, _u8p,
-             ctypes.c_float, _f32p, _int],
-            _int,
-        ),
-        "lever_swiglu": ([_f32p, _f32p, _i64, _f32p], None),
+        "lever_dequantize": ([_int, _vp, _i64, _i64, _vp], _int),
+        "lever_matmul": ([_int, _vp, _i64, _i64, _vp, _i64, _vp, _int], _int),
+        "lever_rmsnorm": ([_vp, _vp, _i64, _i64, ctypes.c_float, _vp], None),
+        "lever_rope": ([_vp, _vp, _i64, _i64, _i64, _i64, _vp, _int, ctypes.c_float], None),
+        "lever_attention": ([_vp, _i64, _i64, _i64, _vp, _vp, _int, _i64, _i64, _vp, ctypes.c_float, _vp, _int], _int),
+        "lever_swiglu": ([_vp, _vp, _i64, _vp], None),
     }
     for name, (argtypes, restype) in sig.items():
         fn = getattr(lib, name)
@@ -78,11 +74,23 @@ def _check(rc: int, what: str) -> None:
 
 
 def _ptr(buf) -> int:
-    """Address of a read-only buffer (numpy array, memmap slice) without copying it."""
-    arr = np.asarray(buf)
+    """Address of a contiguous buffer (numpy array, memmap slice) without copying it."""
+    arr = buf if isinstance(buf, np.ndarray) else np.asarray(buf)
     if not arr.flags.c_contiguous:
-        raise ValueError("weight buffer must be contiguous")
-    return arr.ctypes.data
+        raise ValueError("buffer must be contiguous")
+    return arr.__array_interface__["data"][0]
+
+
+def _addr(a: np.ndarray, dtype) -> int:
+    """Address of an array the kernel reads or writes as `dtype`, checked."""
+    if a.dtype != dtype or not a.flags.c_contiguous:
+        raise ValueError(f"expected a contiguous {np.dtype(dtype).name} array, got {a.dtype} {a.shape}")
+    return a.__array_interface__["data"][0]
+
+
+def _f32(a) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous else \
+        np.ascontiguousarray(a, np.float32)
 
 
 def isa() -> str:
@@ -100,63 +108,76 @@ def set_isa(name: str) -> str:
 
 def dequantize(type_id: int, data, n_rows: int, n_cols: int) -> np.ndarray:
     out = np.empty((n_rows, n_cols), np.float32)
-    _check(_lib.lever_dequantize(type_id, _ptr(data), n_rows, n_cols, out), "dequantize")
+    _check(_lib.lever_dequantize(type_id, _ptr(data), n_rows, n_cols, _addr(out, np.float32)), "dequantize")
     return out
 
 
 def matmul(type_id: int, w, n_out: int, n_in: int, x: np.ndarray, out: np.ndarray | None = None,
            n_threads: int | None = None) -> np.ndarray:
     """x @ W.T for a weight matrix W stored as n_out rows of n_in in type `type_id`."""
-    x = np.ascontiguousarray(x, np.float32)
-    n_tok = x.shape[0]
+    x = _f32(x)
+    n_tok = x.size // n_in
+    if x.size != n_tok * n_in:
+        raise ValueError(f"matmul: activations of {x.size} values are not rows of {n_in}")
     if out is None:
         out = np.empty((n_tok, n_out), np.float32)
     nt = n_threads_default if n_threads is None else n_threads
-    _check(_lib.lever_matmul(type_id, _ptr(w), n_out, n_in, x, n_tok, out, nt), "matmul")
+    _check(_lib.lever_matmul(type_id, _ptr(w), n_out, n_in, _addr(x, np.float32), n_tok, _addr(out, np.float32), nt),
+           "matmul")
     return out
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
-    x = np.ascontiguousarray(x, np.float32)
+    x, w = _f32(x), _f32(w)
     n = x.shape[-1]
+    if w.size != n:
+        raise ValueError(f"rmsnorm: weight of {w.size} for rows of {n}")
     if out is None:
         out = np.empty_like(x)
-    _lib.lever_rmsnorm(x, np.ascontiguousarray(w, np.float32), x.size // n, n, eps, out)
+    _lib.lever_rmsnorm(_addr(x, np.float32), _addr(w, np.float32), x.size // n, n, eps, _addr(out, np.float32))
     return out
 
 
 def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, inv_freq: np.ndarray, neox: bool,
          attn_factor: float = 1.0) -> None:
     """In place on x: (n_tok, n_head, head_dim)."""
-    assert x.flags.c_contiguous and x.dtype == np.float32
     n_tok, n_head, head_dim = x.shape
-    _lib.lever_rope(x, np.ascontiguousarray(pos, np.int32), n_tok, n_head, head_dim, n_rot,
-                    np.ascontiguousarray(inv_freq, np.float32), int(neox), attn_factor)
+    pos = np.ascontiguousarray(pos, np.int32)
+    inv_freq = _f32(inv_freq)
+    if pos.size != n_tok or inv_freq.size < n_rot // 2:
+        raise ValueError("rope: positions or frequencies do not match x")
+    _lib.lever_rope(_addr(x, np.float32), _addr(pos, np.int32), n_tok, n_head, head_dim, n_rot,
+                    _addr(inv_freq, np.float32), int(neox), attn_factor)
+
+
+_KV_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float,
               out: np.ndarray | None = None, n_threads: int | None = None) -> np.ndarray:
     """q: (n_tok, n_head, hd); k, v: (n_kv, n_kv_head, hd) f32 or f16; mask: (n_tok, n_kv) bool."""
-    q = np.ascontiguousarray(q, np.float32)
+    q = _f32(q)
     n_tok, n_head, hd = q.shape
     n_kv, n_kv_head, _ = k.shape
-    kv_type = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}[k.dtype]
-    assert k.dtype == v.dtype and k.flags.c_contiguous and v.flags.c_contiguous
+    if k.dtype != v.dtype or k.shape != v.shape or k.dtype not in _KV_TYPES:
+        raise ValueError("attention: k and v must share a shape and a float32/float16 dtype")
+    if mask.shape != (n_tok, n_kv):
+        raise ValueError(f"attention: mask {mask.shape} for {n_tok} tokens over {n_kv} rows")
     if out is None:
         out = np.empty_like(q)
+    m = mask.view(np.uint8) if mask.dtype == np.bool_ and mask.flags.c_contiguous else np.ascontiguousarray(mask, np.uint8)
     nt = n_threads_default if n_threads is None else n_threads
-    m = np.ascontiguousarray(mask, np.uint8)
-    _check(_lib.lever_attention(q, n_tok, n_head, hd, k.ctypes.data, v.ctypes.data, kv_type,
-                                n_kv, n_kv_head, m, scale, out, nt), "attention")
+    _check(_lib.lever_attention(_addr(q, np.float32), n_tok, n_head, hd, _addr(k, k.dtype), _addr(v, v.dtype),
+                                _KV_TYPES[k.dtype], n_kv, n_kv_head, _addr(m, np.uint8), scale,
+                                _addr(out, np.float32), nt), "attention")
     return out
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    gate = np.ascontiguousarray(gate, np.float32)
-    up = np.ascontiguousarray(up, np.float32)
+    gate, up = _f32(gate), _f32(up)
+    if gate.size != up.size:
+        raise ValueError("swiglu: gate and up differ in size")
     if out is None:
         out = np.empty_like(gate)
-    _lib.lever_swiglu(gate, up, gate.size, out)
+    _lib.lever_swiglu(_addr(gate, np.float32), _addr(up, np.float32), gate.size, _addr(out, np.float32))
     return out
-
-

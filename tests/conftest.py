@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -16,6 +17,9 @@ STORIES = MODELS / "stories260K.gguf"
 QWEN_DIR = Path(os.environ.get("LEVER_MODELS", Path.home() / ".cache" / "lever" / "models"))
 QWEN_TARGET = QWEN_DIR / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 QWEN_DRAFT = QWEN_DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+# llama.cpp as an independent reference: llama-cpp-python, finding libllama through
+# LLAMA_CPP_LIB_PATH, else through a build beside the project (where the developers keep one).
+LLAMA_CPP_LIB = ROOT.parent / "ref" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
 
 
 def require(path: Path) -> Path:
@@ -54,3 +58,27 @@ def tiny_model(tmp_path_factory):
         return made[key]
 
     return make
+
+
+_QUIET = []  # keeps the ctypes log callback alive
+
+
+def import_llama_cpp():
+    """llama-cpp-python with llama.cpp's logging silenced; raises when it is not usable."""
+    if LLAMA_CPP_LIB.exists():
+        os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(LLAMA_CPP_LIB))
+    import llama_cpp
+
+    if not _QUIET:
+        _QUIET.append(llama_cpp.llama_log_callback(lambda level, text, data: None))
+        llama_cpp.llama_log_set(_QUIET[0], ctypes.c_void_p(0))
+    return llama_cpp
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    try:
+        return import_llama_cpp()
+    except Exception as e:  # missing package, or it cannot find libllama
+        pytest.skip(f"llama-cpp-python not usable ({type(e).__name__}: {e}); to compare with llama.cpp, "
+                    "pip install llama-cpp-python (or its Python part, with LLAMA_CPP_LIB_PATH set to a libllama build)")

@@ -58,12 +58,7 @@ def test_teacher_forced_argmax_agrees_with_numpy_reference(qwen):
     assert agreement >= AGREEMENT_MIN
 
 
-def test_teacher_forced_argmax_agrees_with_llama_cpp(qwen):
-    try:
-        import llama_cpp
-    except Exception as e:  # the package is missing, or cannot find its libllama
-        pytest.skip(f"llama-cpp-python not usable ({type(e).__name__}: {e}); "
-                    "pip install llama-cpp-python to compare with llama.cpp")
+def test_teacher_forced_argmax_agrees_with_llama_cpp(qwen, llama_cpp):
     tok = Tokenizer.from_gguf(qwen)
     ids = code_tokens(tok)
     llm = llama_cpp.Llama(model_path=str(qwen), n_ctx=256, logits_all=True, verbose=False, n_threads=2)

@@ -24,7 +24,7 @@ import pytest
 from lever.errors import LeverError
 from lever.tokenizer import StreamDecoder, Tokenizer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(__file__).resolve().parents[3] / "shared"
 STORIES = SHARED / "models" / "stories260K.gguf"
 LLAMA2 = SHARED / "models" / "llama-2-tiny-random.gguf"
 TOK512 = SHARED / "models" / "tok512.bin"
@@ -32,7 +32,6 @@ CORPORA = SHARED / "corpora"
 QWEN = Path(os.environ.get("LEVER_MODELS", Path.home() / ".cache" / "lever" / "models")) / (
     "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 )
-LLAMA_CPP_LIB = Path("/work/ref/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
 
 AWKWARD = [
     "",
@@ -92,33 +91,6 @@ def qwen_tok(qwen_reader) -> Tokenizer:
 @pytest.fixture(params=["stories", "llama2", "qwen"])
 def any_tok(request) -> Tokenizer:
     return request.getfixturevalue(f"{request.param}_tok")
-
-
-_QUIET = []  # keeps the ctypes log callback alive
-
-
-def import_llama_cpp():
-    """llama-cpp-python with llama.cpp's logging silenced; raises when it is not usable."""
-    if LLAMA_CPP_LIB.exists():
-        os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(LLAMA_CPP_LIB))
-    import llama_cpp
-
-    if not _QUIET:
-        _QUIET.append(llama_cpp.llama_log_callback(lambda level, text, data: None))
-        llama_cpp.llama_log_set(_QUIET[0], ctypes.c_void_p(0))
-    return llama_cpp
-
-
-@pytest.fixture(scope="session")
-def llama_cpp():
-    try:
-        return import_llama_cpp()
-    except Exception as e:  # missing package, or it cannot find libllama
-        pytest.skip(
-            f"llama-cpp-python not usable ({type(e).__name__}: {e}); to compare with llama.cpp install its Python "
-            "part: `cd /work/ref/llama_cpp_python-0.3.36 && CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install --no-deps . "
-            "&& pip install diskcache jinja2`, and set LLAMA_CPP_LIB_PATH to the directory holding libllama.so"
-        )
 
 
 def reference(llama_cpp, path: Path):
@@ -432,6 +404,8 @@ def test_matches_llama_cpp(request, llama_cpp, name):
 
 def measure_agreement() -> None:
     """Print per-text agreement with llama.cpp over larger samples (run this file directly)."""
+    from tests.conftest import import_llama_cpp
+
     llama_cpp = import_llama_cpp()
     samples = corpus_samples(n_lines=3000, n_files=10_000)
     for path in (STORIES, LLAMA2, QWEN):
