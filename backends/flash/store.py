@@ -1,0 +1,309 @@
+"""The flash store: the target model's layers read from the GGUF file on every forward pass.
+
+It sits under the pipeline's read stage. At open it decides which layers stay resident (read
+once, kept in DRAM) and plans every read of the rest; the stage then, for each streamed layer,
+acquires a buffer of the staging window (`pool`), runs the layer's `plan_reads` through
+`read` in worker threads (at most `queue_depth` at once; the reads release the GIL), passes
+`tensors(layer, buffer)` to compute, and afterwards calls `release_layer` and gives the buffer
+back. Everything here is synchronous and thread-safe; the scheduling is the stage's.
+
+Two ways to read, chosen by FlashConfig.mode:
+
+- direct: O_DIRECT preadv into the page-aligned buffer. The page cache is bypassed, so each
+  pass reads the device, and a device error is an errno we can report.
+- mmap: the file is mapped, and each chunk is faulted in (MADV_WILLNEED to issue one large
+  read, MADV_POPULATE_READ to wait for it and surface I/O errors as errno instead of SIGBUS),
+  copied into the buffer, and dropped from the mapping and the page cache at once. The copy
+  costs a memcpy (several times faster than phone flash, and on a worker thread) but buys
+  what zero-copy views of the mapping cannot give: the same bounded staging window and
+  buffer protocol as direct mode, a page cache that never holds more than the chunks in
+  flight, and no view that, used after its layer was released, silently faults the pages back
+  in from flash.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from lever.errors import LeverError
+from lever.gguf_file import GGUFFile
+
+from .config import PAGE_BYTES, FlashConfig, plan_residency
+from .device import Counters, FlashStats, Throttle
+from .layout import LayerExtent, Read, layer_extents, plan_chunks, round_down, round_up
+from .pool import BufferPool, StagingBuffer
+
+# The largest page-cache folio: a PMD (2 MiB with 4 KiB pages, on x86-64 and arm64).
+FOLIO_MAX_BYTES = 2 * 2**20
+# Python 3.11's mmap module lacks the name; 22 is its value on every Linux ABI we run on.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None)
+
+
+class FlashStore:
+    """Streamed and resident layers of one GGUF file. Close it (or use `with`)."""
+
+    def __init__(self, path: str | os.PathLike, config: FlashConfig | None = None, *, file: GGUFFile | None = None):
+        self.config = config = config or FlashConfig()
+        self.file = file or GGUFFile(path)
+        self.path = self.file.path
+        self.extents: list[LayerExtent] = layer_extents(self.file)
+        self.resident: frozenset[int] = plan_residency(self.layer_bytes, config.dram_budget)
+        self.streamed: tuple[int, ...] = tuple(i for i in range(self.n_layer) if i not in self.resident)
+        self._plans = [plan_chunks(e, config.chunk_bytes) for e in self.extents]
+        self._throttle = Throttle(config.bandwidth_cap_bytes_per_s, config.read_latency_ms)
+        self._counters = Counters()
+        self._resident_bufs: dict[int, StagingBuffer] = {}
+        self._resident_lock = threading.Lock()
+        self._map: mmap.mmap | None = None
+        self._file_bytes: np.ndarray | None = None
+        self._populate_read = MADV_POPULATE_READ
+        self.pool: BufferPool | None = None
+        self._fd = -1
+        self._fd = self._open_fd()
+        try:
+            st = os.fstat(self._fd)
+            self._identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if config.mode == "mmap":
+                self._map_file(st.st_size)
+            # A file just written or read sits in the page cache; evicting the streamed ranges
+            # makes the first pass read the device like every later one.
+            self._evict_streamed()
+            self.pool = BufferPool(config.window_layers,
+                                   max((self.extents[i].buffer_bytes for i in self.streamed), default=0))
+        except BaseException:
+            self.close()
+            raise
+        self._counters.reset()
+
+    # -- opening and closing
+
+    def _open_fd(self) -> int:
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        if self.config.mode == "direct":
+            flags |= os.O_DIRECT
+        try:
+            return os.open(self.path, flags)
+        except OSError as e:
+            if e.errno == errno.EINVAL and self.config.mode == "direct":
+                raise LeverError(f"{self.path}: the file system does not support O_DIRECT (tmpfs?); "
+                                 f"use flash mode 'mmap'") from None
+            raise LeverError(f"{self.path}: cannot open: {e.strerror}") from None
+
+    def _map_file(self, size: int) -> None:
+        self._map = mmap.mmap(self._fd, size, access=mmap.ACCESS_READ)
+        # No readahead on faults: each chunk asks for exactly its pages (MADV_WILLNEED), and
+        # the kernel's guesses would pull in neighbours - often resident or not yet due.
+        self._map.madvise(mmap.MADV_RANDOM)
+        self._file_bytes = np.frombuffer(self._map, np.uint8)
+
+    def close(self) -> None:
+        """Close the file and free the window and resident layers; views handed out keep
+        their memory alive until dropped. Idempotent."""
+        if self.pool is not None:
+            self.pool.close()
+        for buf in self._resident_bufs.values():
+            buf.close()
+        self._resident_bufs = {}
+        self._file_bytes = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> FlashStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the layer table
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.extents)
+
+    @property
+    def layer_bytes(self) -> list[int]:
+        """DRAM each layer takes in a buffer (its runs, page-rounded)."""
+        return [e.buffer_bytes for e in self.extents]
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes one pass asks of storage: every streamed layer's reads."""
+        return sum(r.n_bytes for i in self.streamed for r in self._plans[i])
+
+    def is_resident(self, layer: int) -> bool:
+        return layer in self.resident
+
+    def plan_reads(self, layer: int) -> list[Read]:
+        """The reads that fill a buffer with `layer`, in file order; any order and any
+        concurrency will do, as each writes its own part of the buffer."""
+        return list(self._plans[self._layer_index(layer)])
+
+    def _layer_index(self, layer: int) -> int:
+        if not 0 <= layer < self.n_layer:
+            raise LeverError(f"{self.path}: no layer {layer} (the file has {self.n_layer})")
+        return layer
+
+    # -- reading
+
+    def read(self, r: Read, buffer: StagingBuffer) -> None:
+        """Perform one planned read into `buffer`; raises LeverError naming file, layer and
+        offset on a device error, a short read or a file changed since open."""
+        if self._fd < 0:
+            raise LeverError(f"{self.path}: flash store is closed")
+        if r.buffer_offset + r.n_bytes > buffer.n_bytes:
+            raise LeverError(f"{self.path}: layer {r.layer} needs {self.extents[r.layer].buffer_bytes} bytes, "
+                             f"buffer {buffer.index} has {buffer.n_bytes}")
+        buffer.begin(r.layer, r.index)
+        deadline = self._throttle.deadline(r.n_bytes) if self._throttle.active else 0.0
+        t0 = time.perf_counter()
+        if self._map is None:
+            self._pread(r, buffer)
+        else:
+            self._copy_from_map(r, buffer)
+        self._check_unchanged(r)
+        if deadline:
+            Throttle.wait_until(deadline)
+        self._counters.add(r.n_bytes, r.data_bytes, time.perf_counter() - t0)
+        buffer.landed(r.layer, r.index)
+
+    def _pread(self, r: Read, buffer: StagingBuffer) -> None:
+        dest = buffer.array[r.buffer_offset : r.buffer_offset + r.n_bytes]
+        got = 0
+        while got < r.need_bytes:
+            try:
+                n = os.preadv(self._fd, [dest[got:]], r.file_offset + got)
+            except OSError as e:
+                raise self._error(r, f"read of {r.n_bytes - got} bytes failed ({e.strerror or e})",
+                                  r.file_offset + got) from e
+            got += max(n, 0)
+            # A transfer that is not a whole number of pages stopped at the end of the file;
+            # O_DIRECT could not continue from there anyway.
+            if n <= 0 or got % PAGE_BYTES:
+                break
+        if got < r.need_bytes:
+            raise self._error(r, f"short read: {got} of {r.need_bytes} bytes{self._changed_note()}", r.file_offset)
+
+    def _copy_from_map(self, r: Read, buffer: StagingBuffer) -> None:
+        start, n = r.file_offset, r.need_bytes
+        if os.fstat(self._fd).st_size < start + n:  # touching pages past the end is SIGBUS
+            raise self._error(r, f"short read: file ends before {start + n}{self._changed_note()}", start)
+        span = round_up(n)
+        try:
+            self._map.madvise(mmap.MADV_WILLNEED, start, span)
+            if self._populate_read is not None:
+                self._populate(start, span)
+        except OSError as e:
+            raise self._error(r, f"read of {n} bytes failed ({e.strerror or e})", start) from e
+        buffer.array[r.buffer_offset : r.buffer_offset + n] = self._file_bytes[start : start + n]
+        # The copy is what compute uses; holding the pages too would double the DRAM.
+        self._drop_range(start, span)
+
+    def _populate(self, start: int, span: int) -> None:
+        try:
+            self._map.madvise(self._populate_read, start, span)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._populate_read = None  # kernel < 5.14: the copy's own faults do the reading
+
+    def read_layer(self, layer: int, buffer: StagingBuffer) -> dict[str, np.ndarray]:
+        """Read a whole layer into `buffer`, one chunk after another; its tensor views."""
+        for r in self._plans[self._layer_index(layer)]:
+            self.read(r, buffer)
+        return self.tensors(layer, buffer)
+
+    def tensors(self, layer: int, buffer: StagingBuffer) -> dict[str, np.ndarray]:
+        """Tensor name -> (n_rows, row_bytes) uint8 view into `buffer`, once every read of
+        the layer has landed there (never a partly filled buffer)."""
+        extent = self.extents[self._layer_index(layer)]
+        if not buffer.complete(layer, len(self._plans[layer])):
+            raise LeverError(f"{self.path}: layer {layer}: buffer {buffer.index} does not hold the whole layer "
+                             "(a read failed or is still in flight)")
+        views = {}
+        for t, offset in extent.placed:
+            flat = buffer.array[offset : offset + t.n_bytes]
+            views[t.name] = flat.reshape(t.n_rows, t.n_bytes // t.n_rows)
+        return views
+
+    def release_layer(self, layer: int) -> None:
+        """Drop a streamed layer's pages from the mapping (mmap mode) and the page cache, so
+        the cache cannot quietly come to hold the model. The buffer goes back to the pool
+        separately."""
+        for run in self.extents[self._layer_index(layer)].runs:
+            self._drop_range(run.file_start, run.n_bytes)
+
+    # -- resident layers
+
+    def resident_layer(self, layer: int) -> dict[str, np.ndarray]:
+        """A resident layer's tensor views; read from flash on the first call only."""
+        if layer not in self.resident:
+            raise LeverError(f"{self.path}: layer {layer} is streamed, not resident "
+                             f"(dram_budget={self.config.dram_budget!r})")
+        with self._resident_lock:  # two first users must not both read it
+            buf = self._resident_bufs.get(layer)
+            if buf is None:
+                buf = StagingBuffer(-1 - layer, self.extents[layer].buffer_bytes)
+                self.read_layer(layer, buf)
+                self._resident_bufs[layer] = buf
+        return self.tensors(layer, buf)
+
+    def load_resident(self) -> None:
+        """Read every resident layer now (e.g. at startup) rather than on first use."""
+        for layer in sorted(self.resident):
+            self.resident_layer(layer)
+
+    # -- counters
+
+    def stats(self) -> FlashStats:
+        return self._counters.snapshot()
+
+    def reset_stats(self) -> None:
+        self._counters.reset()
+
+    # -- helpers
+
+    def _evict_streamed(self) -> None:
+        # The kernel evicts only folios wholly inside the range, and a file read normally is
+        # cached in folios of up to FOLIO_MAX_BYTES; so each range is widened to that grain
+        # (costing at most a re-read of a neighbour's edge) or a layer's ends stay cached.
+        for layer in self.streamed:
+            for run in self.extents[layer].runs:
+                start = round_down(run.file_start, FOLIO_MAX_BYTES)
+                os.posix_fadvise(self._fd, start, round_up(run.file_end, FOLIO_MAX_BYTES) - start,
+                                 os.POSIX_FADV_DONTNEED)
+
+    def _drop_range(self, start: int, n_bytes: int) -> None:
+        if self._fd < 0:
+            return
+        if self._map is not None:
+            # Unmap first: the page cache will not evict a page some mapping still holds.
+            self._map.madvise(mmap.MADV_DONTNEED, start, min(n_bytes, round_up(len(self._map)) - start))
+        os.posix_fadvise(self._fd, start, n_bytes, os.POSIX_FADV_DONTNEED)
+
+    def _check_unchanged(self, r: Read) -> None:
+        st = os.fstat(self._fd)
+        if (st.st_ino, st.st_size, st.st_mtime_ns) != self._identity:
+            raise self._error(r, f"file changed while open{self._changed_note()}", r.file_offset)
+
+    def _changed_note(self) -> str:
+        size = os.fstat(self._fd).st_size
+        if size != self._identity[1]:
+            return f" (file is now {size} bytes, was {self._identity[1]}: truncated or replaced while open)"
+        return ""
+
+    def _error(self, r: Read, what: str, offset: int) -> LeverError:
+        return LeverError(f"{self.path}: layer {r.layer}, offset {offset}: {what}")
