@@ -109,6 +109,53 @@ def cmd_logits(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    from lever.config import load_config
+    from lever.run import run_pipeline
+
+    cfg = load_config(args.config, args.set or [])
+    if args.n is not None:
+        cfg = load_config(args.config, (args.set or []) + [f"generate.n_predict={args.n}"])
+
+    def on_text(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    if not args.json:
+        sys.stdout.write(args.prompt)
+    res = run_pipeline(cfg, args.prompt, None if args.json else on_text, args.trace)
+    if args.json:
+        print(json.dumps(res.as_json()))
+        return 0
+    print()
+    print_summary(res, file=sys.stderr)
+    return 0
+
+
+def print_summary(res, file) -> None:
+    mib = 2**20
+    p = lambda *a: print(*a, file=file)  # noqa: E731
+    p(f"pipeline {res.pipeline}: {len(res.tokens)} tokens in {res.n_passes} passes, stop: {res.stop_reason}")
+    p(f"  decode      {res.decode_tps:.2f} tok/s ({res.ms_per_token:.1f} ms/token), prefill {res.prefill_s:.2f} s, "
+      f"{res.accepted_per_pass:.2f} tokens/pass")
+    p(f"  flash       {res.flash_mb_per_token:.1f} MB/token from the device "
+      f"({res.streamed_bytes_per_pass / 1e6:.1f} MB streamed per pass), {res.flash_gbps:.2f} GB/s while reading")
+    p(f"  overlap     {100 * res.overlap_share:.0f}% of read time hidden under compute; per pass: "
+      f"read {res.io_s / max(res.n_passes, 1) * 1e3:.1f} ms, compute {res.compute_s / max(res.n_passes, 1) * 1e3:.1f} ms, "
+      f"wall {res.pass_wall_ratio:.2f}x max(read, compute)")
+    p(f"  memory      peak RSS {res.peak_rss_bytes / mib:.0f} MiB; resident layers {res.resident_layer_bytes / mib:.0f} MiB, "
+      f"window {res.window_bytes / mib:.0f} MiB, KV cache {res.kv_cache_bytes / mib:.0f} MiB")
+    p("  stages      " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(res.stage_s.items())))
+
+
+def cmd_convert(args) -> int:
+    from lever.convert import convert
+
+    convert(args.input, args.output, args.alignment)
+    print(f"wrote {args.output} (tensors aligned to {args.alignment} bytes)", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from lever.bench import bench_model
 
@@ -148,6 +195,23 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--out", type=Path, required=True, help="output .npy, float32 (n_tokens, vocab)")
     _add_common(lg)
     lg.set_defaults(func=cmd_logits)
+
+    r = sub.add_parser("run", help="generate through a configured pipeline (target streamed from flash)")
+    r.add_argument("-c", "--config", type=Path, default=None, help="TOML config (examples/*.toml)")
+    r.add_argument("-p", "--prompt", required=True)
+    r.add_argument("-n", type=int, default=None, help="tokens to generate (overrides [generate] n_predict)")
+    r.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    r.add_argument("--json", action="store_true", help="print one JSON object with the run's figures")
+    r.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace here")
+    _add_common(r)
+    r.set_defaults(func=cmd_run)
+
+    cv = sub.add_parser("convert", help="rewrite a GGUF with 4096-byte tensor alignment (for O_DIRECT reads)")
+    cv.add_argument("input", type=Path)
+    cv.add_argument("output", type=Path)
+    cv.add_argument("--alignment", type=int, default=4096)
+    _add_common(cv)
+    cv.set_defaults(func=cmd_convert)
 
     b = sub.add_parser("bench", help="benchmarks printed as ratios measured side by side")
     b.add_argument("what", choices=["model"], help="model: tg/pp tokens/s of one model in DRAM, vs llama-bench")

@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from lever.backends.flash import FlashConfig
 from lever.errors import LeverError
 
 
@@ -34,14 +35,14 @@ class ModelConfig:
 class PipelineConfig:
     """Which composition of stages runs."""
 
-    kind: str = "flash-ar"  # flash-ar: autoregressive, target streamed from flash
+    kind: str = "flash-ar"  # flash-ar: autoregressive, target streamed; resident-ar: all layers in DRAM
 
     def __attrs_post_init__(self):
         if self.kind not in PIPELINE_KINDS:
             raise LeverError(f"[pipeline] kind: unknown pipeline {self.kind!r} (known: {', '.join(PIPELINE_KINDS)})")
 
 
-PIPELINE_KINDS = ("flash-ar",)
+PIPELINE_KINDS = ("flash-ar", "resident-ar")
 
 
 @attrs.frozen
@@ -77,6 +78,7 @@ class RuntimeConfig:
 
 
 SECTIONS: dict[str, type] = {
+    "flash": FlashConfig,
     "model": ModelConfig,
     "pipeline": PipelineConfig,
     "channels": ChannelsConfig,

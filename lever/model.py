@@ -119,8 +119,10 @@ def load_layer(f: GGUFFile, spec: ModelSpec, layer: int, raws: dict[str, np.ndar
         raw = None if raws is None else raws.get(name)
         if field in MATRICES:
             fields[field] = weight_from(f, name, raw)
-        else:
+        elif raw is None:
             fields[field] = f.floats(name).reshape(-1)
+        else:  # norms and biases from the bytes read, not from the file's mapping
+            fields[field] = native.dequantize(info.type.ggml_id, raw, info.n_rows, info.n_cols).reshape(-1)
     return LayerWeights(**fields)
 
 
@@ -155,10 +157,12 @@ def layer_forward(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndar
 
 
 class Model:
-    """A GGUF model whose weights are all mapped from the file (memory-resident)."""
+    """A GGUF model whose weights are mapped from the file (memory-resident). With
+    load_layers=False only the embeddings and the output head are set up: the layers then
+    come from elsewhere (the flash backend)."""
 
-    def __init__(self, path):
-        self.file = f = GGUFFile(path)
+    def __init__(self, path=None, *, file: GGUFFile | None = None, load_layers: bool = True):
+        self.file = f = file or GGUFFile(path)
         self.spec = spec = read_spec(f)
         self.inv_freq = spec.inv_freq()
         self.tok_embd = weight_from(f, "token_embd.weight")
@@ -167,7 +171,7 @@ class Model:
         self.output_norm = f.floats("output_norm.weight").reshape(-1)
         # Tied embeddings: without output.weight the projection reuses token_embd.
         self.output = weight_from(f, "output.weight") if "output.weight" in f.tensors else self.tok_embd
-        self.layers = [load_layer(f, spec, i) for i in range(spec.n_layer)]
+        self.layers = [load_layer(f, spec, i) for i in range(spec.n_layer)] if load_layers else []
 
     def new_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.spec, n_ctx)

@@ -1,0 +1,148 @@
+"""`lever run`: one generation through a configured pipeline, and its run summary.
+
+The summary is where the pipeline's claims are measured: tokens/s, flash bytes read from the
+device per token (from /proc/self/io, not from what was asked), the share of read time hidden
+under compute, time per token against the read and compute time of one pass, and peak RSS
+against the DRAM the configuration accounts for.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import anyio
+import attrs
+
+from lever.backends.flash.device import process_read_bytes
+from lever.config import Config
+from lever.errors import LeverError
+from lever.pipelines import FlashTarget, flash_ar
+from lever.sampling import SamplingParams
+from lever.tokenizer import StreamDecoder, Tokenizer
+from lever.trace import Tracer
+
+
+@attrs.frozen
+class RunResult:
+    pipeline: str
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    stop_reason: str
+    prefill_s: float
+    decode_s: float
+    n_passes: int
+    accepted_per_pass: float
+    dram_budget_bytes: int  # resident layers + staging window (+ KV cache, head)
+    resident_layer_bytes: int
+    window_bytes: int
+    kv_cache_bytes: int
+    streamed_bytes_per_pass: int
+    flash_read_bytes: int  # read from the device during decoding (process counter)
+    flash_requested_bytes: int
+    peak_rss_bytes: int
+    stage_s: dict[str, float]
+    io_s: float
+    compute_s: float
+    overlap_share: float
+    flash_gbps: float
+
+    @property
+    def decode_tps(self) -> float:
+        return len(self.tokens[1:]) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000.0 / self.decode_tps if self.decode_tps else 0.0
+
+    @property
+    def flash_mb_per_token(self) -> float:
+        return self.flash_read_bytes / max(len(self.tokens) - 1, 1) / 1e6
+
+    @property
+    def pass_wall_ratio(self) -> float:
+        """Wall time per pass over the larger of a pass's read and compute time: 1.0 is perfect overlap."""
+        if not self.n_passes:
+            return 0.0
+        per_pass = max(self.io_s, self.compute_s) / self.n_passes
+        return (self.prefill_s + self.decode_s) / self.n_passes / per_pass if per_pass else 0.0
+
+    def as_json(self) -> dict:
+        d = attrs.asdict(self)
+        d.update(decode_tps=self.decode_tps, ms_per_token=self.ms_per_token, flash_mb_per_token=self.flash_mb_per_token,
+                 pass_wall_ratio=self.pass_wall_ratio)
+        return d
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None) -> RunResult:
+    kind = cfg.pipeline.kind
+    if not cfg.model.target:
+        raise LeverError(f"{cfg.path or 'config'}: [model] target: no target model given")
+    flash = cfg.flash if kind == "flash-ar" else attrs.evolve(cfg.flash, dram_budget=1.0)
+    target = FlashTarget.open(cfg.resolve_path(cfg.model.target), flash)
+    try:
+        return _run(cfg, kind, target, prompt, on_text, trace_path)
+    finally:
+        target.close()
+
+
+def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trace_path) -> RunResult:
+    spec = target.model.spec
+    tok = Tokenizer.from_gguf(target.model.file)
+    prompt_ids = tok.encode(prompt)
+    n_ctx = min(cfg.model.n_ctx, spec.n_ctx_train)
+    if not prompt_ids:
+        raise LeverError("empty prompt")
+    if len(prompt_ids) >= n_ctx:
+        raise LeverError(f"prompt is {len(prompt_ids)} tokens, over the context of {n_ctx} ([model] n_ctx)")
+    g = cfg.generate
+    params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed)
+    tracer = Tracer()
+    stream = StreamDecoder(tok, at_start=False)
+    t_first: list[float] = []
+
+    def on_tokens(ts):
+        if not t_first:
+            t_first.append(time.perf_counter())
+        if on_text:
+            on_text("".join(stream.push(t) for t in ts))
+
+    h = flash_ar(target, prompt_ids, cfg, params, frozenset(tok.eos_ids), n_ctx, tracer, on_tokens)
+    target.warm_head()
+    target.store.reset_stats()
+    dev0 = process_read_bytes() or 0
+    t0 = time.perf_counter()
+    anyio.run(h.pipeline.run)
+    t1 = time.perf_counter()
+    if on_text:
+        on_text(stream.flush())
+    dev_bytes = (process_read_bytes() or 0) - dev0
+    out = h.output
+    n_passes = len(out.accepted_per_pass)
+    summary = tracer.summary()
+    kv_bytes = h.verify.cache.nbytes
+    # The prefill pass reads the layers once too; decoding is the passes after it.
+    decode_passes = max(n_passes - 1, 1)
+    per_pass_bytes = target.store.streamed_bytes
+    stats = target.store.stats()
+    if trace_path:
+        tracer.write_chrome(trace_path)
+    return RunResult(
+        pipeline=kind, prompt_tokens=prompt_ids, tokens=out.tokens,
+        text="".join(StreamDecoder(tok, at_start=False).push(t) for t in out.tokens),
+        stop_reason=out.stop_reason, prefill_s=(t_first[0] if t_first else t1) - t0,
+        decode_s=t1 - (t_first[0] if t_first else t1), n_passes=n_passes,
+        accepted_per_pass=sum(out.accepted_per_pass[1:]) / decode_passes if n_passes > 1 else 0.0,
+        dram_budget_bytes=target.resident_bytes + target.window_bytes + kv_bytes,
+        resident_layer_bytes=target.resident_bytes, window_bytes=target.window_bytes, kv_cache_bytes=kv_bytes,
+        streamed_bytes_per_pass=per_pass_bytes,
+        flash_read_bytes=max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
+        flash_requested_bytes=stats.requested_bytes,
+        peak_rss_bytes=_peak_rss_bytes(), stage_s=summary.stage_s, io_s=summary.io_s,
+        compute_s=summary.compute_s, overlap_share=summary.overlap_share, flash_gbps=summary.flash_gbps,
+    )

@@ -1,0 +1,33 @@
+"""Output: the sink of a pipeline, collecting the emitted tokens and streaming them to a callback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from lever.graph import Stage
+from lever.messages import Accepted
+
+
+@attrs.define
+class Output(Stage):
+    name: str
+    on_tokens: Callable[[tuple[int, ...]], None] | None = None
+    INPUTS = {"emitted": Accepted}
+
+    tokens: list[int] = attrs.field(factory=list)
+    accepted_per_pass: list[int] = attrs.field(factory=list)  # tokens emitted by each pass
+    stop_reason: str = ""
+
+    def step(self, acc: Accepted) -> None:
+        self.tokens.extend(acc.tokens)
+        self.accepted_per_pass.append(len(acc.tokens))
+        if self.on_tokens:
+            self.on_tokens(acc.tokens)
+        if acc.done:
+            self.stop_reason = acc.stop_reason
+
+    async def run(self, inputs, outputs):
+        async for acc in inputs["emitted"]:
+            self.step(acc)

@@ -1,0 +1,81 @@
+"""Prefetch: streams the target's non-resident layers from flash, in execution order, pass after pass.
+
+It owns the staging window (the flash store's buffer pool): for each streamed layer it takes a
+free buffer, reads the layer's chunks with up to `queue_depth` reads in flight (worker threads;
+the reads release the GIL), and sends the layer to PrunedVerify. Buffers come back as
+`FreeBuffer` messages once their layer is computed, so the window bounds how far ahead it runs:
+while the current pass computes its last layers, the next pass's first layers are already
+being read. It ends when its consumer goes away.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import partial
+
+import anyio
+import attrs
+
+from lever.backends.flash import FlashStore
+from lever.graph import Stage
+from lever.gguf_file import GGUFFile
+from lever.messages import FreeBuffer, StreamedLayer
+from lever.model import LayerWeights, load_layer
+from lever.model_spec import ModelSpec
+from lever.trace import Tracer
+
+
+@attrs.define
+class Prefetch(Stage):
+    """FreeBuffer -> StreamedLayer, forever (until PrunedVerify stops listening)."""
+
+    name: str
+    store: FlashStore
+    file: GGUFFile
+    spec: ModelSpec
+    io_limiter: anyio.CapacityLimiter  # reads in flight: the flash queue depth
+    tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
+    INPUTS = {"free": FreeBuffer}
+    OUTPUTS = {"layers": StreamedLayer}
+    OPTIONAL = frozenset({"free", "layers"})
+
+    def read_layer(self, layer: int, buffer) -> LayerWeights:
+        """Synchronous: one layer into one buffer, chunk after chunk (tests and simple callers)."""
+        return load_layer(self.file, self.spec, layer, raws=self.store.read_layer(layer, buffer))
+
+    async def _read(self, layer: int, buffer) -> LayerWeights:
+        async with anyio.create_task_group() as tg:
+            for r in self.store.plan_reads(layer):
+                tg.start_soon(partial(anyio.to_thread.run_sync, self.store.read, r, buffer, limiter=self.io_limiter))
+        return load_layer(self.file, self.spec, layer, raws=self.store.tensors(layer, buffer))
+
+    async def run(self, inputs, outputs):
+        if not self.store.streamed:
+            return  # everything resident: nothing to stream
+        pool = self.store.pool
+        buffers = [pool.acquire() for _ in range(pool.n_buffers)]
+        free = list(range(len(buffers)))
+        holding: dict[int, int] = {}  # buffer id -> layer it holds
+        try:
+            for pass_id in itertools.count():
+                for layer in self.store.streamed:
+                    while not free:
+                        try:
+                            msg = await inputs["free"].receive()
+                        except (anyio.EndOfStream, anyio.ClosedResourceError):
+                            return
+                        self.store.release_layer(holding.pop(msg.buffer_id))
+                        free.append(msg.buffer_id)
+                    buf_id = free.pop(0)
+                    buf = buffers[buf_id]
+                    n_bytes = sum(r.n_bytes for r in self.store.plan_reads(layer))
+                    with self.tracer.span(self.name, f"read p{pass_id} L{layer}", kind="io", n_bytes=n_bytes):
+                        weights = await self._read(layer, buf)
+                    holding[buf_id] = layer
+                    try:
+                        await outputs["layers"].send(StreamedLayer(pass_id, layer, weights, buf_id, n_bytes))
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        return
+        finally:
+            for b in buffers:
+                pool.release(b)
