@@ -153,11 +153,15 @@ async def _run_stage(stage: Stage, inputs: dict, outputs: dict) -> None:
             stack.enter_context(stream)  # closing our ends tells neighbours we are done
         try:
             await stage.run(inputs, outputs)
-        except anyio.get_cancelled_exc_class():
-            raise
         except BaseException as e:
-            e.add_note(f"in stage {stage.name!r} ({type(stage).__name__})")
-            raise
+            # A stage's own task group wraps its failure in a group: name the failure itself.
+            cause = _first_cause(e) if isinstance(e, BaseExceptionGroup) else e
+            if isinstance(cause, anyio.get_cancelled_exc_class()):
+                raise
+            cause.add_note(f"in stage {stage.name!r} ({type(stage).__name__})")
+            if cause is e:
+                raise
+            raise cause from None
 
 
 def _first_cause(group: BaseExceptionGroup) -> BaseException:

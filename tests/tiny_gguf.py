@@ -134,7 +134,7 @@ def _add_byte_tokenizer(w: gguf.GGUFWriter, n_vocab: int) -> None:
     b2u = _bytes_to_unicode()
     tokens = [b2u[b] for b in range(256)]
     merges = []
-    for a, b in (("t", "h"), ("th", "e"), ("Ġ", "t"), ("i", "n"), ("Ġt", "he")):
+    for a, b in (("t", "h"), ("th", "e"), ("Ġ", "t"), ("i", "n"), ("h", "e"), ("Ġt", "he")):
         merges.append(f"{a} {b}")
         tokens.append(a + b)
     while len(tokens) < n_vocab - 1:

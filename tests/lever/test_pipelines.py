@@ -1,0 +1,103 @@
+"""Pipelines end to end: lossless against `generate`, errors and cancellation through the graph."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import anyio
+import psutil
+import pytest
+
+from lever.config import load_config
+from lever.errors import LeverError
+from lever.generate import generate
+from lever.model import Model
+from lever.pipelines import FlashTarget, flash_ar
+from lever.run import run_pipeline
+from lever.sampling import SamplingParams
+from lever.tokenizer import Tokenizer
+from lever.trace import Tracer
+
+PROMPT = "the theory in the thin"
+
+
+def config(path, *sets):
+    return load_config(None, [f'model.target="{path}"', "generate.n_predict=12", *sets])
+
+
+def reference_tokens(path, prompt=PROMPT, n=12, params=SamplingParams()):
+    model, tok = Model(path), Tokenizer.from_gguf(path)
+    return generate(model, tok.encode(prompt), n, params, eos_ids=frozenset(tok.eos_ids)).tokens
+
+
+@pytest.mark.parametrize("mode", ["direct", "mmap"])
+@pytest.mark.parametrize("budget", ["0", "0.5", "1.0"])
+@pytest.mark.parametrize("arch,wtype", [("llama", "F32"), ("qwen2", "Q4_K"), ("qwen3", "Q8_0")])
+def test_flash_ar_equals_autoregressive(tiny_model, arch, wtype, mode, budget):
+    path = tiny_model(arch, wtype, n_layer=4)
+    res = run_pipeline(config(path, f'flash.mode="{mode}"', f"flash.dram_budget={budget}"), PROMPT)
+    assert res.tokens == reference_tokens(path)
+    assert res.n_passes == len(res.tokens)
+
+
+def test_stories_flash_ar_reproduces_generate(stories):
+    cfg = config(stories, "generate.n_predict=40")
+    assert run_pipeline(cfg, "Once upon a time").tokens == reference_tokens(stories, "Once upon a time", 40)
+
+
+def test_resident_pipeline_reads_nothing_per_pass(tiny_model):
+    path = tiny_model("llama", "F32", n_layer=4)
+    res = run_pipeline(config(path, 'pipeline.kind="resident-ar"'), PROMPT)
+    assert res.tokens == reference_tokens(path) and res.streamed_bytes_per_pass == 0 and res.window_bytes == 0
+
+
+def test_sampling_with_seed_equals_generate(tiny_model):
+    path = tiny_model("qwen2", "Q4_0", n_layer=2)
+    sets = ["generate.temperature=0.8", "generate.top_k=50", "generate.seed=11"]
+    res = run_pipeline(config(path, *sets), PROMPT)
+    assert res.tokens == reference_tokens(path, params=SamplingParams(0.8, 50, 1.0, 11))
+
+
+def test_read_error_reaches_caller_naming_stage(tiny_model, monkeypatch):
+    from lever.backends.flash import FlashStore
+
+    path = tiny_model("llama", "F32", n_layer=4)
+    real_read, calls = FlashStore.read, []
+
+    def failing_read(self, r, buf):
+        calls.append(r)
+        if len(calls) > 6:
+            raise LeverError(f"{self.path}: layer {r.layer}, offset {r.file_offset}: read failed (EIO)")
+        return real_read(self, r, buf)
+
+    monkeypatch.setattr(FlashStore, "read", failing_read)
+    with pytest.raises(LeverError, match="read failed") as info:
+        run_pipeline(config(path), PROMPT)
+    assert any("in stage 'prefetch'" in n for n in info.value.__notes__)
+
+
+def test_cancellation_stops_within_a_second_and_releases_everything(tiny_model):
+    """A cancelled run (what Ctrl-C does) ends promptly, leaving no threads and no open files."""
+    path = tiny_model("llama", "F32", n_layer=4)
+    proc = psutil.Process(os.getpid())
+    threads0, files0 = threading.active_count(), {f.path for f in proc.open_files()}
+    cfg = config(path, "generate.n_predict=100000", "flash.read_latency_ms=5")
+    target = FlashTarget.open(path, cfg.flash)
+    tok = Tokenizer.from_gguf(path)
+    h = flash_ar(target, tok.encode(PROMPT), cfg, SamplingParams(), frozenset(), 256, Tracer())
+
+    async def main():
+        with anyio.move_on_after(0.5):
+            await h.pipeline.run()
+
+    t0 = time.perf_counter()
+    anyio.run(main)
+    stopped_s = time.perf_counter() - t0 - 0.5
+    target.close()
+    assert stopped_s < 1.0
+    assert 0 < len(h.output.tokens) < 100000
+    time.sleep(0.1)
+    assert threading.active_count() <= threads0
+    assert {f.path for f in proc.open_files()} <= files0
