@@ -16,19 +16,15 @@
 
 typedef struct {
     const uint8_t *p[ROWS]; /* row starts; rows past the end repeat the last row */
-    __m256i offs;           /* byte offset of each row from p[0], for gathers */
     __m256i mask;           /* all ones in lanes that are real rows */
 } tile_rows;
 
 static inline void rows_init(tile_rows *tr, const uint8_t *w, int64_t stride, int n_rows) {
-    int32_t offs[ROWS], mask[ROWS];
+    int32_t mask[ROWS];
     for (int i = 0; i < ROWS; i++) {
-        const int r = i < n_rows ? i : n_rows - 1;
-        tr->p[i] = w + r * stride;
-        offs[i] = (int32_t)(r * stride);
+        tr->p[i] = w + (i < n_rows ? i : n_rows - 1) * stride;
         mask[i] = i < n_rows ? -1 : 0;
     }
-    tr->offs = _mm256_loadu_si256((const __m256i *)offs);
     tr->mask = _mm256_loadu_si256((const __m256i *)mask);
 }
 
@@ -40,8 +36,23 @@ static inline __m256i bcast4(const void *p) {
     return _mm256_set1_epi32(v);
 }
 
-static inline __m256i gather_dword(const tile_rows *tr, int64_t off) {
-    return _mm256_i32gather_epi32((const int *)(tr->p[0] + off), tr->offs, 1);
+static inline int u16_at(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* The fp16 at byte `off` of each row, as float (inserts beat a gather here). */
+static inline __m256 fp16_rows(const tile_rows *tr, int64_t off) {
+    __m128i h = _mm_cvtsi32_si128(u16_at(tr->p[0] + off));
+    h = _mm_insert_epi16(h, u16_at(tr->p[1] + off), 1);
+    h = _mm_insert_epi16(h, u16_at(tr->p[2] + off), 2);
+    h = _mm_insert_epi16(h, u16_at(tr->p[3] + off), 3);
+    h = _mm_insert_epi16(h, u16_at(tr->p[4] + off), 4);
+    h = _mm_insert_epi16(h, u16_at(tr->p[5] + off), 5);
+    h = _mm_insert_epi16(h, u16_at(tr->p[6] + off), 6);
+    h = _mm_insert_epi16(h, u16_at(tr->p[7] + off), 7);
+    return _mm256_cvtph_ps(h);
 }
 
 /* fp16 in the low half of each dword, as float. */
@@ -202,9 +213,15 @@ static inline __attribute__((always_inline)) void tile_float(load_fn load, const
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     acc_zero(acc, n_tok);
-    int64_t k0 = 0;
-    for (; k0 + 8 <= n_in; k0 += 8) float_chunk(&tr, load, k0, 8, x, x_stride, n_tok, acc);
-    if (k0 < n_in) float_chunk(&tr, load, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
+    const int64_t n_chunks = (n_in + 7) / 8;
+    for (int64_t c = 0; c < n_chunks; c++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, c, n_chunks);
+        const int64_t k0 = 8 * c;
+        if (k0 + 8 <= n_in)
+            float_chunk(&tr, load, k0, 8, x, x_stride, n_tok, acc);
+        else
+            float_chunk(&tr, load, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
+    }
     acc_store(acc, n_tok, &tr, y, ldy);
 }
 
@@ -232,11 +249,12 @@ static void tile_q8_0_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     acc_zero(acc, n_tok);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q8_0);
         __m256i q[8], q_abs[8];
         transpose_32B(&tr, off + 2, q);
         for (int k = 0; k < 8; k++) q_abs[k] = _mm256_abs_epi8(q[k]);
-        const __m256 dw = fp16_lo(gather_dword(&tr, off));
+        const __m256 dw = fp16_rows(&tr, off);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             acc_update(acc[t], dot_groups_signed(q, q_abs, a->qs), dw, a->d);
@@ -261,11 +279,12 @@ static void tile_q4_0_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     acc_zero(acc, n_tok);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q4_0);
         __m256i p[4], q[8];
         transpose_16B(&tr, off + 2, p);
         split_nibbles(p, q);
-        const __m256 dw = fp16_lo(gather_dword(&tr, off));
+        const __m256 dw = fp16_rows(&tr, off);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             acc_update(acc[t], dot_groups(q, 8, a->qs, _mm256_set1_epi32(-8 * a->sum)), dw, a->d);
@@ -286,17 +305,20 @@ static void tile_q5_0_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     const __m256i bit_lo = _mm256_set1_epi32(0x08040201), bit_hi = _mm256_set1_epi32((int)0x80402010);
     const __m256i sixteen = _mm256_set1_epi8(16);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q5_0);
         __m256i p[4], q[8];
         transpose_16B(&tr, off + 6, p);
         split_nibbles(p, q);
-        const __m256i qh = gather_dword(&tr, off + 2);
+        __m256i hd[4]; /* d | qh[0..1], qh[2..3] | qs[0..1], ... */
+        transpose_16B(&tr, off, hd);
+        const __m256i qh = _mm256_or_si256(_mm256_srli_epi32(hd[0], 16), _mm256_slli_epi32(hd[1], 16));
         for (int k = 0; k < 8; k++) {
             const __m256i bit = k % 2 ? bit_hi : bit_lo;
             const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(qh, spread[k / 2]), bit);
             q[k] = _mm256_or_si256(q[k], _mm256_and_si256(_mm256_cmpeq_epi8(bytes, bit), sixteen));
         }
-        const __m256 dw = fp16_lo(gather_dword(&tr, off));
+        const __m256 dw = fp16_lo(hd[0]);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             acc_update(acc[t], dot_groups(q, 8, a->qs, _mm256_set1_epi32(-16 * a->sum)), dw, a->d);
@@ -321,6 +343,7 @@ static void tile_q4_K_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     }
     const __m256i m4 = _mm256_set1_epi8(0x0f), m6 = _mm256_set1_epi8(0x3f), m2 = _mm256_set1_epi8(0x03);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
         const int64_t off = b * (int64_t)sizeof(block_q4_K);
         /* f[0] = d | dmin, f[1..3] = the 12 scale bytes, unpacked as q4_K_scale_min */
         __m256i f[4];
@@ -390,16 +413,16 @@ static void tile_q6_K_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     acc_zero(acc, n_tok);
-    __m256i top_sel[4], pair_sel[2];
-    for (int i = 0; i < 4; i++) top_sel[i] = dword_bytes(-1, -1, -1, i);
+    __m256i pair_sel[2];
     for (int i = 0; i < 2; i++) pair_sel[i] = dword_bytes(-1, 2 * i, -1, 2 * i + 1);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
         const int64_t off = b * (int64_t)sizeof(block_q6_K);
         __m256i s[4], sc[16], sc_pairs[8];
         transpose_16B(&tr, off + 192, s);
-        for (int j = 0; j < 16; j++) sc[j] = _mm256_srai_epi32(_mm256_shuffle_epi8(s[j / 4], top_sel[j % 4]), 24);
+        for (int j = 0; j < 16; j++) sc[j] = _mm256_srai_epi32(_mm256_slli_epi32(s[j / 4], 24 - 8 * (j % 4)), 24);
         for (int i = 0; i < 8; i++) sc_pairs[i] = _mm256_srai_epi16(_mm256_shuffle_epi8(s[i / 2], pair_sel[i % 2]), 8);
-        const __m256 dw = fp16_lo(_mm256_srli_epi32(gather_dword(&tr, off + 206), 16));
+        const __m256 dw = fp16_rows(&tr, off + 208);
         for (int h = 0; h < 2; h++) {
             __m256i qh[8];
             transpose_32B(&tr, off + 128 + 32 * h, qh);

@@ -19,18 +19,11 @@
 
 typedef struct {
     const uint8_t *p[ROWS]; /* row starts; rows past the end repeat the last row */
-    __m512i offs;           /* byte offset of each row from p[0], for gathers */
     __mmask16 mask;         /* lanes that are real rows */
 } tile_rows;
 
 static inline void rows_init(tile_rows *tr, const uint8_t *w, int64_t stride, int n_rows) {
-    int32_t offs[ROWS];
-    for (int i = 0; i < ROWS; i++) {
-        const int r = i < n_rows ? i : n_rows - 1;
-        tr->p[i] = w + r * stride;
-        offs[i] = (int32_t)(r * stride);
-    }
-    tr->offs = _mm512_loadu_si512(offs);
+    for (int i = 0; i < ROWS; i++) tr->p[i] = w + (i < n_rows ? i : n_rows - 1) * stride;
     tr->mask = (__mmask16)((1u << n_rows) - 1);
 }
 
@@ -42,9 +35,31 @@ static inline __m512i bcast4(const void *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* The dword at byte `off` of each row's data. */
-static inline __m512i gather_dword(const tile_rows *tr, int64_t off) {
-    return _mm512_i32gather_epi32(tr->offs, tr->p[0] + off, 1);
+static inline int u16_at(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* The fp16 at byte `off` of each row, as float (gathers are slow; inserts are one load
+ * and one shuffle each). */
+static inline __m512 fp16_rows(const tile_rows *tr, int64_t off) {
+    __m128i lo = _mm_cvtsi32_si128(u16_at(tr->p[0] + off)), hi = _mm_cvtsi32_si128(u16_at(tr->p[8] + off));
+    lo = _mm_insert_epi16(lo, u16_at(tr->p[1] + off), 1);
+    hi = _mm_insert_epi16(hi, u16_at(tr->p[9] + off), 1);
+    lo = _mm_insert_epi16(lo, u16_at(tr->p[2] + off), 2);
+    hi = _mm_insert_epi16(hi, u16_at(tr->p[10] + off), 2);
+    lo = _mm_insert_epi16(lo, u16_at(tr->p[3] + off), 3);
+    hi = _mm_insert_epi16(hi, u16_at(tr->p[11] + off), 3);
+    lo = _mm_insert_epi16(lo, u16_at(tr->p[4] + off), 4);
+    hi = _mm_insert_epi16(hi, u16_at(tr->p[12] + off), 4);
+    lo = _mm_insert_epi16(lo, u16_at(tr->p[5] + off), 5);
+    hi = _mm_insert_epi16(hi, u16_at(tr->p[13] + off), 5);
+    lo = _mm_insert_epi16(lo, u16_at(tr->p[6] + off), 6);
+    hi = _mm_insert_epi16(hi, u16_at(tr->p[14] + off), 6);
+    lo = _mm_insert_epi16(lo, u16_at(tr->p[7] + off), 7);
+    hi = _mm_insert_epi16(hi, u16_at(tr->p[15] + off), 7);
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
 }
 
 /* fp16 in the low half of each dword, as float. */
@@ -206,9 +221,15 @@ static inline __attribute__((always_inline)) void tile_float(load_fn load, const
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     acc_zero(acc, n_tok);
-    int64_t k0 = 0;
-    for (; k0 + 16 <= n_in; k0 += 16) float_chunk(&tr, load, k0, 16, x, x_stride, n_tok, acc);
-    if (k0 < n_in) float_chunk(&tr, load, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
+    const int64_t n_chunks = (n_in + 15) / 16;
+    for (int64_t c = 0; c < n_chunks; c++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, c, n_chunks);
+        const int64_t k0 = 16 * c;
+        if (k0 + 16 <= n_in)
+            float_chunk(&tr, load, k0, 16, x, x_stride, n_tok, acc);
+        else
+            float_chunk(&tr, load, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
+    }
     acc_store(acc, n_tok, &tr, y, ldy);
 }
 
@@ -237,11 +258,12 @@ static void tile_q8_0_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     acc_zero(acc, n_tok);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q8_0);
         __m512i q[8];
         transpose_32B(&tr, off + 2, q);
         for (int k = 0; k < 8; k++) q[k] = _mm512_xor_si512(q[k], flip); /* w + 128 */
-        const __m512 dw = fp16_lo(gather_dword(&tr, off));
+        const __m512 dw = fp16_rows(&tr, off);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             const __m512i isum = dot_groups(q, 8, a->qs, _mm512_set1_epi32(-128 * a->sum));
@@ -268,11 +290,12 @@ static void tile_q4_0_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     acc_zero(acc, n_tok);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q4_0);
         __m512i p[4], q[8];
         transpose_16B(&tr, off + 2, p);
         split_nibbles(p, q);
-        const __m512 dw = fp16_lo(gather_dword(&tr, off));
+        const __m512 dw = fp16_rows(&tr, off);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             const __m512i isum = dot_groups(q, 8, a->qs, _mm512_set1_epi32(-8 * a->sum));
@@ -294,17 +317,20 @@ static void tile_q5_0_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     const __m512i bit_lo = _mm512_set1_epi32(0x08040201), bit_hi = _mm512_set1_epi32((int)0x80402010);
     const __m512i sixteen = _mm512_set1_epi8(16);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q5_0);
         __m512i p[4], q[8];
         transpose_16B(&tr, off + 6, p);
         split_nibbles(p, q);
-        const __m512i qh = gather_dword(&tr, off + 2);
+        __m512i hd[4];
+        transpose_16B(&tr, off, hd);
+        const __m512i qh = _mm512_or_si512(_mm512_srli_epi32(hd[0], 16), _mm512_slli_epi32(hd[1], 16));
         for (int k = 0; k < 8; k++) {
             const __m512i bytes = _mm512_shuffle_epi8(qh, spread[k / 2]);
             const __mmask64 set = _mm512_test_epi8_mask(bytes, k % 2 ? bit_hi : bit_lo);
             q[k] = _mm512_mask_add_epi8(q[k], set, q[k], sixteen);
         }
-        const __m512 dw = fp16_lo(gather_dword(&tr, off));
+        const __m512 dw = fp16_lo(hd[0]);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             const __m512i isum = dot_groups(q, 8, a->qs, _mm512_set1_epi32(-16 * a->sum));
@@ -330,6 +356,7 @@ static void tile_q4_K_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     }
     const __m512i m4 = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi8(0x3f), m2 = _mm512_set1_epi8(0x03);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
         const int64_t off = b * (int64_t)sizeof(block_q4_K);
         /* f[0] = d | dmin, f[1..3] = the 12 scale bytes; unpack as q4_K_scale_min does,
          * four sub-blocks per dword. */
@@ -405,16 +432,16 @@ static void tile_q6_K_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     acc_zero(acc, n_tok);
-    __m512i top_sel[4], pair_sel[2];
-    for (int i = 0; i < 4; i++) top_sel[i] = dword_bytes(-1, -1, -1, i); /* byte i in the top byte */
+    __m512i pair_sel[2];
     for (int i = 0; i < 2; i++) pair_sel[i] = dword_bytes(-1, 2 * i, -1, 2 * i + 1);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
         const int64_t off = b * (int64_t)sizeof(block_q6_K);
         __m512i s[4], sc[16], sc_pairs[8];
         transpose_16B(&tr, off + 192, s);
-        for (int j = 0; j < 16; j++) sc[j] = _mm512_srai_epi32(_mm512_shuffle_epi8(s[j / 4], top_sel[j % 4]), 24);
+        for (int j = 0; j < 16; j++) sc[j] = _mm512_srai_epi32(_mm512_slli_epi32(s[j / 4], 24 - 8 * (j % 4)), 24);
         for (int i = 0; i < 8; i++) sc_pairs[i] = _mm512_srai_epi16(_mm512_shuffle_epi8(s[i / 2], pair_sel[i % 2]), 8);
-        const __m512 dw = fp16_lo(_mm512_srli_epi32(gather_dword(&tr, off + 206), 16));
+        const __m512 dw = fp16_rows(&tr, off + 208);
         for (int h = 0; h < 2; h++) {
             __m512i qh[8];
             transpose_32B(&tr, off + 128 + 32 * h, qh);

@@ -140,9 +140,15 @@ static inline __attribute__((always_inline)) void tile_float(load_fn load, const
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     acc_zero(acc, n_tok);
-    int64_t k0 = 0;
-    for (; k0 + 4 <= n_in; k0 += 4) float_chunk(&tr, load, k0, 4, x, x_stride, n_tok, acc);
-    if (k0 < n_in) float_chunk(&tr, load, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
+    const int64_t n_chunks = (n_in + 3) / 4;
+    for (int64_t c = 0; c < n_chunks; c++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, c, n_chunks);
+        const int64_t k0 = 4 * c;
+        if (k0 + 4 <= n_in)
+            float_chunk(&tr, load, k0, 4, x, x_stride, n_tok, acc);
+        else
+            float_chunk(&tr, load, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
+    }
     acc_store(acc, n_tok, &tr, y, ldy);
 }
 
@@ -170,6 +176,7 @@ static void tile_q8_0_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     acc_zero(acc, n_tok);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q8_0);
         uint8x16_t p[8];
         transpose_16B(&tr, off + 2, p);
@@ -200,6 +207,7 @@ static void tile_q4_0_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     acc_zero(acc, n_tok);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q4_0);
         uint8x16_t p[4], u[8];
         transpose_16B(&tr, off + 2, p);
@@ -227,6 +235,7 @@ static void tile_q5_0_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     const uint8x16_t bit_lo = vreinterpretq_u8_u32(vdupq_n_u32(0x08040201));
     const uint8x16_t bit_hi = vreinterpretq_u8_u32(vdupq_n_u32(0x80402010));
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q5_0);
         uint8x16_t p[4], u[8];
         transpose_16B(&tr, off + 6, p);
@@ -262,6 +271,7 @@ static void tile_q4_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     for (int i = 0; i < 4; i++) byte_sel[i] = dword_bytes(i, -1, -1, -1);
     const uint8x16_t m4 = vdupq_n_u8(0x0f), m6 = vdupq_n_u8(0x3f);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
         const int64_t off = b * (int64_t)sizeof(block_q4_K);
         /* f[0] = d | dmin, f[1..3] = the 12 scale bytes, unpacked as q4_K_scale_min */
         uint8x16_t f[4];
@@ -327,6 +337,7 @@ static void tile_q6_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     for (int i = 0; i < 4; i++) top_sel[i] = dword_bytes(-1, -1, -1, i);
     const uint8x16_t m4 = vdupq_n_u8(0x0f), m30 = vdupq_n_u8(0x30);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
+        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
         const int64_t off = b * (int64_t)sizeof(block_q6_K);
         uint8x16_t s[4];
         transpose_16B(&tr, off + 192, s);

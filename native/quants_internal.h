@@ -150,6 +150,15 @@ void lever_quantize_row_q8_K(const float *x, block_q8_K *y, int64_t n);
 
 /* ---- tile kernels ------------------------------------------------------------------- */
 
+/* A tile's rows are contiguous, so the next tile's weights are the next `bytes` bytes after
+ * this tile's. Block b of nb prefetches its share of them, one touch per cache line: the
+ * stream of the matrix stays ahead of the kernel without relying on the hardware
+ * prefetchers, which lose track of the 16 interleaved row streams of a tile. */
+static inline void lever_prefetch_share(const uint8_t *next, int64_t bytes, int64_t b, int64_t nb) {
+    for (int64_t o = bytes * b / nb / 64 * 64; o < bytes * (b + 1) / nb; o += 64)
+        __builtin_prefetch(next + o, 0, 3);
+}
+
 /* Most tokens a tile kernel takes at once: its per-token state lives on the stack. */
 #define LEVER_TOK_TILE 64
 
