@@ -57,11 +57,12 @@ static int64_t act_row_bytes(int type, int64_t n_in) {
     }
 }
 
-static void quantize_activation(int type, const float *x, int64_t n_in, uint8_t *out) {
+static void quantize_activation(const lever_kernel_set *ks, int type, const float *x, int64_t n_in,
+                                uint8_t *out) {
     if (type == LEVER_Q4_K || type == LEVER_Q6_K)
-        lever_quantize_row_q8_K(x, (block_q8_K *)out, n_in);
+        ks->quantize_q8_K(x, (block_q8_K *)out, n_in);
     else
-        lever_quantize_row_q8_0x(x, (lever_q8_0x *)out, n_in);
+        ks->quantize_q8_0x(x, (lever_q8_0x *)out, n_in);
 }
 
 int lever_matmul(int type, const void *w, int64_t n_out, int64_t n_in, const float *x,
@@ -93,7 +94,7 @@ int lever_matmul(int type, const void *w, int64_t n_out, int64_t n_in, const flo
         if (a_bytes) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < n_tok; t++)
-                quantize_activation(type, x + t * n_in, n_in, act + t * a_bytes);
+                quantize_activation(ks, type, x + t * n_in, n_in, act + t * a_bytes);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n_tiles; i++) {

@@ -114,6 +114,90 @@ static inline __m256i dword_bytes(int b0, int b1, int b2, int b3) {
     return _mm256_loadu_si256((const __m256i *)v);
 }
 
+/* ---- activation quantization: the scalar quantizers, 8 values at a time ---------------- */
+
+static inline __m256 abs_ps(__m256 v) {
+    return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+}
+
+static inline float hmax_ps(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+/* 32 int32 (each in -127..127) as 32 int8 in order: the packs work within 128-bit lanes,
+ * so a final dword permutation restores the order. */
+static inline void store_int8x32(int8_t *out, __m256i q0, __m256i q1, __m256i q2, __m256i q3) {
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* roundf of float lanes as int32: truncate, then step away from zero when the (exact)
+ * remainder is at least one half. */
+static inline __m256i round_half_away(__m256 v) {
+    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 rest = _mm256_sub_ps(v, t), one = _mm256_set1_ps(1.0f);
+    const __m256 up = _mm256_and_ps(_mm256_cmp_ps(rest, _mm256_set1_ps(0.5f), _CMP_GE_OQ), one);
+    const __m256 down = _mm256_and_ps(_mm256_cmp_ps(rest, _mm256_set1_ps(-0.5f), _CMP_LE_OQ), one);
+    return _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(t, up), down));
+}
+
+static void quantize_q8_0x_avx2(const float *x, lever_q8_0x *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK8_0; b++, x += QK8_0, y++) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + 8 * i);
+            m = _mm256_max_ps(m, abs_ps(v[i]));
+        }
+        const float d = hmax_ps(m) / 127.0f;
+        const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) q[i] = round_half_away(_mm256_mul_ps(v[i], id));
+        store_int8x32(y->qs, q[0], q[1], q[2], q[3]);
+        y->sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        y->d = lever_fp16_to_fp32(lever_fp32_to_fp16(d));
+    }
+}
+
+static void quantize_q8_K_avx2(const float *x, block_q8_K *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK_K; b++, x += QK_K, y++) {
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i++) m = _mm256_max_ps(m, abs_ps(_mm256_loadu_ps(x + 8 * i)));
+        const float amax = hmax_ps(m);
+        if (amax == 0.0f) {
+            memset(y, 0, sizeof(*y));
+            continue;
+        }
+        float max = 0.0f; /* the first value of largest magnitude sets the sign */
+        for (int i = 0; i < 32; i++) {
+            const int at = _mm256_movemask_ps(_mm256_cmp_ps(abs_ps(_mm256_loadu_ps(x + 8 * i)), _mm256_set1_ps(amax), _CMP_EQ_OQ));
+            if (at) {
+                max = x[8 * i + __builtin_ctz((unsigned)at)];
+                break;
+            }
+        }
+        const float iscale = -127.0f / max;
+        const __m256 scale = _mm256_set1_ps(iscale);
+        const __m256i cap = _mm256_set1_epi32(127);
+        for (int i = 0; i < 8; i++) { /* 32 values: two bsums */
+            __m256i q[4];
+            for (int k = 0; k < 4; k++) /* rounded to nearest even */
+                q[k] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(scale, _mm256_loadu_ps(x + 32 * i + 8 * k))), cap);
+            store_int8x32(y->qs + 32 * i, q[0], q[1], q[2], q[3]);
+            y->bsums[2 * i] = (int16_t)hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+            y->bsums[2 * i + 1] = (int16_t)hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+        }
+        y->d = 1.0f / iscale;
+    }
+}
+
 /* ---- per-token accumulation ------------------------------------------------------------ */
 
 /* init + sum over k < n of q[k] (u8 < 64 per row) . activation bytes a[4k..4k+3] (s8).
@@ -458,6 +542,8 @@ static void tile_q6_K_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
 
 const lever_kernel_set lever_kernels_avx2 = {
     .rows = ROWS,
+    .quantize_q8_0x = quantize_q8_0x_avx2,
+    .quantize_q8_K = quantize_q8_K_avx2,
     .f32 = tile_f32_avx2,
     .f16 = tile_f16_avx2,
     .bf16 = tile_bf16_avx2,

@@ -151,6 +151,60 @@ static inline __m512i dword_bytes(int b0, int b1, int b2, int b3) {
     return _mm512_loadu_si512(v);
 }
 
+/* ---- activation quantization: the scalar quantizers, 16 values at a time ------------- */
+
+/* roundf of float lanes as int32: truncate, then step away from zero when the (exact)
+ * remainder is at least one half. */
+static inline __m512i round_half_away(__m512 v) {
+    const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m512 rest = _mm512_sub_ps(v, t), one = _mm512_set1_ps(1.0f);
+    __m512 r = _mm512_mask_add_ps(t, _mm512_cmp_ps_mask(rest, _mm512_set1_ps(0.5f), _CMP_GE_OQ), t, one);
+    r = _mm512_mask_sub_ps(r, _mm512_cmp_ps_mask(rest, _mm512_set1_ps(-0.5f), _CMP_LE_OQ), r, one);
+    return _mm512_cvttps_epi32(r);
+}
+
+static void quantize_q8_0x_avx512(const float *x, lever_q8_0x *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK8_0; b++, x += QK8_0, y++) {
+        const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.0f;
+        const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        const __m512i q0 = round_half_away(_mm512_mul_ps(v0, id)), q1 = round_half_away(_mm512_mul_ps(v1, id));
+        _mm_storeu_si128((__m128i *)y->qs, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(y->qs + 16), _mm512_cvtepi32_epi8(q1));
+        y->sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        y->d = lever_fp16_to_fp32(lever_fp32_to_fp16(d));
+    }
+}
+
+static void quantize_q8_K_avx512(const float *x, block_q8_K *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK_K; b++, x += QK_K, y++) {
+        __m512 amax_v = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) amax_v = _mm512_max_ps(amax_v, _mm512_abs_ps(_mm512_loadu_ps(x + 16 * i)));
+        const float amax = _mm512_reduce_max_ps(amax_v);
+        if (amax == 0.0f) {
+            memset(y, 0, sizeof(*y));
+            continue;
+        }
+        float max = 0.0f; /* the first value of largest magnitude sets the sign */
+        for (int i = 0; i < 16; i++) {
+            const __mmask16 at = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + 16 * i)), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+            if (at) {
+                max = x[16 * i + __builtin_ctz(at)];
+                break;
+            }
+        }
+        const float iscale = -127.0f / max;
+        for (int i = 0; i < 16; i++) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_set1_ps(iscale), _mm512_loadu_ps(x + 16 * i)));
+            q = _mm512_min_epi32(q, _mm512_set1_epi32(127)); /* rounded to nearest even */
+            _mm_storeu_si128((__m128i *)(y->qs + 16 * i), _mm512_cvtepi32_epi8(q));
+            y->bsums[i] = (int16_t)_mm512_reduce_add_epi32(q);
+        }
+        y->d = 1.0f / iscale;
+    }
+}
+
 /* ---- per-token accumulation ------------------------------------------------------------ */
 
 /* init + sum over k < n of q[k] (u8 per row) . activation bytes a[4k..4k+3] (s8). */
@@ -481,6 +535,8 @@ static void tile_q6_K_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
 
 const lever_kernel_set lever_kernels_avx512 = {
     .rows = ROWS,
+    .quantize_q8_0x = quantize_q8_0x_avx512,
+    .quantize_q8_K = quantize_q8_K_avx512,
     .f32 = tile_f32_avx512,
     .f16 = tile_f16_avx512,
     .bf16 = tile_bf16_avx512,

@@ -8,6 +8,7 @@
  * and the float steps canonical, so results equal the scalar kernels bit for bit.
  */
 #include <arm_neon.h>
+#include <math.h>
 
 #include "quants_internal.h"
 
@@ -56,6 +57,64 @@ static inline uint8x16_t dword_bytes(int b0, int b1, int b2, int b3) {
     uint8_t v[16];
     for (int i = 0; i < 16; i++) v[i] = (uint8_t)(src[i % 4] < 0 ? 0xff : 4 * (i / 4) + src[i % 4]);
     return vld1q_u8(v);
+}
+
+/* ---- activation quantization: the scalar quantizers, 4 values at a time ---------------- */
+
+/* 16 int32 (each in -127..127) as 16 int8 in order. */
+static inline int8x16_t narrow_int8x16(const int32x4_t q[4]) {
+    const int16x8_t lo = vcombine_s16(vmovn_s32(q[0]), vmovn_s32(q[1]));
+    const int16x8_t hi = vcombine_s16(vmovn_s32(q[2]), vmovn_s32(q[3]));
+    return vcombine_s8(vmovn_s16(lo), vmovn_s16(hi));
+}
+
+static void quantize_q8_0x_neon(const float *x, lever_q8_0x *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK8_0; b++, x += QK8_0, y++) {
+        float32x4_t v[8], m = vdupq_n_f32(0.0f);
+        for (int i = 0; i < 8; i++) {
+            v[i] = vld1q_f32(x + 4 * i);
+            m = vmaxq_f32(m, vabsq_f32(v[i]));
+        }
+        const float d = vmaxvq_f32(m) / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32x4_t q[8], sum = vdupq_n_s32(0);
+        for (int i = 0; i < 8; i++) { /* fcvtas rounds half away from zero, as roundf */
+            q[i] = vcvtaq_s32_f32(vmulq_n_f32(v[i], id));
+            sum = vaddq_s32(sum, q[i]);
+        }
+        vst1q_s8(y->qs, narrow_int8x16(q));
+        vst1q_s8(y->qs + 16, narrow_int8x16(q + 4));
+        y->sum = vaddvq_s32(sum);
+        y->d = lever_fp16_to_fp32(lever_fp32_to_fp16(d));
+    }
+}
+
+static void quantize_q8_K_neon(const float *x, block_q8_K *y, int64_t n) {
+    for (int64_t b = 0; b < n / QK_K; b++, x += QK_K, y++) {
+        float32x4_t m = vdupq_n_f32(0.0f);
+        for (int i = 0; i < 64; i++) m = vmaxq_f32(m, vabsq_f32(vld1q_f32(x + 4 * i)));
+        const float amax = vmaxvq_f32(m);
+        if (amax == 0.0f) {
+            memset(y, 0, sizeof(*y));
+            continue;
+        }
+        float max = 0.0f; /* the first value of largest magnitude sets the sign */
+        for (int j = 0; j < QK_K; j++) {
+            if (fabsf(x[j]) == amax) {
+                max = x[j];
+                break;
+            }
+        }
+        const float iscale = -127.0f / max;
+        for (int i = 0; i < 16; i++) {
+            int32x4_t q[4];
+            for (int k = 0; k < 4; k++) /* fcvtns: nearest even */
+                q[k] = vminq_s32(vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + 16 * i + 4 * k), iscale)), vdupq_n_s32(127));
+            vst1q_s8(y->qs + 16 * i, narrow_int8x16(q));
+            y->bsums[i] = (int16_t)vaddvq_s32(vaddq_s32(vaddq_s32(q[0], q[1]), vaddq_s32(q[2], q[3])));
+        }
+        y->d = 1.0f / iscale;
+    }
 }
 
 /* ---- per-token accumulation ------------------------------------------------------------ */
@@ -388,6 +447,8 @@ static void tile_q6_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
 
 const lever_kernel_set lever_kernels_neon = {
     .rows = ROWS,
+    .quantize_q8_0x = quantize_q8_0x_neon,
+    .quantize_q8_K = quantize_q8_K_neon,
     .f32 = tile_f32_neon,
     .f16 = tile_f16_neon,
     .bf16 = tile_bf16_neon,

@@ -340,6 +340,8 @@ SCALAR_TILE(q6_K, block_q8_K, n_in / QK_K)
 
 const lever_kernel_set lever_kernels_scalar = {
     .rows = 4,
+    .quantize_q8_0x = lever_quantize_row_q8_0x,
+    .quantize_q8_K = lever_quantize_row_q8_K,
     .f32 = tile_f32_scalar,
     .f16 = tile_f16_scalar,
     .bf16 = tile_bf16_scalar,

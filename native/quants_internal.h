@@ -170,9 +170,12 @@ typedef void (*lever_tile_fn)(const uint8_t *w, int64_t w_stride, int n_rows, in
                               const uint8_t *x, int64_t x_stride, int n_tok, float *y,
                               int64_t ldy);
 
-/* The same set of tile kernels for every ISA, one per weight type. */
+/* The same set of kernels for every ISA: the activation quantizers (bit-identical to the
+ * scalar ones above) and one tile kernel per weight type. */
 typedef struct {
     int rows; /* rows per tile: the SIMD width in 32-bit lanes */
+    void (*quantize_q8_0x)(const float *x, lever_q8_0x *y, int64_t n);
+    void (*quantize_q8_K)(const float *x, block_q8_K *y, int64_t n);
     lever_tile_fn f32, f16, bf16, q8_0, q4_0, q5_0, q4_K, q6_K;
 } lever_kernel_set;
 

@@ -45,12 +45,16 @@ def isa(request):
 
 
 def activations(rng, n_tok: int, n_in: int) -> np.ndarray:
-    """Normal rows, plus the awkward ones: all zero, tiny, huge, one zero block."""
-    x = rng.standard_normal((max(n_tok, 5), n_in)).astype(np.float32)
+    """Normal rows, plus the awkward ones: all zero, tiny, huge, one zero block, and one
+    whose quantization step is exactly 1 with halves to round (Q8_0 rounds them away from
+    zero, Q8_K to even)."""
+    x = rng.standard_normal((max(n_tok, 6), n_in)).astype(np.float32)
     x[1] = 0
     x[2] *= np.float32(1e-6)
     x[3] *= np.float32(1e4)
     x[4, :32] = 0
+    x[5] = rng.integers(-100, 100, n_in) + np.float32(0.5)
+    x[5, ::32] = -127  # each block's largest magnitude, first in the block: step 1
     return x[:n_tok]
 
 
