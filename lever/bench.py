@@ -91,3 +91,81 @@ def bench_model(model_path: str, n_prompt: int = 32, n_gen: int = 32, rounds: in
     if not lb:
         out("(no llama-bench found: pass --llama-bench PATH or set LLAMA_BENCH for the side-by-side ratio)")
     return med
+
+
+def read_pass_s(model_path: str, flash, n_passes: int = 2) -> float:
+    """Seconds to read one pass's streamed layers with nothing else running (the pure read time)."""
+    import anyio
+
+    from lever.backends.flash import FlashStore
+    from lever.stages.prefetch import read_all
+
+    with FlashStore(model_path, flash) as store:
+        if not store.streamed:
+            return 0.0
+        limiter = anyio.CapacityLimiter(flash.queue_depth)
+        buf = store.pool.acquire()
+        t0 = time.perf_counter()
+        for _ in range(n_passes):
+            for layer in store.streamed:
+                anyio.run(read_all, store, layer, buf, limiter)
+        return (time.perf_counter() - t0) / n_passes
+
+
+def run_json(config: str | None, sets: list[str], prompt: str, n: int) -> dict:
+    """One `lever run --json` in its own process, so peak RSS and the page cache are its own."""
+    import sys
+
+    cmd = [sys.executable, "-m", "lever.cli", "run", "-p", prompt, "-n", str(n), "--json"]
+    if config:
+        cmd += ["-c", config]
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise LeverError(f"lever run failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
+    return json.loads(proc.stdout)
+
+
+def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75, 1.0), cap_bytes_per_s: float = 0.0,
+                out=print) -> list[dict]:
+    """Flash-AR at several DRAM budgets, side by side in one run; then the overlap figures."""
+    from lever.config import load_config
+
+    cfg = load_config(config)
+    model_path = str(cfg.resolve_path(cfg.model.target))
+    rows = []
+    out(f"{'budget':>7}{'ms/token':>10}{'flash MB/token':>16}{'streamed MB/pass':>18}{'device/streamed':>17}"
+        f"{'overlap':>9}{'wall/max(rd,cp)':>17}{'peak RSS MiB':>14}{'RSS bound MiB':>15}")
+    for b in budgets:
+        r = run_json(config, [f"flash.dram_budget={b!r}"], prompt, n)
+        bound = r["dram_budget_bytes"] + RUNTIME_MARGIN_BYTES
+        dev_ratio = r["flash_mb_per_token"] * 1e6 / r["streamed_bytes_per_pass"] if r["streamed_bytes_per_pass"] else 0
+        out(f"{b:>7.0%}{r['ms_per_token']:>10.1f}{r['flash_mb_per_token']:>16.1f}{r['streamed_bytes_per_pass'] / 1e6:>18.1f}"
+            f"{dev_ratio:>17.3f}{r['overlap_share']:>9.0%}{r['pass_wall_ratio']:>17.2f}"
+            f"{r['peak_rss_bytes'] / 2**20:>14.0f}{bound / 2**20:>15.0f}")
+        rows.append(r | {"budget": b, "rss_bound_bytes": bound})
+    compute_ms = rows[-1]["ms_per_token"] if budgets[-1] == 1.0 else None
+    zero = rows[0]
+    read_ms = read_pass_s(model_path, attrs_evolve(cfg.flash, dram_budget=budgets[0])) * 1e3
+    if compute_ms:
+        out(f"\nbudget {budgets[0]:.0%}: pure read {read_ms:.1f} ms/pass, compute {compute_ms:.1f} ms/pass (resident run), "
+            f"Flash-AR {zero['ms_per_token']:.1f} ms/token = {zero['ms_per_token'] / max(read_ms, compute_ms):.2f}x "
+            f"max(read, compute)")
+    if cap_bytes_per_s:
+        capped = attrs_evolve(cfg.flash, dram_budget=budgets[0], bandwidth_cap_bytes_per_s=cap_bytes_per_s)
+        r = run_json(config, [f"flash.dram_budget={budgets[0]!r}", f"flash.bandwidth_cap_bytes_per_s={cap_bytes_per_s}"],
+                     prompt, n)
+        cap_read_ms = read_pass_s(model_path, capped) * 1e3
+        out(f"capped at {cap_bytes_per_s / 1e9:.2f} GB/s: pure read {cap_read_ms:.1f} ms/pass, Flash-AR "
+            f"{r['ms_per_token']:.1f} ms/token = {r['ms_per_token'] / cap_read_ms:.2f}x the pure read time")
+    return rows
+
+
+RUNTIME_MARGIN_BYTES = 300 * 2**20  # interpreter, numpy, tokenizer, metadata, scratch
+
+
+def attrs_evolve(obj, **kw):
+    import attrs
+
+    return attrs.evolve(obj, **kw)

@@ -37,7 +37,7 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(args.temp, args.top_k, args.top_p, args.seed)
     model = Model(args.model)
-    tok = Tokenizer.from_gguf(model.file.reader)
+    tok = Tokenizer.from_gguf(model.file)
     prompt = tok.encode(args.prompt, add_bos=None if args.bos is None else args.bos)
     n_ctx = min(args.ctx, model.spec.n_ctx_train) if args.ctx else min(4096, model.spec.n_ctx_train)
 
@@ -143,8 +143,9 @@ def print_summary(res, file) -> None:
     p(f"  overlap     {100 * res.overlap_share:.0f}% of read time hidden under compute; per pass: "
       f"read {res.io_s / max(res.n_passes, 1) * 1e3:.1f} ms, compute {res.compute_s / max(res.n_passes, 1) * 1e3:.1f} ms, "
       f"wall {res.pass_wall_ratio:.2f}x max(read, compute)")
-    p(f"  memory      peak RSS {res.peak_rss_bytes / mib:.0f} MiB; resident layers {res.resident_layer_bytes / mib:.0f} MiB, "
-      f"window {res.window_bytes / mib:.0f} MiB, KV cache {res.kv_cache_bytes / mib:.0f} MiB")
+    p(f"  memory      peak RSS {res.peak_rss_bytes / mib:.0f} MiB for {res.dram_budget_bytes / mib:.0f} MiB accounted: "
+      f"resident layers {res.resident_layer_bytes / mib:.0f}, head {res.head_bytes / mib:.0f}, "
+      f"window {res.window_bytes / mib:.0f}, KV cache {res.kv_cache_bytes / mib:.0f}")
     p("  stages      " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(res.stage_s.items())))
 
 
@@ -163,6 +164,12 @@ def cmd_bench(args) -> int:
         if not args.model:
             raise LeverError("lever bench model: -m MODEL.gguf is required")
         bench_model(str(args.model), args.n_prompt, args.n_gen, args.rounds, args.llama_bench, args.threads)
+    elif args.what == "flash":
+        from lever.bench import bench_flash
+
+        if not args.config:
+            raise LeverError("lever bench flash: -c CONFIG is required")
+        bench_flash(str(args.config), args.prompt, args.n_gen, cap_bytes_per_s=args.cap)
     return 0
 
 
@@ -214,8 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     cv.set_defaults(func=cmd_convert)
 
     b = sub.add_parser("bench", help="benchmarks printed as ratios measured side by side")
-    b.add_argument("what", choices=["model"], help="model: tg/pp tokens/s of one model in DRAM, vs llama-bench")
+    b.add_argument("what", choices=["model", "flash"],
+                   help="model: tg/pp tokens/s of one model in DRAM, vs llama-bench; "
+                        "flash: Flash-AR at DRAM budgets 0-100%%, with overlap figures")
     b.add_argument("-m", "--model", type=Path)
+    b.add_argument("-c", "--config", type=Path)
+    b.add_argument("-p", "--prompt", default="def quicksort(arr):")
+    b.add_argument("--cap", type=float, default=0.0, help="flash: also run with this bandwidth cap (bytes/s)")
     b.add_argument("--n-prompt", type=int, default=32)
     b.add_argument("--n-gen", type=int, default=32)
     b.add_argument("--rounds", type=int, default=3)

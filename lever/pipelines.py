@@ -53,6 +53,11 @@ class FlashTarget:
         return sum(self.store.layer_bytes[i] for i in self.resident)
 
     @property
+    def head_bytes(self) -> int:
+        """The output projection, kept resident: Accept runs it on the CPU every cycle."""
+        return self.model.output.nbytes
+
+    @property
     def window_bytes(self) -> int:
         pool = self.store.pool
         return pool.n_buffers * pool.buffer_bytes if pool and self.store.streamed else 0

@@ -34,8 +34,9 @@ class RunResult:
     decode_s: float
     n_passes: int
     accepted_per_pass: float
-    dram_budget_bytes: int  # resident layers + staging window (+ KV cache, head)
+    dram_budget_bytes: int  # what the configuration accounts for: resident layers, head, window, KV cache
     resident_layer_bytes: int
+    head_bytes: int  # the output projection, resident
     window_bytes: int
     kv_cache_bytes: int
     streamed_bytes_per_pass: int
@@ -138,8 +139,8 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         stop_reason=out.stop_reason, prefill_s=(t_first[0] if t_first else t1) - t0,
         decode_s=t1 - (t_first[0] if t_first else t1), n_passes=n_passes,
         accepted_per_pass=sum(out.accepted_per_pass[1:]) / decode_passes if n_passes > 1 else 0.0,
-        dram_budget_bytes=target.resident_bytes + target.window_bytes + kv_bytes,
-        resident_layer_bytes=target.resident_bytes, window_bytes=target.window_bytes, kv_cache_bytes=kv_bytes,
+        dram_budget_bytes=target.resident_bytes + target.head_bytes + target.window_bytes + kv_bytes,
+        resident_layer_bytes=target.resident_bytes, head_bytes=target.head_bytes, window_bytes=target.window_bytes, kv_cache_bytes=kv_bytes,
         streamed_bytes_per_pass=per_pass_bytes,
         flash_read_bytes=max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
         flash_requested_bytes=stats.requested_bytes,

@@ -18,7 +18,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-import gguf
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -94,41 +93,25 @@ class _Vocab:
         return default if value is None else bool(value)
 
 
-def _read_vocab(reader: gguf.GGUFReader) -> _Vocab:
-    path = str(getattr(reader.data, "filename", "") or "<gguf>")
-    fields = {k[len("tokenizer.ggml.") :]: f for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
-    if "model" not in fields or "tokens" not in fields:
+def _read_vocab(f: GGUFFile) -> _Vocab:
+    path = str(f.path)
+    meta = {k[len("tokenizer.ggml.") :]: v for k, v in f.metadata.items() if k.startswith("tokenizer.ggml.")}
+    if "model" not in meta or "tokens" not in meta:
         raise LeverError(f"{path}: no tokenizer in the metadata (tokenizer.ggml.model/tokens missing)")
-    tokens = [_text(t) or f"[EMPTY_{i}]" for i, t in enumerate(_array(fields["tokens"]))]
+    for key in ("tokens", "merges"):
+        if key in meta and not (isinstance(meta[key], list) and all(isinstance(t, str) for t in meta[key][:1])):
+            raise LeverError(f"{path}: tokenizer.ggml.{key} is not an array of strings")
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(meta["tokens"])]
     n = len(tokens)
-    types = _numbers(fields["token_type"]).astype(np.int32) if "token_type" in fields else np.full(n, NORMAL, np.int32)
-    scores = _numbers(fields["scores"]).astype(np.float32) if "scores" in fields else None
+    types = np.asarray(meta["token_type"], np.int32) if "token_type" in meta else np.full(n, NORMAL, np.int32)
+    scores = np.asarray(meta["scores"], np.float32) if "scores" in meta else None
     for key, arr in (("token_type", types), ("scores", scores)):
         if arr is not None and len(arr) < n:
             raise LeverError(f"{path}: tokenizer.ggml.{key} has {len(arr)} entries for {n} tokens")
-    merges = [_text(m) for m in _array(fields["merges"])] if "merges" in fields else None
-    scalars = {k: _scalar(f) for k, f in fields.items() if f.types and f.types[0] != gguf.GGUFValueType.ARRAY}
+    merges = meta.get("merges")
+    scalars = {k: v for k, v in meta.items() if not isinstance(v, (list, np.ndarray))}
     pre = scalars.get("pre")
     return _Vocab(path, str(scalars["model"]), pre and str(pre), tokens, types[:n], None if scores is None else scores[:n], merges, scalars)
-
-
-def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", errors="replace")
-
-
-def _array(field) -> list[bytes]:
-    return [bytes(field.parts[i]) for i in field.data]
-
-
-def _numbers(field) -> np.ndarray:
-    return np.concatenate([field.parts[i] for i in field.data]) if field.data else np.zeros(0)
-
-
-def _scalar(field):
-    value = field.parts[field.data[0]]
-    if field.types[0] == gguf.GGUFValueType.STRING:
-        return _text(bytes(value))
-    return value.item() if value.size == 1 else value.tolist()
 
 
 # --- building the `tokenizers` object -------------------------------------------------------
@@ -263,12 +246,9 @@ class Tokenizer:
         self._strips_leading_space = is_spm and vocab.flag("add_space_prefix", True)
 
     @classmethod
-    def from_gguf(cls, source: gguf.GGUFReader | GGUFFile | str | os.PathLike) -> Tokenizer:
-        """From an open reader or GGUFFile (no second parse of the file), or a path."""
-        if isinstance(source, GGUFFile):
-            source = source.reader
-        reader = source if isinstance(source, gguf.GGUFReader) else GGUFFile(source).reader
-        vocab = _read_vocab(reader)
+    def from_gguf(cls, source: GGUFFile | str | os.PathLike) -> Tokenizer:
+        """From an open GGUFFile (no second parse of the file), or a path."""
+        vocab = _read_vocab(source if isinstance(source, GGUFFile) else GGUFFile(source))
         if vocab.model == "llama":
             hf = _build_spm(vocab)
         elif vocab.model == "gpt2":

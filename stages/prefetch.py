@@ -25,6 +25,13 @@ from lever.model_spec import ModelSpec
 from lever.trace import Tracer
 
 
+async def read_all(store: FlashStore, layer: int, buffer, limiter: anyio.CapacityLimiter) -> None:
+    """All chunks of one layer into `buffer`, up to the limiter's count in flight."""
+    async with anyio.create_task_group() as tg:
+        for r in store.plan_reads(layer):
+            tg.start_soon(partial(anyio.to_thread.run_sync, store.read, r, buffer, limiter=limiter))
+
+
 @attrs.define
 class Prefetch(Stage):
     """FreeBuffer -> StreamedLayer, forever (until PrunedVerify stops listening)."""
@@ -44,9 +51,7 @@ class Prefetch(Stage):
         return load_layer(self.file, self.spec, layer, raws=self.store.read_layer(layer, buffer))
 
     async def _read(self, layer: int, buffer) -> LayerWeights:
-        async with anyio.create_task_group() as tg:
-            for r in self.store.plan_reads(layer):
-                tg.start_soon(partial(anyio.to_thread.run_sync, self.store.read, r, buffer, limiter=self.io_limiter))
+        await read_all(self.store, layer, buffer, self.io_limiter)
         return load_layer(self.file, self.spec, layer, raws=self.store.tensors(layer, buffer))
 
     async def run(self, inputs, outputs):

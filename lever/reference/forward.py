@@ -37,16 +37,15 @@ class ReferenceModel:
     def __init__(self, path):
         self.file = f = GGUFFile(path)
         self.spec = read_spec(f)
-        self._index = {t.name: i for i, t in enumerate(f.reader.tensors)}
 
     def w(self, name: str) -> np.ndarray:
-        """Dequantized on each use, so a 1.5B model never sits in memory as float64."""
-        t = self.file.reader.tensors[self._index[name]]
-        shape = tuple(int(d) for d in reversed(t.shape))
-        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float64)
+        """Dequantized by gguf-py on each use, so a 1.5B model never sits in memory as float64."""
+        t = self.file.tensor(name)
+        qtype = gguf.GGMLQuantizationType(t.type.ggml_id)
+        return gguf.quants.dequantize(np.asarray(self.file.raw(name)), qtype).reshape(t.shape).astype(np.float64)
 
     def has(self, name: str) -> bool:
-        return name in self._index
+        return name in self.file.tensors
 
     def logits(self, tokens: list[int]) -> np.ndarray:
         """Causal logits after every position: (n_tokens, n_vocab) float64."""
