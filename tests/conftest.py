@@ -22,9 +22,27 @@ QWEN_DRAFT = QWEN_DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 LLAMA_CPP_LIB = ROOT.parent / "ref" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
 
 
+FETCH_QWEN = SHARED / "tools" / "fetch-qwen-pair"
+_fetch_tried: list[str] = []
+
+
+def fetch_qwen_pair() -> None:
+    """The test command sets up what it needs: the Qwen pair is fetched once (~30 s) when
+    absent, unless LEVER_NO_FETCH=1; a failed fetch leaves its tests skipped with the reason."""
+    if _fetch_tried or os.environ.get("LEVER_NO_FETCH") == "1" or not FETCH_QWEN.exists():
+        return
+    import subprocess
+
+    proc = subprocess.run(["bash", str(FETCH_QWEN), str(QWEN_DIR)], capture_output=True, text=True, timeout=900)
+    _fetch_tried.append(proc.stderr.strip().splitlines()[-1] if proc.returncode and proc.stderr else "")
+
+
 def require(path: Path) -> Path:
+    if not path.exists() and "qwen" in path.name:
+        fetch_qwen_pair()
     if not path.exists():
-        hint = "run ../shared/tools/fetch-qwen-pair" if "qwen" in path.name else "needs ../shared/models"
+        hint = f"{FETCH_QWEN} failed: {_fetch_tried[0]}" if _fetch_tried and _fetch_tried[0] else \
+            "run ../shared/tools/fetch-qwen-pair" if "qwen" in path.name else "needs ../shared/models"
         pytest.skip(f"{path} absent ({hint})")
     return path
 

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from lever.cli import main
 from tests.tiny_gguf import write_tiny_model

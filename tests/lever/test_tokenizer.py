@@ -10,12 +10,10 @@ agreement rates with llama.cpp over whole corpora and the stdlib.
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import os
 import struct
 import sysconfig
-import time
 from pathlib import Path
 
 import gguf
@@ -23,15 +21,13 @@ import pytest
 
 from lever.errors import LeverError
 from lever.tokenizer import StreamDecoder, Tokenizer
+from tests.conftest import MODELS, QWEN_DRAFT, SHARED, require
 
-SHARED = Path(__file__).resolve().parents[3] / "shared"
-STORIES = SHARED / "models" / "stories260K.gguf"
-LLAMA2 = SHARED / "models" / "llama-2-tiny-random.gguf"
-TOK512 = SHARED / "models" / "tok512.bin"
+STORIES = MODELS / "stories260K.gguf"
+LLAMA2 = MODELS / "llama-2-tiny-random.gguf"
+TOK512 = MODELS / "tok512.bin"
 CORPORA = SHARED / "corpora"
-QWEN = Path(os.environ.get("LEVER_MODELS", Path.home() / ".cache" / "lever" / "models")) / (
-    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-)
+QWEN = QWEN_DRAFT
 
 AWKWARD = [
     "",
@@ -61,26 +57,19 @@ SPECIAL_TEXTS = {
 # --- fixtures -------------------------------------------------------------------------------
 
 
-def _require(path: Path) -> Path:
-    if not path.exists():
-        hint = "run ../shared/tools/fetch-qwen-pair" if "qwen" in path.name else "needs ../shared/models"
-        pytest.skip(f"{path} absent ({hint})")
-    return path
-
-
 @pytest.fixture(scope="module")
 def stories_tok() -> Tokenizer:
-    return Tokenizer.from_gguf(_require(STORIES))
+    return Tokenizer.from_gguf(require(STORIES))
 
 
 @pytest.fixture(scope="module")
 def llama2_tok() -> Tokenizer:
-    return Tokenizer.from_gguf(_require(LLAMA2))
+    return Tokenizer.from_gguf(require(LLAMA2))
 
 
 @pytest.fixture(scope="module")
 def qwen_tok() -> Tokenizer:
-    return Tokenizer.from_gguf(_require(QWEN))
+    return Tokenizer.from_gguf(require(QWEN))
 
 
 @pytest.fixture(params=["stories", "llama2", "qwen"])
@@ -152,7 +141,7 @@ def pieces(tok: Tokenizer, text: str) -> list[bytes]:
 
 
 def read_tok512() -> tuple[list[bytes], list[float]]:
-    data = _require(TOK512).read_bytes()
+    data = require(TOK512).read_bytes()
     vocab, scores, off = [], [], 4  # after max_token_len
     while off < len(data):
         score, n = struct.unpack_from("<fi", data, off)
