@@ -66,7 +66,9 @@ int lever_dequantize(int type, const void *src, int64_t n_rows, int64_t n_cols, 
  *   y: float32, contiguous                                               # (n_tok, n_out)
  * Quantized types multiply against activations quantized per token the way ggml does
  * (Q8_0 blocks for Q4_0/Q5_0/Q8_0, Q8_K blocks for Q4_K/Q6_K); float types use float32
- * activations. n_threads <= 0 means all cores. Batch-invariant (see above). */
+ * activations. n_threads <= 0 means all cores. Batch-invariant (see above); moreover every
+ * ISA reduces in the same order (exact integer block sums, then one fused multiply-add per
+ * block; native/quants_internal.h), so results are bit-identical across ISAs as well. */
 int lever_matmul(int type, const void *w, int64_t n_out, int64_t n_in,
                  const float *x, int64_t n_tok, float *y, int n_threads);
 
