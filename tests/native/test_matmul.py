@@ -116,6 +116,18 @@ def test_close_to_float64_product(name):
     assert (y[1] == 0).all()  # an all-zero token gives exact zeros
 
 
+REAL_N_IN = [("Q8_0", 896), ("Q4_0", 896), ("Q5_0", 896), ("Q5_0", 4864), ("Q8_0", 8960), ("Q4_K", 1536),
+             ("Q4_K", 8960), ("Q6_K", 1536), ("Q6_K", 4864), ("Q6_K", 8960), ("F16", 1536), ("BF16", 896),
+             ("F32", 64)]
+
+
+@pytest.mark.parametrize("name,n_in", REAL_N_IN)
+def test_model_widths(name, n_in, isa):
+    """The row widths of the Qwen2.5 0.5B/1.5B matrices, every ISA, against the reference."""
+    tid, w, n_out, n_in, x = case(name, n_out=24, n_tok=6, n_in=n_in)
+    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x), ref.matmul(tid, w, n_out, n_in, x))
+
+
 def test_errors_and_empty_shapes():
     w = np.zeros((4, 34), np.uint8)
     x = np.zeros((2, 32), np.float32)
