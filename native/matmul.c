@@ -13,10 +13,9 @@
  */
 #include <stdlib.h>
 
-#include <omp.h>
-
 #include "lever_kernels.h"
 #include "quants_internal.h"
+#include "threadpool.h"
 
 static const lever_kernel_set *kernels_for_isa(int isa) {
     switch (isa) {
@@ -65,6 +64,45 @@ static void quantize_activation(const lever_kernel_set *ks, int type, const floa
         ks->quantize_q8_0x(x, (lever_q8_0x *)out, n_in);
 }
 
+/* One call's work, shared by the threads of the pool. */
+typedef struct {
+    const lever_kernel_set *ks;
+    lever_tile_fn tile;
+    int type;
+    const uint8_t *w;
+    int64_t w_stride, n_out, n_in, n_tok, n_tiles, a_bytes, x_stride;
+    const float *x;
+    uint8_t *act;
+    const uint8_t *xs;
+    float *y;
+    lever_counter toks, tiles;
+} matmul_job;
+
+static void quantize_part(void *ctx, int ith, int nth) {
+    matmul_job *j = ctx;
+    long long t0, t1;
+    while (lever_claim(&j->toks, &t0, &t1))
+        for (int64_t t = t0; t < t1; t++)
+            quantize_activation(j->ks, j->type, j->x + t * j->n_in, j->n_in, j->act + t * j->a_bytes);
+}
+
+static void tiles_part(void *ctx, int ith, int nth) {
+    matmul_job *j = ctx;
+    const int R = j->ks->rows;
+    long long i0, i1;
+    while (lever_claim(&j->tiles, &i0, &i1)) {
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t r0 = i * R;
+            const int rows = (int)(j->n_out - r0 < R ? j->n_out - r0 : R);
+            for (int64_t t0 = 0; t0 < j->n_tok; t0 += LEVER_TOK_TILE) {
+                const int toks = (int)(j->n_tok - t0 < LEVER_TOK_TILE ? j->n_tok - t0 : LEVER_TOK_TILE);
+                j->tile(j->w + r0 * j->w_stride, j->w_stride, rows, j->n_in, j->xs + t0 * j->x_stride,
+                        j->x_stride, toks, j->y + t0 * j->n_out + r0, j->n_out);
+            }
+        }
+    }
+}
+
 int lever_matmul(int type, const void *w, int64_t n_out, int64_t n_in, const float *x,
                  int64_t n_tok, float *y, int n_threads) {
     int block_bytes;
@@ -86,27 +124,16 @@ int lever_matmul(int type, const void *w, int64_t n_out, int64_t n_in, const flo
     const uint8_t *xs = a_bytes ? act : (const uint8_t *)x;
     const int64_t x_stride = a_bytes ? a_bytes : n_in * (int64_t)sizeof(float);
 
-    const int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
-    const int64_t n_tiles = (n_out + ks->rows - 1) / ks->rows;
-
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        if (a_bytes) {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < n_tok; t++)
-                quantize_activation(ks, type, x + t * n_in, n_in, act + t * a_bytes);
-        }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < n_tiles; i++) {
-            const int64_t r0 = i * ks->rows;
-            const int rows = (int)(n_out - r0 < ks->rows ? n_out - r0 : ks->rows);
-            for (int64_t t0 = 0; t0 < n_tok; t0 += LEVER_TOK_TILE) {
-                const int toks = (int)(n_tok - t0 < LEVER_TOK_TILE ? n_tok - t0 : LEVER_TOK_TILE);
-                tile((const uint8_t *)w + r0 * w_stride, w_stride, rows, n_in, xs + t0 * x_stride,
-                     x_stride, toks, y + t0 * n_out + r0, n_out);
-            }
-        }
-    }
+    matmul_job j = {ks, tile, type, (const uint8_t *)w, w_stride, n_out, n_in, n_tok,
+                    (n_out + ks->rows - 1) / ks->rows, a_bytes, x_stride, x, act, xs, y};
+    const int nt = n_threads > 0 ? n_threads : lever_threads_default();
+    lever_counter_init(&j.toks, n_tok, 1);
+    /* Eight chunks a thread: small enough to even out a late start, large enough that the
+     * shared counter is touched rarely (a Qwen FFN matrix has 560 tiles). */
+    lever_counter_init(&j.tiles, j.n_tiles, (j.n_tiles + 8 * nt - 1) / (8 * nt));
+    if (a_bytes)  /* a token's quantization is one thread's job: only many tokens are worth splitting */
+        lever_parallel(quantize_part, &j, n_tok >= 8 ? n_threads : 1);
+    lever_parallel(tiles_part, &j, n_threads);
     free(act);
     return LEVER_OK;
 }

@@ -15,12 +15,13 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include <omp.h>
 
 #include "lever_kernels.h"
+#include "threadpool.h"
 
 /* ---- SIMD entry points (defined in ops_<isa>.c) ---------------------------------------- */
 
@@ -244,6 +245,59 @@ static int64_t visible_rows(const uint8_t *mask_row, int64_t n_kv, int32_t *rows
     return m;
 }
 
+/* One attention call's work: units are claimed from a shared counter (the costs differ with
+ * each token's visible rows), which changes only who computes a unit, never its result. */
+typedef struct {
+    attn_heads_fn kernel;
+    const float *q;
+    const void *k, *v;
+    const uint8_t *mask;
+    float *out;
+    int64_t n_head, head_dim;
+    int kv_type;
+    int64_t n_kv, n_kv_head, group, n_split, hb, n_units;
+    float scale;
+    size_t scratch_bytes, rows_bytes, elsize;
+    atomic_llong next;
+    atomic_int err;
+} attn_job;
+
+static void attn_part(void *ctx, int ith, int nth) {
+    attn_job *j = ctx;
+    /* Per-thread heap scratch: n_kv may be tens of thousands, too much for the stack. */
+    float *scratch = aligned_alloc(64, j->scratch_bytes);
+    int32_t *rows = aligned_alloc(64, j->rows_bytes);
+    if (!scratch || !rows) {
+        atomic_store(&j->err, LEVER_ENOMEM);
+        free(scratch);
+        free(rows);
+        return;
+    }
+    int64_t rows_tok = -1, m = 0;
+    for (int64_t u; (u = atomic_fetch_add(&j->next, 1)) < j->n_units;) {
+        const int64_t t = u / (j->n_kv_head * j->n_split);
+        const int64_t g = u / j->n_split % j->n_kv_head;
+        const int64_t h0 = g * j->group + u % j->n_split * j->hb;
+        const int64_t nh = j->hb < g * j->group + j->group - h0 ? j->hb : g * j->group + j->group - h0;
+        if (t != rows_tok) {
+            m = visible_rows(j->mask + t * j->n_kv, j->n_kv, rows);
+            rows_tok = t;
+        }
+        const float *qh = j->q + (t * j->n_head + h0) * j->head_dim;
+        float *oh = j->out + (t * j->n_head + h0) * j->head_dim;
+        if (m == 0) {
+            memset(oh, 0, (size_t)(nh * j->head_dim) * sizeof(float));
+            continue;
+        }
+        const char *kg = (const char *)j->k + (size_t)(g * j->head_dim) * j->elsize;
+        const char *vg = (const char *)j->v + (size_t)(g * j->head_dim) * j->elsize;
+        j->kernel(qh, oh, nh, j->head_dim, kg, vg, j->kv_type, j->n_kv_head * j->head_dim, rows, m, j->scale,
+                  scratch);
+    }
+    free(scratch);
+    free(rows);
+}
+
 int lever_attention(const float *q, int64_t n_tok, int64_t n_head, int64_t head_dim,
                     const void *k, const void *v, int kv_type, int64_t n_kv, int64_t n_kv_head,
                     const uint8_t *mask, float scale, float *out, int n_threads) {
@@ -256,7 +310,7 @@ int lever_attention(const float *q, int64_t n_tok, int64_t n_head, int64_t head_
     const attn_heads_fn kernel = attn_kernel();
     const size_t elsize = kv_type == LEVER_F16 ? 2 : 4;
     const int64_t group = n_head / n_kv_head;
-    int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
+    int nt = n_threads > 0 ? n_threads : lever_threads_default();
 
     /* Work unit: one token, one kv head, and a block of the query heads reading it, so each
      * K/V row is loaded (and converted from f16) once for the whole block. When there are
@@ -273,43 +327,9 @@ int lever_attention(const float *q, int64_t n_tok, int64_t n_head, int64_t head_
     const size_t scratch_bytes =
         (size_t)round_up(attn_scratch_floats(hb, head_dim, n_kv) * (int64_t)sizeof(float), 64);
     const size_t rows_bytes = (size_t)round_up((n_kv > 0 ? n_kv : 1) * 4, 64);
-    int err = LEVER_OK;
-
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        /* Per-thread heap scratch: n_kv may be tens of thousands, too much for the stack. */
-        float *scratch = aligned_alloc(64, scratch_bytes);
-        int32_t *rows = aligned_alloc(64, rows_bytes);
-        if (!scratch || !rows) {
-#pragma omp atomic write
-            err = LEVER_ENOMEM;
-        }
-        int64_t rows_tok = -1, m = 0;
-
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < n_units; u++) {
-            if (!scratch || !rows) continue;
-            const int64_t t = u / (n_kv_head * n_split);
-            const int64_t g = u / n_split % n_kv_head;
-            const int64_t h0 = g * group + u % n_split * hb;
-            const int64_t nh = hb < g * group + group - h0 ? hb : g * group + group - h0;
-            if (t != rows_tok) {
-                m = visible_rows(mask + t * n_kv, n_kv, rows);
-                rows_tok = t;
-            }
-            const float *qh = q + (t * n_head + h0) * head_dim;
-            float *oh = out + (t * n_head + h0) * head_dim;
-            if (m == 0) {
-                memset(oh, 0, (size_t)(nh * head_dim) * sizeof(float));
-                continue;
-            }
-            const char *kg = (const char *)k + (size_t)(g * head_dim) * elsize;
-            const char *vg = (const char *)v + (size_t)(g * head_dim) * elsize;
-            kernel(qh, oh, nh, head_dim, kg, vg, kv_type, n_kv_head * head_dim, rows, m, scale,
-                   scratch);
-        }
-        free(scratch);
-        free(rows);
-    }
+    attn_job j = {kernel, q, k, v, mask, out, n_head, head_dim, kv_type, n_kv, n_kv_head, group, n_split, hb,
+                  n_units, scale, scratch_bytes, rows_bytes, elsize, 0, LEVER_OK};
+    lever_parallel(attn_part, &j, nt);
+    int err = atomic_load(&j.err);
     return err;
 }
