@@ -94,21 +94,40 @@ def bench_model(model_path: str, n_prompt: int = 32, n_gen: int = 32, rounds: in
 
 
 def read_pass_s(model_path: str, flash, n_passes: int = 2) -> float:
-    """Seconds to read one pass's streamed layers with nothing else running (the pure read time)."""
+    """Seconds to read one pass's streamed layers with no compute: Prefetch itself, feeding a
+    consumer that hands each buffer straight back, so reads are scheduled as in a real run."""
     import anyio
+    import attrs
 
+    from lever.gguf_file import GGUFFile
+    from lever.graph import Pipeline, Stage
+    from lever.messages import FreeBuffer, StreamedLayer
+    from lever.model_spec import read_spec
     from lever.backends.flash import FlashStore
-    from lever.stages.prefetch import read_all
+    from lever.stages.prefetch import Prefetch
 
-    with FlashStore(model_path, flash) as store:
+    @attrs.define
+    class Drain(Stage):
+        name: str
+        n_layers: int
+        INPUTS = {"layers": StreamedLayer}
+        OUTPUTS = {"free": FreeBuffer}
+
+        async def run(self, inputs, outputs):
+            for _ in range(self.n_layers):
+                msg = await inputs["layers"].receive()
+                await outputs["free"].send(FreeBuffer(msg.buffer_id))
+
+    f = GGUFFile(model_path)
+    with FlashStore(model_path, flash, file=f) as store:
         if not store.streamed:
             return 0.0
-        limiter = anyio.CapacityLimiter(flash.queue_depth)
-        buf = store.pool.acquire()
+        prefetch = Prefetch("prefetch", store, f, read_spec(f), anyio.CapacityLimiter(flash.queue_depth))
+        drain = Drain("drain", n_passes * len(store.streamed))
+        p = Pipeline("read-only").connect(prefetch, "layers", drain, "layers", 2)
+        p.connect(drain, "free", prefetch, "free", flash.window_layers)
         t0 = time.perf_counter()
-        for _ in range(n_passes):
-            for layer in store.streamed:
-                anyio.run(read_all, store, layer, buf, limiter)
+        anyio.run(p.run)
         return (time.perf_counter() - t0) / n_passes
 
 
