@@ -124,8 +124,9 @@ int lever_matmul(int type, const void *w, int64_t n_out, int64_t n_in, const flo
     const uint8_t *xs = a_bytes ? act : (const uint8_t *)x;
     const int64_t x_stride = a_bytes ? a_bytes : n_in * (int64_t)sizeof(float);
 
-    matmul_job j = {ks, tile, type, (const uint8_t *)w, w_stride, n_out, n_in, n_tok,
-                    (n_out + ks->rows - 1) / ks->rows, a_bytes, x_stride, x, act, xs, y};
+    matmul_job j = {.ks = ks, .tile = tile, .type = type, .w = (const uint8_t *)w, .w_stride = w_stride,
+                    .n_out = n_out, .n_in = n_in, .n_tok = n_tok, .n_tiles = (n_out + ks->rows - 1) / ks->rows,
+                    .a_bytes = a_bytes, .x_stride = x_stride, .x = x, .act = act, .xs = xs, .y = y};
     const int nt = n_threads > 0 ? n_threads : lever_threads_default();
     lever_counter_init(&j.toks, n_tok, 1);
     /* Eight chunks a thread: small enough to even out a late start, large enough that the

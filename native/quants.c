@@ -10,7 +10,11 @@
  * canonical order fuses them, and contraction is off here: on arm64 the compiler would
  * otherwise fuse d * q - m in dequantization and drift from gguf-py by an ulp.
  */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF /* clang (the Android NDK's compiler) ignores GCC's pragma */
+#else
 #pragma GCC optimize("fp-contract=off")
+#endif
 
 #include <math.h>
 

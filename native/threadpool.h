@@ -10,6 +10,8 @@
 #ifndef LEVER_THREADPOOL_H
 #define LEVER_THREADPOOL_H
 
+#include <stdatomic.h>
+
 /* A job: called by the submitter and by each worker that joins in time (at most nth calls in
  * all, with distinct ith < nth). A worker the OS has not scheduled yet must not hold the job
  * up, so jobs claim their work from a shared counter (lever_claim) instead of a fixed share:
@@ -26,19 +28,19 @@ void lever_parallel(lever_job_fn fn, void *ctx, int n_threads);
 
 /* Work items [0, n) handed out `chunk` at a time to whichever thread asks. */
 typedef struct {
-    _Atomic long long next;
+    atomic_llong next;
     long long n, chunk;
 } lever_counter;
 
 static inline void lever_counter_init(lever_counter *c, long long n, long long chunk) {
-    c->next = 0;
+    atomic_init(&c->next, 0);
     c->n = n;
     c->chunk = chunk > 0 ? chunk : 1;
 }
 
 /* Claims the next chunk [*begin, *end); 0 when all are taken. */
 static inline int lever_claim(lever_counter *c, long long *begin, long long *end) {
-    const long long b = __atomic_fetch_add(&c->next, c->chunk, __ATOMIC_RELAXED);
+    const long long b = atomic_fetch_add_explicit(&c->next, c->chunk, memory_order_relaxed);
     if (b >= c->n) return 0;
     *begin = b;
     *end = b + c->chunk < c->n ? b + c->chunk : c->n;
