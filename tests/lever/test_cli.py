@@ -102,3 +102,22 @@ def test_debug_shows_traceback():
 
 def test_bad_token_list(stories):
     assert_one_line_error(run_cli("logits", "-m", str(stories), "--tokens", "1,x", "--out", "/tmp/x.npy"), "--tokens")
+
+
+def test_ctrl_c_stops_a_run_within_a_second(tiny_model):
+    """SIGINT in the middle of streaming: exit 130 within a second, one line, no traceback."""
+    import signal
+    import time
+
+    path = tiny_model("llama", "F32", n_layer=4)
+    proc = subprocess.Popen([sys.executable, "-m", "lever.cli", "run", "-p", "the", "-n", "100000",
+                             "--set", f'model.target="{path}"', "--set", "flash.read_latency_ms=2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while proc.stdout.read(1) == "" and time.monotonic() < deadline:  # wait until tokens stream
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - t0 < 1.0
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
