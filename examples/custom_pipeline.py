@@ -18,9 +18,9 @@ from lever.messages import Accepted
 from lever.pipelines import FlashTarget
 from lever.sampling import SamplingParams
 from lever.stages.accept import Accept, AcceptConfig
-from lever.stages.draft import Draft
 from lever.stages.prefetch import Prefetch
 from lever.stages.pruned_verify import PrunedVerify
+from lever.stages.tree_expand import TreeExpand, TreeExpandConfig
 from lever.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -43,17 +43,17 @@ def main(model_path: str, prompt: str, n: int = 32) -> list[int]:
     target = FlashTarget.open(model_path, FlashConfig(mode="mmap", dram_budget=0.5))
     tok = Tokenizer.from_gguf(target.model.file)
     spec = target.model.spec
-    draft = Draft("draft", tok.encode(prompt))
+    expand = TreeExpand("expand", TreeExpandConfig(policy="none"), tok.encode(prompt))  # no draft: Flash-AR
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec, anyio.CapacityLimiter(4))
     verify = PrunedVerify("verify", spec, target.model.embed, KVCache(spec, 512), target.resident)
     accept = Accept("accept", AcceptConfig(n_predict=n), SamplingParams(), target.model.logits)
     printer = Printer("printer", StreamDecoder(tok, at_start=False))
     p = (Pipeline("my-flash-ar")
-         .connect(draft, "tree", verify, "tree")
+         .connect(expand, "tree", verify, "tree")
          .connect(prefetch, "layers", verify, "layers", capacity=2)
          .connect(verify, "free", prefetch, "free", capacity=target.store.pool.n_buffers)
          .connect(verify, "verified", accept, "verified")
-         .connect(accept, "accepted", draft, "accepted")
+         .connect(accept, "accepted", expand, "accepted")
          .connect(accept, "emitted", printer, "emitted"))
     try:
         anyio.run(p.run)

@@ -137,7 +137,7 @@ def print_summary(res, file) -> None:
     p = lambda *a: print(*a, file=file)  # noqa: E731
     p(f"pipeline {res.pipeline}: {len(res.tokens)} tokens in {res.n_passes} passes, stop: {res.stop_reason}")
     p(f"  decode      {res.decode_tps:.2f} tok/s ({res.ms_per_token:.1f} ms/token), prefill {res.prefill_s:.2f} s, "
-      f"{res.accepted_per_pass:.2f} tokens/pass")
+      f"{res.accepted_per_pass:.2f} tokens/pass from trees of {res.mean_tree_nodes:.1f} nodes")
     p(f"  flash       {res.flash_mb_per_token:.1f} MB/token from the device "
       f"({res.streamed_bytes_per_pass / 1e6:.1f} MB streamed per pass), {res.flash_gbps:.2f} GB/s while reading")
     p(f"  overlap     {100 * res.overlap_share:.0f}% of read time hidden under compute; per pass: "

@@ -20,6 +20,7 @@ import attrs
 
 from lever.backends.flash import FlashConfig
 from lever.errors import LeverError
+from lever.stages.tree_expand import TreeExpandConfig
 
 
 @attrs.frozen
@@ -35,14 +36,17 @@ class ModelConfig:
 class PipelineConfig:
     """Which composition of stages runs."""
 
-    kind: str = "flash-ar"  # flash-ar: autoregressive, target streamed; resident-ar: all layers in DRAM
+    kind: str = "flash-ar"
+    """flash-ar: autoregressive, target streamed from flash; resident-ar: the same with every
+    layer in DRAM; speculative: a draft model proposes trees ([tree_expand] policy: gain-cost
+    is Lever, chain is Chain-SD, kary a fixed tree) that the streamed target verifies."""
 
     def __attrs_post_init__(self):
         if self.kind not in PIPELINE_KINDS:
             raise LeverError(f"[pipeline] kind: unknown pipeline {self.kind!r} (known: {', '.join(PIPELINE_KINDS)})")
 
 
-PIPELINE_KINDS = ("flash-ar", "resident-ar")
+PIPELINE_KINDS = ("flash-ar", "resident-ar", "speculative")
 
 
 @attrs.frozen
@@ -50,7 +54,7 @@ class ChannelsConfig:
     """Capacities of the bounded channels between stages (small integers, never unbounded)."""
 
     layers: int = 2  # Prefetch -> PrunedVerify: streamed layers waiting to be computed
-    tokens: int = 1  # Draft -> PrunedVerify and Accept -> Draft: one cycle in flight
+    tokens: int = 1  # TreeExpand -> PrunedVerify and Accept -> TreeExpand: one cycle in flight
 
     def __attrs_post_init__(self):
         for f in attrs.fields(type(self)):
@@ -84,6 +88,7 @@ SECTIONS: dict[str, type] = {
     "channels": ChannelsConfig,
     "generate": GenerateConfig,
     "runtime": RuntimeConfig,
+    "tree_expand": TreeExpandConfig,
 }
 
 

@@ -1,8 +1,9 @@
 """The messages that move between stages, all in one module.
 
-One decoding cycle is a loop of three nouns: Draft sends a `TokenTree` (what the target should
-verify this pass), PrunedVerify turns it into `Verified` hidden states, Accept answers with
-`Accepted` (the tokens that came out and which tree rows the caches keep). Beside the loop,
+One decoding cycle is a loop of three nouns: TreeExpand sends a `TokenTree` (what the target
+should verify this pass), PrunedVerify turns it into `Verified` hidden states, Accept answers
+with `Accepted` (the tokens that came out and which tree rows the caches keep). To grow a tree,
+TreeExpand and Draft trade `ExpandRequest`s and `Expansion`s. Beside the loop,
 Prefetch streams `StreamedLayer`s (a layer's weights, read from flash into a window buffer) to
 PrunedVerify, which hands each buffer back as a `FreeBuffer` once the layer is computed.
 Ownership follows the messages: the target's KV cache belongs to PrunedVerify and changes only
@@ -74,6 +75,35 @@ class Accepted:
     keep: tuple[int, ...]  # tree nodes whose KV rows stay (the accepted path, given chain first)
     done: bool = False
     stop_reason: str = ""  # "eos", "length", "context" when done
+
+
+@attrs.frozen
+class ExpandRequest:
+    """TreeExpand asks Draft to run some tree nodes through the draft model.
+
+    The nodes are appended to the draft's pending rows of this cycle, in order; parents index
+    those pending rows (-1: the node follows the committed prefix directly). The first request
+    of a cycle carries `commit`, the previous cycle's pending rows to keep (the accepted path),
+    and may start with tokens already accepted that the draft has not seen (`n_given`); the
+    other requests of a cycle carry None.
+    """
+
+    cycle: int
+    tokens: np.ndarray = attrs.field(eq=False)  # (n,) int64
+    parents: np.ndarray = attrs.field(eq=False)  # (n,) int32, into this cycle's pending rows
+    top_k: int = 4  # children to return for each node that is not given
+    n_given: int = 0  # leading nodes that only extend the cache (no children returned)
+    commit: tuple[int, ...] | None = None
+
+
+@attrs.frozen
+class Expansion:
+    """The draft's proposals for each expanded node: its most probable next tokens."""
+
+    cycle: int
+    rows: np.ndarray = attrs.field(eq=False)  # (m,) pending-row index of each expanded node
+    child_tokens: np.ndarray = attrs.field(eq=False)  # (m, top_k) int64, most probable first
+    child_probs: np.ndarray = attrs.field(eq=False)  # (m, top_k) float32, draft probabilities
 
 
 @attrs.frozen

@@ -1,9 +1,11 @@
 """Compositions of stages: the pipelines a config can name, built in a few lines each.
 
-`open_target` sets up the target model on the flash backend (resident layers read once, the
-rest streamed); `flash_ar` joins Draft (proposing nothing), Prefetch, PrunedVerify, Accept and
-Output into Flash-AR, the paper's baseline. Memory-resident AR is the same pipeline with a 100%
-DRAM budget. A custom pipeline is the same few `connect` calls (see examples/custom_pipeline.py).
+`FlashTarget.open` sets up the target model on the flash backend (resident layers read once,
+the rest streamed). `compose` joins TreeExpand, Draft, Prefetch, PrunedVerify, Accept and Output:
+with TreeExpand's policy "none" and no Draft it is Flash-AR, the paper's baseline (memory-resident
+AR is the same with a 100% DRAM budget); with a draft model and a tree policy it is speculative
+decoding: chain (Chain-SD), kary, or gain-cost (Lever). A custom pipeline is the same few
+`connect` calls (see examples/custom_pipeline.py).
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ import attrs
 
 from lever.backends.flash import FlashConfig, FlashStore
 from lever.config import Config
+from lever.errors import LeverError
 from lever.gguf_file import GGUFFile
 from lever.graph import Pipeline
 from lever.kv_cache import KVCache
 from lever.model import LayerWeights, Model, load_layer
 from lever.sampling import SamplingParams
 from lever.stages.accept import Accept, AcceptConfig
-from lever.stages.draft import Draft
+from lever.stages.draft import Draft, DraftModel
 from lever.stages.output import Output
 from lever.stages.prefetch import Prefetch
 from lever.stages.pruned_verify import PrunedVerify
+from lever.stages.tree_expand import Cost, FlatCost, TreeExpand, TreeExpandConfig
 from lever.trace import Tracer
 
 
@@ -78,25 +82,45 @@ class Handles:
     output: Output
     verify: PrunedVerify
     accept: Accept
+    expand: TreeExpand
+    draft: Draft | None
     tracer: Tracer
+
+
+def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
+            n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None,
+            draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None) -> Handles:
+    spec = target.model.spec
+    tree = tree or TreeExpandConfig(policy="none")
+    compute = anyio.CapacityLimiter(1)  # the kernels use every core; one compute job at a time
+    expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer)
+    prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
+                        anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
+    verify = PrunedVerify("verify", spec, target.model.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
+                          compute, tracer)
+    accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx), params, target.model.logits, tracer)
+    output = Output("output", on_tokens)
+    ch = cfg.channels
+    p = Pipeline(tree.policy)
+    p.connect(expand, "tree", verify, "tree", ch.tokens)
+    p.connect(prefetch, "layers", verify, "layers", ch.layers)
+    p.connect(verify, "free", prefetch, "free", cfg.flash.window_layers)
+    p.connect(verify, "verified", accept, "verified", 1)
+    p.connect(accept, "accepted", expand, "accepted", ch.tokens)
+    p.connect(accept, "emitted", output, "emitted", 4)
+    draft = None
+    if tree.policy != "none":
+        if draft_model is None:
+            raise LeverError(f"[tree_expand] policy {tree.policy!r} needs a draft model ([model] draft)")
+        if draft_model.spec.n_vocab != spec.n_vocab:
+            raise LeverError(f"[model] draft: vocabulary of {draft_model.spec.n_vocab} tokens, the target has {spec.n_vocab}")
+        core = DraftModel(draft_model, draft_model.new_cache(n_ctx + tree.max_nodes + 1))
+        draft = Draft("draft", core, compute, tracer)
+        p.connect(expand, "expand", draft, "expand", 1)
+        p.connect(draft, "expansion", expand, "expansion", 1)
+    return Handles(p.build(), output, verify, accept, expand, draft, tracer)
 
 
 def flash_ar(target: FlashTarget, prompt: list[int], cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
              n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None) -> Handles:
-    spec = target.model.spec
-    compute = anyio.CapacityLimiter(1)  # the kernels use every core; one compute job at a time
-    draft = Draft("draft", prompt, tracer=tracer)
-    prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
-                        anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
-    verify = PrunedVerify("verify", spec, target.model.embed, KVCache(spec, n_ctx), target.resident, compute, tracer)
-    accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx), params, target.model.logits, tracer)
-    output = Output("output", on_tokens)
-    ch = cfg.channels
-    p = Pipeline("flash-ar")
-    p.connect(draft, "tree", verify, "tree", ch.tokens)
-    p.connect(prefetch, "layers", verify, "layers", ch.layers)
-    p.connect(verify, "free", prefetch, "free", cfg.flash.window_layers)
-    p.connect(verify, "verified", accept, "verified", 1)
-    p.connect(accept, "accepted", draft, "accepted", ch.tokens)
-    p.connect(accept, "emitted", output, "emitted", 4)
-    return Handles(p.build(), output, verify, accept, tracer)
+    return compose(target, prompt, cfg, params, eos_ids, n_ctx, tracer, on_tokens)

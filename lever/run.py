@@ -17,7 +17,8 @@ import attrs
 from lever.backends.flash.device import process_read_bytes
 from lever.config import Config
 from lever.errors import LeverError
-from lever.pipelines import FlashTarget, flash_ar
+from lever.model import Model
+from lever.pipelines import FlashTarget, compose
 from lever.sampling import SamplingParams
 from lever.tokenizer import StreamDecoder, Tokenizer
 from lever.trace import Tracer
@@ -33,7 +34,8 @@ class RunResult:
     prefill_s: float
     decode_s: float
     n_passes: int
-    accepted_per_pass: float
+    accepted_per_pass: float  # tokens emitted per decoding pass (1.0 for autoregressive)
+    mean_tree_nodes: float  # nodes verified per decoding pass, root included
     dram_budget_bytes: int  # what the configuration accounts for: resident layers, head, window, KV cache
     resident_layer_bytes: int
     head_bytes: int  # the output projection, resident
@@ -84,7 +86,7 @@ def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None) -> Run
     kind = cfg.pipeline.kind
     if not cfg.model.target:
         raise LeverError(f"{cfg.path or 'config'}: [model] target: no target model given")
-    flash = cfg.flash if kind == "flash-ar" else attrs.evolve(cfg.flash, dram_budget=1.0)
+    flash = attrs.evolve(cfg.flash, dram_budget=1.0) if kind == "resident-ar" else cfg.flash
     target = FlashTarget.open(cfg.resolve_path(cfg.model.target), flash)
     try:
         return _run(cfg, kind, target, prompt, on_text, trace_path)
@@ -113,7 +115,12 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         if on_text:
             on_text("".join(stream.push(t) for t in ts))
 
-    h = flash_ar(target, prompt_ids, cfg, params, frozenset(tok.eos_ids), n_ctx, tracer, on_tokens)
+    draft, tree = None, None
+    if kind == "speculative":
+        if not cfg.model.draft:
+            raise LeverError(f"{cfg.path or 'config'}: [model] draft: a speculative pipeline needs a draft model")
+        draft, tree = Model(cfg.resolve_path(cfg.model.draft)), cfg.tree_expand
+    h = compose(target, prompt_ids, cfg, params, frozenset(tok.eos_ids), n_ctx, tracer, on_tokens, draft, tree)
     target.warm_head()
     target.store.reset_stats()
     dev0 = process_read_bytes() or 0
@@ -134,11 +141,12 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
     if trace_path:
         tracer.write_chrome(trace_path)
     return RunResult(
-        pipeline=kind, prompt_tokens=prompt_ids, tokens=out.tokens,
+        pipeline=kind if tree is None else f"{kind}/{tree.policy}", prompt_tokens=prompt_ids, tokens=out.tokens,
         text="".join(StreamDecoder(tok, at_start=False).push(t) for t in out.tokens),
         stop_reason=out.stop_reason, prefill_s=(t_first[0] if t_first else t1) - t0,
         decode_s=t1 - (t_first[0] if t_first else t1), n_passes=n_passes,
         accepted_per_pass=sum(out.accepted_per_pass[1:]) / decode_passes if n_passes > 1 else 0.0,
+        mean_tree_nodes=sum(h.expand.tree_sizes) / len(h.expand.tree_sizes) if h.expand.tree_sizes else 1.0,
         dram_budget_bytes=target.resident_bytes + target.head_bytes + target.window_bytes + kv_bytes,
         resident_layer_bytes=target.resident_bytes, head_bytes=target.head_bytes, window_bytes=target.window_bytes, kv_cache_bytes=kv_bytes,
         streamed_bytes_per_pass=per_pass_bytes,

@@ -1,66 +1,102 @@
-"""Draft: the first stage of a cycle, proposing what the target verifies next.
+"""Draft: the small draft model, resident in DRAM, proposing children for tree nodes.
 
-It holds the prompt and starts the loop with the prefill chain; after each `Accepted` it sends
-the next `TokenTree`, rooted at the newest accepted token and carrying the rows to commit. The
-proposal policy is swappable: `NoDraft` proposes nothing (autoregressive decoding: Flash-AR is
-this composition); the token-tree policies of speculative decoding plug in the same way.
+TreeExpand sends it the nodes to expand; one batched draft forward runs them all with tree
+attention over the draft's own KV cache (each node sees the committed prefix and its own
+ancestors), and it answers with each node's most probable next tokens and their
+probabilities. Rows added during a cycle are pending; the first request of the next cycle says
+which to keep (the accepted path), so the draft's cache follows the accepted text exactly.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
+import anyio
 import attrs
+import numpy as np
 
 from lever.graph import Stage
-from lever.messages import Accepted, TokenTree
+from lever.kv_cache import KVCache
+from lever.messages import ExpandRequest, Expansion
+from lever.model import Model
 from lever.trace import Tracer
 
 
-class DraftPolicy(Protocol):
-    def start(self, prompt: list[int]) -> None: ...
-
-    def propose(self, pass_id: int, root: int, commit: tuple[int, ...]) -> TokenTree: ...
+def softmax_top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(n, vocab) logits -> (n, k) token ids by falling probability, and their probabilities."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=-1, keepdims=True)
+    idx = np.argpartition(-p, k - 1, axis=-1)[:, :k]
+    order = np.argsort(-np.take_along_axis(p, idx, -1), axis=-1, kind="stable")
+    idx = np.take_along_axis(idx, order, -1)
+    return idx.astype(np.int64), np.take_along_axis(p, idx, -1).astype(np.float32)
 
 
 @attrs.define
-class NoDraft:
-    """Proposes no guesses: each tree is the root token alone."""
+class DraftModel:
+    """The synchronous core: a model, its cache, and the parents of this cycle's pending rows."""
 
-    def start(self, prompt: list[int]) -> None:
-        pass
+    model: Model
+    cache: KVCache
+    n_committed: int = 0
+    pending_parents: list[int] = attrs.field(factory=list)  # parent pending row of each pending row
+    forwards: int = 0  # batched forwards run (for the run summary)
 
-    def propose(self, pass_id: int, root: int, commit: tuple[int, ...]) -> TokenTree:
-        return TokenTree.chain(pass_id, [root], n_given=1, commit=commit)
+    def commit(self, keep: tuple[int, ...]) -> None:
+        """A new cycle: of the pending rows, `keep` (ascending) join the committed prefix."""
+        rows = np.concatenate([np.arange(self.n_committed), self.n_committed + np.asarray(keep, np.int64)])
+        self.cache.keep(rows)
+        self.n_committed = self.cache.n_rows
+        self.pending_parents = []
 
+    def _ancestors(self, i: int) -> list[int]:
+        out = []
+        while i >= 0:
+            out.append(i)
+            i = self.pending_parents[i]
+        return out
 
-def prefill_tree(prompt: list[int]) -> TokenTree:
-    return TokenTree.chain(0, prompt, n_given=len(prompt), commit=())
+    def expand(self, req: ExpandRequest) -> Expansion:
+        if req.commit is not None:
+            self.commit(req.commit)
+        n = req.tokens.size
+        first = len(self.pending_parents)
+        depth = {-1: -1}
+        for i in range(first):
+            depth[i] = depth[self.pending_parents[i]] + 1
+        pos = np.empty(n, np.int32)
+        mask = np.zeros((n, self.cache.n_rows + n), bool)
+        mask[:, : self.n_committed] = True
+        for j in range(n):
+            parent = int(req.parents[j])
+            self.pending_parents.append(parent)
+            row = first + j
+            depth[row] = depth[parent] + 1
+            pos[j] = self.n_committed + depth[row]
+            mask[j, [self.n_committed + a for a in self._ancestors(row)]] = True
+        hidden = self.model.forward(req.tokens, pos, mask, self.cache)
+        self.forwards += 1
+        expand = np.arange(req.n_given, n)
+        if expand.size == 0:
+            empty = np.zeros((0, req.top_k))
+            return Expansion(req.cycle, expand.astype(np.int32), empty.astype(np.int64), empty.astype(np.float32))
+        tokens, probs = softmax_top_k(self.model.logits(hidden[expand]), req.top_k)
+        return Expansion(req.cycle, (first + expand).astype(np.int32), tokens, probs)
 
 
 @attrs.define
 class Draft(Stage):
-    """Accepted -> TokenTree, starting with the prompt."""
+    """ExpandRequest -> Expansion."""
 
     name: str
-    prompt: list[int]
-    policy: DraftPolicy = attrs.field(factory=NoDraft)
+    core: DraftModel
+    limiter: anyio.CapacityLimiter | None = None  # compute slots, shared with the target's
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
-    INPUTS = {"accepted": Accepted}
-    OUTPUTS = {"tree": TokenTree}
-
-    def first(self) -> TokenTree:
-        self.policy.start(self.prompt)
-        return prefill_tree(self.prompt)
-
-    def step(self, acc: Accepted) -> TokenTree:
-        return self.policy.propose(acc.pass_id + 1, acc.tokens[-1], acc.keep)
+    INPUTS = {"expand": ExpandRequest}
+    OUTPUTS = {"expansion": Expansion}
 
     async def run(self, inputs, outputs):
-        await outputs["tree"].send(self.first())
-        async for acc in inputs["accepted"]:
-            if acc.done:
-                return
-            with self.tracer.span(self.name, f"draft {acc.pass_id + 1}"):
-                tree = self.step(acc)
-            await outputs["tree"].send(tree)
+        async for req in inputs["expand"]:
+            with self.tracer.span(self.name, f"draft c{req.cycle}", batch=int(req.tokens.size)):
+                exp = await anyio.to_thread.run_sync(self.core.expand, req, limiter=self.limiter)
+            await outputs["expansion"].send(exp)

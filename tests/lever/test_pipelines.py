@@ -101,3 +101,40 @@ def test_cancellation_stops_within_a_second_and_releases_everything(tiny_model):
     time.sleep(0.1)
     assert threading.active_count() <= threads0
     assert {f.path for f in proc.open_files()} <= files0
+
+
+SPEC = ['pipeline.kind="speculative"']
+
+
+@pytest.mark.parametrize("policy", ["chain", "kary", "gain-cost"])
+@pytest.mark.parametrize("draft_seed", [0, 7], ids=["draft=target", "other-draft"])
+def test_speculative_greedy_equals_autoregressive(tiny_model, policy, draft_seed):
+    """Whatever the draft proposes, greedy output is the target's own greedy output."""
+    path = tiny_model("qwen2", "Q8_0", n_layer=3)
+    draft = tiny_model("qwen2", "Q8_0", n_layer=1, seed=draft_seed) if draft_seed else path
+    res = run_pipeline(config(path, *SPEC, f'model.draft="{draft}"', f'tree_expand.policy="{policy}"',
+                              "generate.n_predict=40", "tree_expand.max_nodes=24"), PROMPT)
+    assert res.tokens == reference_tokens(path, n=40)
+    if draft_seed == 0:  # the draft is the target: every proposal on the greedy path is accepted
+        assert res.accepted_per_pass > 1.5
+
+
+def test_speculative_on_stories_accepts_many_per_pass(stories):
+    cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=60")
+    res = run_pipeline(cfg, "Once upon a time")
+    assert res.tokens == reference_tokens(stories, "Once upon a time", 60)
+    assert res.accepted_per_pass > 4 and res.n_passes < 20
+
+
+def test_speculative_stops_at_context_like_generate(tiny_model):
+    path = tiny_model("llama", "F32", n_layer=2)
+    cfg = config(path, *SPEC, f'model.draft="{path}"', "model.n_ctx=40", "generate.n_predict=100")
+    res = run_pipeline(cfg, PROMPT)
+    model, tok = Model(path), Tokenizer.from_gguf(path)
+    want = generate(model, tok.encode(PROMPT), 100, n_ctx=40, eos_ids=frozenset(tok.eos_ids))
+    assert res.tokens == want.tokens and res.stop_reason == want.stop_reason == "context"
+
+
+def test_speculative_needs_a_draft(tiny_model):
+    with pytest.raises(LeverError, match=r"\[model\] draft"):
+        run_pipeline(config(tiny_model("llama", "F32"), *SPEC), PROMPT)
