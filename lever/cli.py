@@ -145,7 +145,7 @@ def print_summary(res, file) -> None:
       f"wall {res.pass_wall_ratio:.2f}x max(read, compute)")
     p(f"  memory      peak RSS {res.peak_rss_bytes / mib:.0f} MiB for {res.dram_budget_bytes / mib:.0f} MiB accounted: "
       f"resident layers {res.resident_layer_bytes / mib:.0f}, head {res.head_bytes / mib:.0f}, "
-      f"window {res.window_bytes / mib:.0f}, KV cache {res.kv_cache_bytes / mib:.0f}")
+      f"window {res.window_bytes / mib:.0f}, KV cache {res.kv_cache_bytes / mib:.0f}, draft {res.draft_bytes / mib:.0f}")
     p("  stages      " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(res.stage_s.items())))
 
 

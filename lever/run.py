@@ -41,6 +41,7 @@ class RunResult:
     head_bytes: int  # the output projection, resident
     window_bytes: int
     kv_cache_bytes: int
+    draft_bytes: int  # the draft model's weights and KV cache, all resident
     streamed_bytes_per_pass: int
     flash_read_bytes: int  # read from the device during decoding (process counter)
     flash_requested_bytes: int
@@ -134,6 +135,10 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
     n_passes = len(out.accepted_per_pass)
     summary = tracer.summary()
     kv_bytes = h.verify.cache.nbytes
+    draft_bytes = 0
+    if h.draft is not None:
+        dm = h.draft.core.model
+        draft_bytes = sum(t.n_bytes for t in dm.file.tensors.values()) + h.draft.core.cache.nbytes
     # The prefill pass reads the layers once too; decoding is the passes after it.
     decode_passes = max(n_passes - 1, 1)
     per_pass_bytes = target.store.streamed_bytes
@@ -147,7 +152,8 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         decode_s=t1 - (t_first[0] if t_first else t1), n_passes=n_passes,
         accepted_per_pass=sum(out.accepted_per_pass[1:]) / decode_passes if n_passes > 1 else 0.0,
         mean_tree_nodes=sum(h.expand.tree_sizes) / len(h.expand.tree_sizes) if h.expand.tree_sizes else 1.0,
-        dram_budget_bytes=target.resident_bytes + target.head_bytes + target.window_bytes + kv_bytes,
+        dram_budget_bytes=target.resident_bytes + target.head_bytes + target.window_bytes + kv_bytes + draft_bytes,
+        draft_bytes=draft_bytes,
         resident_layer_bytes=target.resident_bytes, head_bytes=target.head_bytes, window_bytes=target.window_bytes, kv_cache_bytes=kv_bytes,
         streamed_bytes_per_pass=per_pass_bytes,
         flash_read_bytes=max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
