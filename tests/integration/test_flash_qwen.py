@@ -50,3 +50,13 @@ def test_peak_rss_within_accounted_memory(qwen_target, budget):
     assert r["peak_rss_bytes"] <= r["dram_budget_bytes"] + RUNTIME_MARGIN_BYTES, (
         f"peak RSS {r['peak_rss_bytes'] >> 20} MiB over {r['dram_budget_bytes'] >> 20} MiB accounted + "
         f"{RUNTIME_MARGIN_BYTES >> 20} MiB runtime")
+
+
+@pytest.mark.parametrize("policy", ["chain", "gain-cost"])
+def test_speculative_equals_autoregressive_on_the_qwen_pair(qwen_target, qwen_draft, resident, policy):
+    r = flash_run(qwen_target, 'pipeline.kind="speculative"', f'model.draft="{qwen_draft}"',
+                  f'tree_expand.policy="{policy}"', "flash.dram_budget=0.25")
+    print(f"{policy}: {r['accepted_per_pass']:.2f} tokens/pass from trees of {r['mean_tree_nodes']:.1f} nodes, "
+          f"{r['ms_per_token']:.0f} ms/token")
+    assert r["tokens"] == resident["tokens"]
+    assert r["accepted_per_pass"] > 1.0
