@@ -3,13 +3,14 @@
  * Steps of one call:
  *   1. quantize each token's activations once (Q8_0 blocks for Q4_0/Q5_0/Q8_0 weights,
  *      Q8_K for Q4_K/Q6_K; float types use x as it is), tokens split across threads;
- *   2. split the output rows into tiles of the ISA's width (16 rows for AVX-512) and hand
- *      the tiles to threads in one static partition. A tile kernel streams its rows' weights
- *      once and applies every block to all tokens of the call (up to LEVER_TOK_TILE at a
- *      time), so tree verification with 16-64 tokens reads each weight byte once.
+ *   2. split the output rows into tiles of the ISA's width (16 rows for AVX-512); the
+ *      worker pool's threads claim runs of tiles from a shared counter. A tile kernel
+ *      streams its rows' weights once and applies every block to all tokens of the call (up
+ *      to LEVER_TOK_TILE at a time), so tree verification with 16-64 tokens reads each
+ *      weight byte once.
  * A reduction is never split: each (row, token) is summed by one kernel call in the
  * canonical order of quants_internal.h, so the result is the same for any n_tok, any
- * batch companions, any thread count, and any ISA.
+ * batch companions, any thread count or claiming order, and any ISA.
  */
 #include <stdlib.h>
 
