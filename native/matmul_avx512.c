@@ -376,7 +376,7 @@ static void tile_q5_0_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
         __m512i p[4], q[8];
         transpose_16B(&tr, off + 6, p);
         split_nibbles(p, q);
-        __m512i hd[4];
+        __m512i hd[4]; /* d | qh[0..1], qh[2..3] | qs[0..1], ...: a transposition beats gathers */
         transpose_16B(&tr, off, hd);
         const __m512i qh = _mm512_or_si512(_mm512_srli_epi32(hd[0], 16), _mm512_slli_epi32(hd[1], 16));
         for (int k = 0; k < 8; k++) {
