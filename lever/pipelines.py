@@ -98,7 +98,8 @@ def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: Samplin
                         anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
     verify = PrunedVerify("verify", spec, target.model.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
                           compute, tracer)
-    accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx), params, target.model.logits, tracer)
+    accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.policy == "confidence"),
+                    params, target.model.logits, tracer)
     output = Output("output", on_tokens)
     ch = cfg.channels
     p = Pipeline(tree.policy)

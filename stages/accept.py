@@ -28,6 +28,7 @@ class AcceptConfig:
     n_predict: int = 128  # tokens to emit at most
     eos_ids: frozenset[int] = frozenset()  # tokens that end the generation
     n_ctx: int = 4096  # the target's context: stop before it is full
+    full_lm_head: bool = False  # run the output projection on every node (EdgeLLM-like), not only the path
 
 
 def children_of(tree: TokenTree) -> list[list[int]]:
@@ -85,6 +86,9 @@ class Accept(Stage):
 
     def step(self, v: Verified) -> Accepted:
         tree = v.tree
+        if self.config.full_lm_head and tree.n_nodes > 1:  # same tokens, the cost of every row
+            self.logits_fn(v.hidden)
+            self.lm_head_rows += tree.n_nodes
         budget = self.config.n_predict - self.n_emitted
         tokens, keep, rows = accept_tree(tree, v.hidden, self.logits_fn, self.params, self._rng, budget,
                                          self.config.eos_ids)

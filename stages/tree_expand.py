@@ -10,7 +10,8 @@ adds: its share of drafting plus the growth of the verification pass at the new 
 from the cost model (a streamed pass pays its flash read once, so while reads dominate, nodes
 are nearly free). It adds the best candidate while that raises the tree's expected rate
 (accepted tokens + 1 per second of cycle). Fixed shapes (none: autoregressive; chain of k;
-k-ary tree) are other policies of the same stage, for the baselines.
+k-ary tree) and a confidence bar without a latency model (EdgeLLM-like) are other policies of
+the same stage, for the baselines.
 """
 
 from __future__ import annotations
@@ -27,20 +28,21 @@ from lever.graph import Stage
 from lever.messages import Accepted, ExpandRequest, Expansion, TokenTree
 from lever.trace import Tracer
 
-POLICIES = ("none", "chain", "kary", "gain-cost")
+POLICIES = ("none", "chain", "kary", "confidence", "gain-cost")
 
 
 @attrs.frozen
 class TreeExpandConfig:
     """How trees grow. Caps bound every policy; gain-cost usually stops well before them."""
 
-    policy: str = "gain-cost"  # none | chain | kary | gain-cost
+    policy: str = "gain-cost"  # none | chain | kary | confidence (EdgeLLM-like) | gain-cost (Lever)
     max_nodes: int = 64  # nodes per tree, root included: bounds one verification pass
     max_depth: int = 12  # draft tokens on one path
     top_k: int = 4  # children the draft proposes per expanded node
     round_nodes: int = 8  # nodes added per round, expanded together in one draft forward
     chain_length: int = 4  # chain: draft tokens per cycle
     kary_depth: int = 3  # kary: depth of the full tree (top_k children per node)
+    confidence: float = 0.3  # confidence: add nodes whose path probability stays above this
 
     def __attrs_post_init__(self):
         if self.policy not in POLICIES:
@@ -147,7 +149,17 @@ class TreeBuilder:
             return self._take(len(self.candidates))
         if policy == "gain-cost":
             return self._take_while_worth(self.config.round_nodes)
+        if policy == "confidence":  # EdgeLLM-like: no latency model, a fixed bar on acceptance
+            return self._take_while_confident(self.config.round_nodes)
         return []
+
+    def _take_while_confident(self, n: int) -> list[int]:
+        added = []
+        while self.candidates and len(added) < n and self.n_nodes < self.limit \
+                and -self.candidates[0][0] >= self.config.confidence:
+            neg_g, _, parent, tok = heapq.heappop(self.candidates)
+            added.append(self.add(tok, parent, -neg_g))
+        return added
 
     def _take(self, n: int) -> list[int]:
         added = []
