@@ -231,8 +231,13 @@ static inline void acc_update(float *acc, __m256i isum, __m256 dw, float dx) {
     _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, _mm256_load_ps(acc)));
 }
 
-static inline void acc_zero(float (*acc)[ROWS], int n_tok) {
-    for (int t = 0; t < n_tok; t++) _mm256_store_ps(acc[t], _mm256_setzero_ps());
+/* Zeroes the accumulators and asks for the output lines now: written at the end of the
+ * tile, one line per token, they would otherwise each wait for memory (y can be 19 MB). */
+static inline void acc_zero(float (*acc)[ROWS], int n_tok, float *y, int64_t ldy) {
+    for (int t = 0; t < n_tok; t++) {
+        _mm256_store_ps(acc[t], _mm256_setzero_ps());
+        __builtin_prefetch(y + t * ldy, 1, 3);
+    }
 }
 
 static inline void acc_store(float (*acc)[ROWS], int n_tok, const tile_rows *tr, float *y, int64_t ldy) {
@@ -296,7 +301,7 @@ static inline __attribute__((always_inline)) void tile_float(load_fn load, const
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     const int64_t n_chunks = (n_in + 7) / 8;
     for (int64_t c = 0; c < n_chunks; c++) {
         lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, c, n_chunks);
@@ -331,7 +336,7 @@ static void tile_q8_0_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
         lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q8_0);
@@ -361,7 +366,7 @@ static void tile_q4_0_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
         lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q4_0);
@@ -382,7 +387,7 @@ static void tile_q5_0_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     /* Group k (elements 4k..4k+3) takes its fifth bits from qh byte k / 2, bits 4(k % 2) + j. */
     __m256i spread[4];
     for (int i = 0; i < 4; i++) spread[i] = dword_bytes(i, i, i, i);
@@ -419,7 +424,7 @@ static void tile_q4_K_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     __m256i byte_sel[4], pair_sel[4];
     for (int i = 0; i < 4; i++) {
         byte_sel[i] = dword_bytes(i, -1, -1, -1);
@@ -496,7 +501,7 @@ static void tile_q6_K_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     __m256i pair_sel[2];
     for (int i = 0; i < 2; i++) pair_sel[i] = dword_bytes(-1, 2 * i, -1, 2 * i + 1);
     for (int64_t b = 0; b < n_in / QK_K; b++) {

@@ -223,8 +223,13 @@ static inline void acc_update(float *acc, __m512i isum, __m512 dw, float dx) {
     _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), d, _mm512_load_ps(acc)));
 }
 
-static inline void acc_zero(float (*acc)[ROWS], int n_tok) {
-    for (int t = 0; t < n_tok; t++) _mm512_store_ps(acc[t], _mm512_setzero_ps());
+/* Zeroes the accumulators and asks for the output lines now: written at the end of the
+ * tile, one line per token, they would otherwise each wait for memory (y can be 19 MB). */
+static inline void acc_zero(float (*acc)[ROWS], int n_tok, float *y, int64_t ldy) {
+    for (int t = 0; t < n_tok; t++) {
+        _mm512_store_ps(acc[t], _mm512_setzero_ps());
+        __builtin_prefetch(y + t * ldy, 1, 3);
+    }
 }
 
 static inline void acc_store(float (*acc)[ROWS], int n_tok, const tile_rows *tr, float *y, int64_t ldy) {
@@ -274,7 +279,7 @@ static inline __attribute__((always_inline)) void tile_float(load_fn load, const
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     const int64_t n_chunks = (n_in + 15) / 16;
     for (int64_t c = 0; c < n_chunks; c++) {
         lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, c, n_chunks);
@@ -309,7 +314,7 @@ static void tile_q8_0_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
         lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
@@ -342,7 +347,7 @@ static void tile_q4_0_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
         lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q4_0);
@@ -364,7 +369,7 @@ static void tile_q5_0_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     /* Group k (elements 4k..4k+3) takes its fifth bits from qh byte k / 2, bits 4(k % 2) + j. */
     __m512i spread[4];
     for (int i = 0; i < 4; i++) spread[i] = dword_bytes(i, i, i, i);
@@ -402,7 +407,7 @@ static void tile_q4_K_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     __m512i byte_sel[4], pair_sel[4];
     for (int i = 0; i < 4; i++) {
         byte_sel[i] = dword_bytes(i, -1, -1, -1); /* byte i as an int32 */
@@ -485,7 +490,7 @@ static void tile_q6_K_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     __m512i pair_sel[2];
     for (int i = 0; i < 2; i++) pair_sel[i] = dword_bytes(-1, 2 * i, -1, 2 * i + 1);
     for (int64_t b = 0; b < n_in / QK_K; b++) {

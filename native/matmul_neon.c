@@ -137,8 +137,13 @@ static inline void acc_update(float *acc, int32x4_t isum, float32x4_t dw, float 
     vst1q_f32(acc, vfmaq_f32(vld1q_f32(acc), vcvtq_f32_s32(isum), vmulq_n_f32(dw, dx)));
 }
 
-static inline void acc_zero(float (*acc)[ROWS], int n_tok) {
-    for (int t = 0; t < n_tok; t++) vst1q_f32(acc[t], vdupq_n_f32(0.0f));
+/* Zeroes the accumulators and asks for the output lines now: written at the end of the
+ * tile, one line per token, they would otherwise each wait for memory (y can be 19 MB). */
+static inline void acc_zero(float (*acc)[ROWS], int n_tok, float *y, int64_t ldy) {
+    for (int t = 0; t < n_tok; t++) {
+        vst1q_f32(acc[t], vdupq_n_f32(0.0f));
+        __builtin_prefetch(y + t * ldy, 1, 3);
+    }
 }
 
 static inline void acc_store(float (*acc)[ROWS], int n_tok, const tile_rows *tr, float *y, int64_t ldy) {
@@ -198,7 +203,7 @@ static inline __attribute__((always_inline)) void tile_float(load_fn load, const
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     const int64_t n_chunks = (n_in + 3) / 4;
     for (int64_t c = 0; c < n_chunks; c++) {
         lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, c, n_chunks);
@@ -233,7 +238,7 @@ static void tile_q8_0_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
         lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q8_0);
@@ -264,7 +269,7 @@ static void tile_q4_0_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
         lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
         const int64_t off = b * (int64_t)sizeof(block_q4_0);
@@ -287,7 +292,7 @@ static void tile_q5_0_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     tile_rows tr;
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     /* Group k (elements 4k..4k+3) takes its fifth bits from qh byte k / 2, bits 4(k % 2) + j. */
     uint8x16_t spread[4];
     for (int i = 0; i < 4; i++) spread[i] = dword_bytes(i, i, i, i);
@@ -325,7 +330,7 @@ static void tile_q4_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     uint8x16_t byte_sel[4];
     for (int i = 0; i < 4; i++) byte_sel[i] = dword_bytes(i, -1, -1, -1);
     const uint8x16_t m4 = vdupq_n_u8(0x0f), m6 = vdupq_n_u8(0x3f);
@@ -391,7 +396,7 @@ static void tile_q6_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     rows_init(&tr, w, w_stride, n_rows);
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
-    acc_zero(acc, n_tok);
+    acc_zero(acc, n_tok, y, ldy);
     uint8x16_t top_sel[4];
     for (int i = 0; i < 4; i++) top_sel[i] = dword_bytes(-1, -1, -1, i);
     const uint8x16_t m4 = vdupq_n_u8(0x0f), m30 = vdupq_n_u8(0x30);
