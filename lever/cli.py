@@ -234,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llama-bench", default=None, help="llama-bench binary to compare with (or $LLAMA_BENCH)")
     _add_common(b)
     b.set_defaults(func=cmd_bench)
+
+    from lever.profile import add_profile_parser
+
+    add_profile_parser(sub)
     return parser
 
 

@@ -182,3 +182,8 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             raise LeverError(f"{where}: {name} must be a [section] table")
     sections = {name: build_section(name, data.get(name, {}), where) for name in SECTIONS}
     return Config(Path(path) if path is not None else None, sections)
+
+
+from lever.profile import ProfileConfig  # noqa: E402  (the [profile] section; it imports register_section)
+
+register_section("profile", ProfileConfig)

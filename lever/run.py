@@ -17,6 +17,7 @@ import attrs
 from lever.backends.flash.device import process_read_bytes
 from lever.config import Config
 from lever.errors import LeverError
+from lever.cost_model import cost_model_for
 from lever.model import Model
 from lever.pipelines import FlashTarget, compose
 from lever.sampling import SamplingParams
@@ -121,7 +122,8 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         if not cfg.model.draft:
             raise LeverError(f"{cfg.path or 'config'}: [model] draft: a speculative pipeline needs a draft model")
         draft, tree = Model(cfg.resolve_path(cfg.model.draft)), cfg.tree_expand
-    h = compose(target, prompt_ids, cfg, params, frozenset(tok.eos_ids), n_ctx, tracer, on_tokens, draft, tree)
+    cost = cost_model_for(cfg) if kind == "speculative" else None
+    h = compose(target, prompt_ids, cfg, params, frozenset(tok.eos_ids), n_ctx, tracer, on_tokens, draft, tree, cost)
     target.warm_head()
     target.store.reset_stats()
     dev0 = process_read_bytes() or 0
