@@ -170,6 +170,13 @@ def cmd_bench(args) -> int:
         if not args.config:
             raise LeverError("lever bench flash: -c CONFIG is required")
         bench_flash(str(args.config), args.prompt, args.n_gen, cap_bytes_per_s=args.cap)
+    elif args.what == "pipelines":
+        from lever.bench import bench_pipelines
+
+        if not args.config:
+            raise LeverError("lever bench pipelines: -c CONFIG is required")
+        prompts = args.prompts or [args.prompt]
+        bench_pipelines(str(args.config), prompts, args.n_gen, sets=args.set or [])
     return 0
 
 
@@ -221,13 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     cv.set_defaults(func=cmd_convert)
 
     b = sub.add_parser("bench", help="benchmarks printed as ratios measured side by side")
-    b.add_argument("what", choices=["model", "flash"],
+    b.add_argument("what", choices=["model", "flash", "pipelines"],
                    help="model: tg/pp tokens/s of one model in DRAM, vs llama-bench; "
-                        "flash: Flash-AR at DRAM budgets 0-100%%, with overlap figures")
+                        "flash: Flash-AR at DRAM budgets 0-100%%, with overlap figures; "
+                        "pipelines: Flash-AR, Chain-SD, EdgeLLM-like and Lever side by side")
     b.add_argument("-m", "--model", type=Path)
     b.add_argument("-c", "--config", type=Path)
     b.add_argument("-p", "--prompt", default="def quicksort(arr):")
     b.add_argument("--cap", type=float, default=0.0, help="flash: also run with this bandwidth cap (bytes/s)")
+    b.add_argument("--prompts", nargs="*", default=None, help="pipelines: several prompts, summed")
+    b.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
     b.add_argument("--n-prompt", type=int, default=32)
     b.add_argument("--n-gen", type=int, default=32)
     b.add_argument("--rounds", type=int, default=3)
