@@ -49,7 +49,10 @@ def prefill(model: Model, cache, tokens: list[int], chunk: int = PREFILL_CHUNK) 
     return hidden[-1]
 
 
-def generate(model: Model, prompt_tokens: list[int], n_predict: int, params: SamplingParams = SamplingParams(),
+GREEDY = SamplingParams()
+
+
+def generate(model: Model, prompt_tokens: list[int], n_predict: int, params: SamplingParams = GREEDY,
              n_ctx: int | None = None, eos_ids: frozenset[int] = frozenset(),
              on_token: Callable[[int], None] | None = None) -> GenerationResult:
     n_ctx = n_ctx or model.spec.n_ctx_train

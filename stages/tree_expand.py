@@ -19,7 +19,6 @@ from __future__ import annotations
 import heapq
 from typing import Protocol
 
-import anyio
 import attrs
 import numpy as np
 

@@ -12,7 +12,7 @@ import pytest
 
 from lever.config import load_config
 from lever.errors import LeverError
-from lever.generate import generate
+from lever.generate import GREEDY, generate
 from lever.model import Model
 from lever.pipelines import FlashTarget, flash_ar
 from lever.run import run_pipeline
@@ -27,7 +27,7 @@ def config(path, *sets):
     return load_config(None, [f'model.target="{path}"', "generate.n_predict=12", *sets])
 
 
-def reference_tokens(path, prompt=PROMPT, n=12, params=SamplingParams()):
+def reference_tokens(path, prompt=PROMPT, n=12, params=GREEDY):
     model, tok = Model(path), Tokenizer.from_gguf(path)
     return generate(model, tok.encode(prompt), n, params, eos_ids=frozenset(tok.eos_ids)).tokens
 
