@@ -100,7 +100,9 @@ class TreeBuilder:
 
     @property
     def limit(self) -> int:
-        return min(self.config.max_nodes, self.room)
+        """Nodes this tree may reach: the caps, the context, and a chain's fixed length."""
+        cap = min(self.config.max_nodes, self.room)
+        return min(cap, self.config.chain_length + 1) if self.config.policy == "chain" else cap
 
     def add(self, token: int, parent: int, gain: float) -> int:
         self.tokens.append(token)
@@ -135,6 +137,8 @@ class TreeBuilder:
                 heapq.heappush(self.candidates, (-g, self._seq, node, int(t)))
                 self._seq += 1
         added = self.select_round()
+        if self.n_nodes >= self.limit:  # full: the children of what was added could not join
+            return None
         expand = [n for n in added if self.depth[n] < self.config.max_depth]
         if self.config.policy == "kary":
             expand = [n for n in expand if self.depth[n] < self.config.kary_depth]
@@ -143,7 +147,7 @@ class TreeBuilder:
     def select_round(self) -> list[int]:
         policy = self.config.policy
         if policy == "chain":
-            return self._take(1) if self.n_nodes <= self.config.chain_length else []
+            return self._take(1)
         if policy == "kary":
             return self._take(len(self.candidates))
         if policy == "gain-cost":

@@ -1,0 +1,96 @@
+"""TreeExpand's tree growth without an event loop: a fake draft answers expansions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lever.errors import LeverError
+from lever.messages import Accepted, Expansion
+from lever.stages.tree_expand import FlatCost, TreeBuilder, TreeExpand, TreeExpandConfig
+
+
+class FakeDraft:
+    """Numbers pending rows as the real Draft does; every expanded node proposes tokens
+    10..10+k with probability p_first for the first and a flat rest for the others."""
+
+    def __init__(self, p_first: float = 0.7):
+        self.p_first, self.n_pending = p_first, 0
+
+    def __call__(self, req) -> Expansion:
+        if req.commit is not None:
+            self.n_pending = 0
+        first = self.n_pending + req.n_given
+        self.n_pending += req.tokens.size
+        n, k = req.tokens.size - req.n_given, req.top_k
+        rest = (1 - self.p_first) / max(k - 1, 1)
+        probs = np.array([[self.p_first] + [rest] * (k - 1)] * n, np.float32)
+        tokens = np.tile(np.arange(10, 10 + k, dtype=np.int64), (n, 1))
+        return Expansion(req.cycle, np.arange(first, first + n, dtype=np.int32), tokens, probs)
+
+
+def grow(config: TreeExpandConfig, cost=FlatCost(), room=1000) -> TreeBuilder:
+    b = TreeBuilder(config, cost, cycle=1, room=room)
+    b.add(5, -1, 1.0)
+    draft = FakeDraft()
+    req = b.request([0], given=[], commit=())
+    while req is not None:
+        req = b.on_expansion(draft(req))
+    return b
+
+
+def test_chain_is_a_chain_of_k():
+    b = grow(TreeExpandConfig(policy="chain", chain_length=4))
+    assert b.n_nodes == 5 and b.parents == [-1, 0, 1, 2, 3] and b.tokens[1:] == [10] * 4
+
+
+def test_kary_is_full():
+    b = grow(TreeExpandConfig(policy="kary", top_k=2, kary_depth=3, max_nodes=100))
+    assert b.n_nodes == 1 + 2 + 4 + 8 and max(b.depth) == 3
+
+
+def test_gain_cost_grows_when_reads_dominate_and_shrinks_when_compute_does():
+    cfg = TreeExpandConfig(policy="gain-cost", max_nodes=64)
+    slow_flash = grow(cfg, FlatCost(read_s=2.0, compute_per_token_s=0.005, draft_step_s=0.02))
+    fast_flash = grow(cfg, FlatCost(read_s=0.01, compute_per_token_s=0.005, draft_step_s=0.02))
+    assert slow_flash.n_nodes > 2 * fast_flash.n_nodes
+    assert fast_flash.n_nodes >= 2  # the first, likely child is still worth it
+
+
+def test_gain_is_the_path_probability():
+    b = grow(TreeExpandConfig(policy="chain", chain_length=3))
+    assert np.allclose(b.gain, [1.0, 0.7, 0.49, 0.343])
+
+
+def test_caps_and_room_bound_every_policy():
+    for policy in ("kary", "gain-cost", "confidence"):
+        b = grow(TreeExpandConfig(policy=policy, max_nodes=10, kary_depth=5, confidence=0.0),
+                 FlatCost(read_s=100.0))
+        assert b.n_nodes <= 10
+    assert grow(TreeExpandConfig(policy="kary", kary_depth=5, max_nodes=100), room=7).n_nodes == 7
+
+
+def test_draft_rows_and_parents_follow_expansion_order():
+    b = grow(TreeExpandConfig(policy="chain", chain_length=2))
+    assert b.row == [0, 1, -1]  # root and the first node expanded in turn; the full chain's leaf never
+    tree = b.tree(pass_id=3, commit=(0,))
+    assert tree.n_given == 1 and tree.parents.tolist() == [-1, 0, 1] and tree.commit == (0,)
+
+
+def test_next_cycle_commits_the_expanded_accepted_path_and_feeds_an_unexpanded_leaf():
+    stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=2), prompt=[1, 2, 3])
+    b, req = stage.start_cycle(Accepted(0, (5,), (0, 1, 2)))  # after the prefill of 3 tokens
+    assert req.commit == (0, 1, 2) and req.tokens.tolist() == [5]
+    draft = FakeDraft()
+    while req is not None:
+        req = b.on_expansion(draft(req))
+    stage._last = b
+    # the target accepted root, node 1, node 2 (a leaf the draft never ran), then emitted 42
+    b2, req2 = stage.start_cycle(Accepted(1, (10, 10, 42), (0, 1, 2)))
+    assert req2.commit == (0, 1) and req2.n_given == 1 and req2.tokens.tolist() == [10, 42]
+    assert req2.parents.tolist() == [-1, 0]
+
+
+def test_unknown_policy_is_an_error():
+    with pytest.raises(LeverError, match=r"\[tree_expand\] policy"):
+        TreeExpandConfig(policy="magic")
