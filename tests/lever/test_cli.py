@@ -121,3 +121,15 @@ def test_ctrl_c_stops_a_run_within_a_second(tiny_model):
     _, err = proc.communicate(timeout=30)
     assert time.monotonic() - t0 < 1.0
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+
+
+def test_run_json_and_trace(tiny_model, tmp_path):
+    path, trace = tiny_model("llama", "F32", n_layer=4), tmp_path / "t.json"
+    proc = run_cli("run", "-p", "the", "-n", "6", "--json", "--trace", str(trace), "--set", f'model.target="{path}"')
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for key in ("pipeline", "dram_budget_bytes", "flash_read_bytes", "peak_rss_bytes", "stage_s", "tokens", "text"):
+        assert key in out
+    assert out["pipeline"] == "flash-ar" and len(out["tokens"]) == 6 and {"verify", "prefetch"} <= out["stage_s"].keys()
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["cat"] for e in events} >= {"io", "compute"} and all(e["ph"] == "X" for e in events)
