@@ -21,13 +21,16 @@ import attrs
 
 from lever.backends.flash import FlashConfig
 from lever.errors import LeverError
-from lever.profile import HEAD_ROWS, KV_ROWS, TOKEN_BUCKETS, ModelIdentity, Profile, read
+from lever.profile import HEAD_ROWS, KV_ROWS, PROFILE_SUFFIX, TOKEN_BUCKETS, ModelIdentity, Profile, read
 
 # The fallback's nominal machine: a phone's UFS 3.1 flash and a few big cores. Only used when
 # no profile is configured; any measured profile replaces all of them.
 NOMINAL_READ_BYTES_PER_S = 2.1e9  # UFS 3.1 sequential reads
 NOMINAL_READ_LATENCY_S = 100e-6  # one small read on UFS
-NOMINAL_FLOPS_PER_S = 50e9  # quantized matmuls on the CPU's big cores
+# Quantized matmuls on two CPU cores: this project's kernels run a 1.5B model's 32-token
+# forward at ~770 GFLOP/s on a 2-core Zen (`lever bench model`, pp32); a phone's big cores are
+# of that order. Conservative, since overrating compute only makes trees smaller.
+NOMINAL_FLOPS_PER_S = 300e9
 NOMINAL_DRAM_BYTES_PER_S = 10e9  # weights streamed from DRAM: batch-1 matmuls are bound by this
 
 
@@ -303,8 +306,18 @@ def cost_model_for(cfg) -> CostModel:
     draft = cfg.resolve_path(cfg.model.draft) if cfg.model.draft else None
     section = cfg.sections.get("profile")
     if section is None or not section.path:
+        # `lever profile` writes beside the target by default: use that when it fits the models
+        path = target.with_name(target.name + PROFILE_SUFFIX)
+        if path.exists():
+            try:
+                return _from_profile_file(path, target, draft, cfg)
+            except LeverError:
+                pass  # a profile of other models: the fallback, as with none
         return CostModel.default(target, cfg.flash, draft)
-    path = cfg.resolve_path(section.path)
+    return _from_profile_file(cfg.resolve_path(section.path), target, draft, cfg)
+
+
+def _from_profile_file(path: Path, target: Path, draft: Path | None, cfg) -> CostModel:
     profile = read(path)
     _check_identity(path, "target", profile.target.model, target)
     if draft is not None:
