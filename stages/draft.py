@@ -21,15 +21,18 @@ from lever.trace import Tracer
 
 
 def softmax_top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(n, vocab) logits -> (n, k) token ids by falling probability, and their probabilities."""
-    z = logits.astype(np.float64)
-    z -= z.max(axis=-1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=-1, keepdims=True)
-    idx = np.argpartition(-p, k - 1, axis=-1)[:, :k]
-    order = np.argsort(-np.take_along_axis(p, idx, -1), axis=-1, kind="stable")
-    idx = np.take_along_axis(idx, order, -1)
-    return idx.astype(np.int64), np.take_along_axis(p, idx, -1).astype(np.float32)
+    """(n, vocab) logits -> (n, k) token ids by falling probability, and their probabilities.
+
+    The top k are found on the logits; the softmax is needed only for its normalizer, in
+    float32 (the probabilities are gains to rank nodes by, not a distribution to sample)."""
+    z = np.asarray(logits, np.float32)
+    top = np.argpartition(-z, k - 1, axis=-1)[:, :k]
+    top_z = np.take_along_axis(z, top, -1)
+    order = np.argsort(-top_z, axis=-1, kind="stable")
+    top, top_z = np.take_along_axis(top, order, -1), np.take_along_axis(top_z, order, -1)
+    m = top_z[:, :1]
+    norm = np.exp(z - m).sum(axis=-1, keepdims=True)
+    return top.astype(np.int64), (np.exp(top_z - m) / norm).astype(np.float32)
 
 
 @attrs.define
