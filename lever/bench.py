@@ -190,7 +190,7 @@ def attrs_evolve(obj, **kw):
     return attrs.evolve(obj, **kw)
 
 
-def bench_pipelines(config: str, prompts: list[str], n: int, chain_ks=(2, 4, 6), sets: list[str] = (),
+def bench_pipelines(config: str, prompts: list[str], n: int, chain_ks=(2, 4, 6, 8, 12), sets: list[str] = (),
                     out=print) -> dict[str, float]:
     """Flash-AR, Chain-SD (best k), EdgeLLM-like and Lever on the same config, prompts and machine;
     ms/token per pipeline (summed over prompts) and Lever's speedup over each."""
