@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import time
 
+import attrs
 import numpy as np
 
 from lever.errors import LeverError
@@ -97,13 +98,12 @@ def read_pass_s(model_path: str, flash, n_passes: int = 2) -> float:
     """Seconds to read one pass's streamed layers with no compute: Prefetch itself, feeding a
     consumer that hands each buffer straight back, so reads are scheduled as in a real run."""
     import anyio
-    import attrs
 
+    from lever.backends.flash import FlashStore
     from lever.gguf_file import GGUFFile
     from lever.graph import Pipeline, Stage
     from lever.messages import FreeBuffer, StreamedLayer
     from lever.model_spec import read_spec
-    from lever.backends.flash import FlashStore
     from lever.stages.prefetch import Prefetch
 
     @attrs.define
@@ -166,13 +166,13 @@ def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75,
         rows.append(r | {"budget": b, "rss_bound_bytes": bound})
     compute_ms = rows[-1]["ms_per_token"] if budgets[-1] == 1.0 else None
     zero = rows[0]
-    read_ms = read_pass_s(model_path, attrs_evolve(cfg.flash, dram_budget=budgets[0])) * 1e3
+    read_ms = read_pass_s(model_path, attrs.evolve(cfg.flash, dram_budget=budgets[0])) * 1e3
     if compute_ms:
         out(f"\nbudget {budgets[0]:.0%}: pure read {read_ms:.1f} ms/pass, compute {compute_ms:.1f} ms/pass (resident run), "
             f"Flash-AR {zero['ms_per_token']:.1f} ms/token = {zero['ms_per_token'] / max(read_ms, compute_ms):.2f}x "
             f"max(read, compute)")
     if cap_bytes_per_s:
-        capped = attrs_evolve(cfg.flash, dram_budget=budgets[0], bandwidth_cap_bytes_per_s=cap_bytes_per_s)
+        capped = attrs.evolve(cfg.flash, dram_budget=budgets[0], bandwidth_cap_bytes_per_s=cap_bytes_per_s)
         r = run_json(config, [f"flash.dram_budget={budgets[0]!r}", f"flash.bandwidth_cap_bytes_per_s={cap_bytes_per_s}"],
                      prompt, n)
         cap_read_ms = read_pass_s(model_path, capped) * 1e3
@@ -182,12 +182,6 @@ def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75,
 
 
 RUNTIME_MARGIN_BYTES = 300 * 2**20  # interpreter, numpy, tokenizer, metadata, scratch
-
-
-def attrs_evolve(obj, **kw):
-    import attrs
-
-    return attrs.evolve(obj, **kw)
 
 
 def bench_pipelines(config: str, prompts: list[str], n: int, chain_ks=(2, 4, 6, 8, 12), sets: list[str] = (),

@@ -113,9 +113,8 @@ def cmd_run(args) -> int:
     from lever.config import load_config
     from lever.run import run_pipeline
 
-    cfg = load_config(args.config, args.set or [])
-    if args.n is not None:
-        cfg = load_config(args.config, (args.set or []) + [f"generate.n_predict={args.n}"])
+    overrides = (args.set or []) + ([f"generate.n_predict={args.n}"] if args.n is not None else [])
+    cfg = load_config(args.config, overrides)
 
     def on_text(text: str) -> None:
         sys.stdout.write(text)

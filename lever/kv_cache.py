@@ -42,9 +42,14 @@ class KVCache:
         rows = np.asarray(rows, np.int64)
         if rows.size and (np.any(np.diff(rows) <= 0) or rows[-1] >= self.n_rows):
             raise ValueError("keep: rows must be ascending and in use")
-        for arrays in (self.k, self.v):
-            for a in arrays:
-                a[: rows.size] = a[rows]
+        # Rows already in place (the committed prefix, every pass) are not moved: only the tail
+        # from the first row that shifts is copied, so a commit costs the tree, not the context.
+        moved = np.flatnonzero(rows != np.arange(rows.size))
+        if moved.size:
+            start = int(moved[0])
+            for arrays in (self.k, self.v):
+                for a in arrays:
+                    a[start : rows.size] = a[rows[start:]]
         self.n_rows = rows.size
 
 
