@@ -142,6 +142,11 @@ def print_summary(res, file) -> None:
     p(f"  overlap     {100 * res.overlap_share:.0f}% of read time hidden under compute; per pass: "
       f"read {res.io_s / max(res.n_passes, 1) * 1e3:.1f} ms, compute {res.compute_s / max(res.n_passes, 1) * 1e3:.1f} ms, "
       f"wall {res.pass_wall_ratio:.2f}x max(read, compute)")
+    if res.draft_s:
+        n = max(res.n_passes, 1)
+        p(f"  cycle       verify pass {res.verify_pass_s / n * 1e3:.0f} ms, accept {res.stage_s.get('accept', 0) / n * 1e3:.0f} ms, "
+          f"draft {res.draft_s / n * 1e3:.0f} ms of which {100 * res.draft_hidden_share:.0f}% ran during verification; "
+          f"{100 * res.lookahead_hit_share:.0f}% of cycles started from rows drafted ahead")
     p(f"  memory      peak RSS {res.peak_rss_bytes / mib:.0f} MiB for {res.dram_budget_bytes / mib:.0f} MiB accounted: "
       f"resident layers {res.resident_layer_bytes / mib:.0f}, head {res.head_bytes / mib:.0f}, "
       f"window {res.window_bytes / mib:.0f}, KV cache {res.kv_cache_bytes / mib:.0f}, draft {res.draft_bytes / mib:.0f}")

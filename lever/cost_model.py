@@ -243,6 +243,11 @@ class CostModel:
         model's per-token compute once compute does."""
         return self.verify_s(n_tokens + 1) - self.verify_s(n_tokens)
 
+    def idle_s(self, n_tokens: int) -> float:
+        """Time the compute units wait on flash during a pass of n tokens: what drafting ahead
+        can use without delaying verification."""
+        return max(0.0, self.verify_s(n_tokens) - self.compute_s(n_tokens))
+
     def draft_s(self, batch: int) -> float:
         """One batched draft forward (all its layers) over `batch` tokens; 0 for none."""
         if not self.draft_batch:

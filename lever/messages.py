@@ -85,7 +85,9 @@ class ExpandRequest:
     those pending rows (-1: the node follows the committed prefix directly). The first request
     of a cycle carries `commit`, the previous cycle's pending rows to keep (the accepted path),
     and may start with tokens already accepted that the draft has not seen (`n_given`); the
-    other requests of a cycle carry None.
+    other requests of a cycle carry None. It may also carry rows drafted ahead while the target
+    verified (`carry`: the new root and its subtree), which stay pending, renumbered from 0 in
+    order; such a request may have no tokens at all.
     """
 
     cycle: int
@@ -94,6 +96,8 @@ class ExpandRequest:
     top_k: int = 4  # children to return for each node that is not given
     n_given: int = 0  # leading nodes that only extend the cache (no children returned)
     commit: tuple[int, ...] | None = None
+    carry: tuple[int, ...] = ()  # previous pending rows (ascending) that stay pending, after `commit`
+    ahead: bool = False  # drafted ahead while the target verifies: runs only when verification waits
 
 
 @attrs.frozen

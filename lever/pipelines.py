@@ -16,6 +16,7 @@ import anyio
 import attrs
 
 from lever.backends.flash import FlashConfig, FlashStore
+from lever.compute import ComputeSlot
 from lever.config import Config
 from lever.errors import LeverError
 from lever.gguf_file import GGUFFile
@@ -92,7 +93,7 @@ def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: Samplin
             draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None) -> Handles:
     spec = target.model.spec
     tree = tree or TreeExpandConfig(policy="none")
-    compute = anyio.CapacityLimiter(1)  # the kernels use every core; one compute job at a time
+    compute = ComputeSlot()  # the kernels use every core; one compute job at a time, verification first
     expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer)
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
@@ -115,7 +116,7 @@ def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: Samplin
             raise LeverError(f"[tree_expand] policy {tree.policy!r} needs a draft model ([model] draft)")
         if draft_model.spec.n_vocab != spec.n_vocab:
             raise LeverError(f"[model] draft: vocabulary of {draft_model.spec.n_vocab} tokens, the target has {spec.n_vocab}")
-        core = DraftModel(draft_model, draft_model.new_cache(n_ctx + tree.max_nodes + 1))
+        core = DraftModel(draft_model, draft_model.new_cache(n_ctx + tree.draft_rows))
         draft = Draft("draft", core, compute, tracer)
         p.connect(expand, "expand", draft, "expand", 1)
         p.connect(draft, "expansion", expand, "expansion", 1)

@@ -52,6 +52,10 @@ class RunResult:
     compute_s: float
     overlap_share: float
     flash_gbps: float
+    draft_s: float = 0.0  # wall seconds the draft model computed
+    verify_pass_s: float = 0.0  # wall seconds with a verification pass under way (reads and waits included)
+    draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
+    lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead, of all decoding cycles
 
     @property
     def decode_tps(self) -> float:
@@ -162,4 +166,7 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         flash_requested_bytes=stats.requested_bytes,
         peak_rss_bytes=_peak_rss_bytes(), stage_s=summary.stage_s, io_s=summary.io_s,
         compute_s=summary.compute_s, overlap_share=summary.overlap_share, flash_gbps=summary.flash_gbps,
+        draft_s=summary.stage_s.get("draft", 0.0), verify_pass_s=summary.pass_s("verify"),
+        draft_hidden_share=summary.hidden_share("draft", "verify"),
+        lookahead_hit_share=h.expand.lookahead_hits / len(h.expand.tree_sizes) if h.expand.tree_sizes else 0.0,
     )

@@ -23,7 +23,7 @@ class Span:
     what: str
     start_s: float
     end_s: float
-    kind: str  # "io" (flash reads), "compute", or "other"
+    kind: str  # "io" (flash reads), "compute", "pass" (a whole unit of work, waits included), or "other"
     n_bytes: int = 0
     batch: int = 0
     thread: int = 0
@@ -78,6 +78,18 @@ class TraceSummary:
     overlap_s: float  # wall seconds with both
     read_bytes: int
     wall_s: float
+    stage_intervals: dict[str, list] = attrs.field(factory=dict, repr=False)  # stage -> union of its busy spans
+    pass_intervals: dict[str, list] = attrs.field(factory=dict, repr=False)  # stage -> union of its "pass" spans
+
+    def pass_s(self, stage: str) -> float:
+        return _length(self.pass_intervals.get(stage, []))
+
+    def hidden_share(self, stage: str, under: str) -> float:
+        """Share of `stage`'s busy time that fell inside `under`'s passes: for the draft under
+        verify, drafting done while the target verified, off the cycle's critical path."""
+        own = self.stage_intervals.get(stage, [])
+        busy = _length(own)
+        return _length(_intersect(own, self.pass_intervals.get(under, []))) / busy if busy else 0.0
 
     @property
     def flash_gbps(self) -> float:
@@ -118,13 +130,16 @@ def _intersect(xs, ys) -> list[tuple[float, float]]:
 
 def summarize(spans: list[Span]) -> TraceSummary:
     by_stage: dict[str, list] = defaultdict(list)
-    for s in spans:
-        by_stage[s.stage].append((s.start_s, s.end_s))
+    passes: dict[str, list] = defaultdict(list)
+    for s in spans:  # a "pass" span is a stage's whole unit of work, waits included: not busy time
+        (passes if s.kind == "pass" else by_stage)[s.stage].append((s.start_s, s.end_s))
     io = _union([(s.start_s, s.end_s) for s in spans if s.kind == "io"])
     comp = _union([(s.start_s, s.end_s) for s in spans if s.kind == "compute"])
     wall = (max(s.end_s for s in spans) - min(s.start_s for s in spans)) if spans else 0.0
+    busy = {k: _union(v) for k, v in by_stage.items()}
     return TraceSummary(
-        stage_s={k: _length(_union(v)) for k, v in by_stage.items()},
+        stage_s={k: _length(v) for k, v in busy.items()},
         io_s=_length(io), compute_s=_length(comp), overlap_s=_length(_intersect(io, comp)),
         read_bytes=sum(s.n_bytes for s in spans if s.kind == "io"), wall_s=wall,
+        stage_intervals=busy, pass_intervals={k: _union(v) for k, v in passes.items()},
     )

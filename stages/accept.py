@@ -3,6 +3,8 @@
 It runs the output projection (lm_head, on the CPU) only for the nodes on the path being
 accepted: logits at the last given node, the target's token, down into the child holding that
 token, and again, until a node has no such child; the token chosen there is the bonus token.
+The rows go in batches along the draft's likeliest chain, so the projection's weights are read
+once per batch rather than once per accepted token.
 Greedy output is therefore the target's own greedy output, whatever the tree held. It decides
 which tree rows the KV caches keep and sends that back to Draft, and emits the tokens.
 """
@@ -38,10 +40,27 @@ def children_of(tree: TokenTree) -> list[list[int]]:
     return kids
 
 
-def accept_tree(tree: TokenTree, hidden: np.ndarray, logits_fn: Callable[[np.ndarray], np.ndarray],
-                params: SamplingParams, rng: np.random.Generator, budget: int,
-                eos_ids: frozenset[int]) -> tuple[list[int], list[int], int]:
+def likely_path(tree: TokenTree, kids: list[list[int]], node: int, n: int) -> list[int]:
+    """`node`, then its most probable child by the draft, and so on: at most n nodes."""
+    path = [node]
+    while len(path) < n and kids[node]:
+        probs = tree.draft_probs
+        node = max(kids[node], key=lambda c: probs[c]) if probs is not None else kids[node][0]
+        path.append(node)
+    return path
+
+
+def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], params: SamplingParams,
+                rng: np.random.Generator, budget: int, eos_ids: frozenset[int]) -> tuple[list[int], list[int], int]:
     """Walks the tree along the target's choices. Returns (emitted tokens, kept nodes, lm_head rows).
+
+    `logits_at(nodes)` gives the target's logits, (len(nodes), n_vocab), at those tree nodes.
+
+    The output projection runs in batches along the likely path (the draft's most probable
+    chain from where the walk stands): one batched matmul reads the projection's weights once
+    for all its rows, where row by row each row would read them again. When the target leaves
+    that chain, the rows past the fork were wasted and a new batch starts at the fork. The
+    kernels are batch-invariant, so the logits, and the tokens, are those of one row at a time.
 
     With sampling, a node's draft children are accepted only when the target's sampled token
     equals them, which keeps the target's distribution exactly (each token is a fresh draw from
@@ -53,15 +72,19 @@ def accept_tree(tree: TokenTree, hidden: np.ndarray, logits_fn: Callable[[np.nda
     out: list[int] = []
     rows = 0
     while True:
-        logits = logits_fn(hidden[node : node + 1])[0]
-        rows += 1
-        tok = sample(logits, params, rng)
-        out.append(tok)
-        nxt = next((c for c in kids[node] if int(tree.tokens[c]) == tok), None)
-        if nxt is None or tok in eos_ids or len(out) >= budget:
-            return out, keep, rows
-        keep.append(nxt)
-        node = nxt
+        path = likely_path(tree, kids, node, budget - len(out))
+        logits = logits_at(path)
+        rows += len(path)
+        for j, at in enumerate(path):
+            tok = sample(logits[j], params, rng)
+            out.append(tok)
+            nxt = next((c for c in kids[at] if int(tree.tokens[c]) == tok), None)
+            if nxt is None or tok in eos_ids or len(out) >= budget:
+                return out, keep, rows
+            keep.append(nxt)
+            if j + 1 == len(path) or path[j + 1] != nxt:  # off the likely path: a new batch from here
+                node = nxt
+                break
 
 
 @attrs.define
@@ -86,12 +109,16 @@ class Accept(Stage):
 
     def step(self, v: Verified) -> Accepted:
         tree = v.tree
-        if self.config.full_lm_head and tree.n_nodes > 1:  # same tokens, the cost of every row
-            self.logits_fn(v.hidden)
-            self.lm_head_rows += tree.n_nodes
         budget = self.config.n_predict - self.n_emitted
-        tokens, keep, rows = accept_tree(tree, v.hidden, self.logits_fn, self.params, self._rng, budget,
-                                         self.config.eos_ids)
+        if self.config.full_lm_head and tree.n_nodes > 1:  # EdgeLLM-like: every row, in one batch
+            every = self.logits_fn(v.hidden)
+            self.lm_head_rows += tree.n_nodes
+            tokens, keep, _ = accept_tree(tree, lambda nodes: every[nodes], self.params, self._rng, budget,
+                                          self.config.eos_ids)
+            rows = 0
+        else:
+            tokens, keep, rows = accept_tree(tree, lambda nodes: self.logits_fn(v.hidden[nodes]), self.params,
+                                             self._rng, budget, self.config.eos_ids)
         self.lm_head_rows += rows
         self.n_emitted += len(tokens)
         self.n_ctx_used += len(keep)

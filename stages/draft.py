@@ -9,10 +9,10 @@ which to keep (the accepted path), so the draft's cache follows the accepted tex
 
 from __future__ import annotations
 
-import anyio
 import attrs
 import numpy as np
 
+from lever.compute import AHEAD, DRAFT, ComputeSlot, run_on
 from lever.graph import Stage
 from lever.kv_cache import KVCache
 from lever.messages import ExpandRequest, Expansion
@@ -45,12 +45,18 @@ class DraftModel:
     pending_parents: list[int] = attrs.field(factory=list)  # parent pending row of each pending row
     forwards: int = 0  # batched forwards run (for the run summary)
 
-    def commit(self, keep: tuple[int, ...]) -> None:
-        """A new cycle: of the pending rows, `keep` (ascending) join the committed prefix."""
-        rows = np.concatenate([np.arange(self.n_committed), self.n_committed + np.asarray(keep, np.int64)])
-        self.cache.keep(rows)
-        self.n_committed = self.cache.n_rows
-        self.pending_parents = []
+    def commit(self, keep: tuple[int, ...], carry: tuple[int, ...] = ()) -> None:
+        """A new cycle: of the pending rows, `keep` (ascending) join the committed prefix and
+        `carry` (ascending, after keep: a subtree drafted ahead) stay pending, renumbered from 0.
+
+        The carried rows need no recomputing: they were drafted seeing the committed prefix,
+        the kept path and their own ancestors, which is what they see from now on too."""
+        new_index = {old: i for i, old in enumerate(carry)}
+        parents = [new_index.get(self.pending_parents[old], -1) for old in carry]
+        pending = self.n_committed + np.asarray([*keep, *carry], np.int64)
+        self.cache.keep(np.concatenate([np.arange(self.n_committed), pending]))
+        self.n_committed += len(keep)
+        self.pending_parents = parents
 
     def _ancestors(self, i: int) -> list[int]:
         out = []
@@ -61,8 +67,11 @@ class DraftModel:
 
     def expand(self, req: ExpandRequest) -> Expansion:
         if req.commit is not None:
-            self.commit(req.commit)
+            self.commit(req.commit, req.carry)
         n = req.tokens.size
+        if n == 0:  # a commit alone: the next tree grew from rows drafted ahead
+            empty = np.zeros((0, req.top_k))
+            return Expansion(req.cycle, np.zeros(0, np.int32), empty.astype(np.int64), empty.astype(np.float32))
         first = len(self.pending_parents)
         depth = {-1: -1}
         for i in range(first):
@@ -93,13 +102,16 @@ class Draft(Stage):
 
     name: str
     core: DraftModel
-    limiter: anyio.CapacityLimiter | None = None  # compute slots, shared with the target's
+    slot: ComputeSlot | None = None  # the compute slot, shared with the target's layers
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
     INPUTS = {"expand": ExpandRequest}
     OUTPUTS = {"expansion": Expansion}
 
+    def _expand(self, req: ExpandRequest) -> Expansion:
+        with self.tracer.span(self.name, f"draft c{req.cycle}", batch=int(req.tokens.size)):  # not the wait for a slot
+            return self.core.expand(req)
+
     async def run(self, inputs, outputs):
         async for req in inputs["expand"]:
-            with self.tracer.span(self.name, f"draft c{req.cycle}", batch=int(req.tokens.size)):
-                exp = await anyio.to_thread.run_sync(self.core.expand, req, limiter=self.limiter)
+            exp = await run_on(self.slot, AHEAD if req.ahead else DRAFT, self._expand, req)
             await outputs["expansion"].send(exp)

@@ -16,6 +16,7 @@ import anyio
 import attrs
 import numpy as np
 
+from lever.compute import VERIFY, ComputeSlot
 from lever.graph import Stage
 from lever.kv_cache import KVCache
 from lever.messages import FreeBuffer, StreamedLayer, TokenTree, Verified
@@ -44,7 +45,7 @@ class PrunedVerify(Stage):
     embed: Callable[[np.ndarray], np.ndarray]  # token ids -> (n, n_embd)
     cache: KVCache
     resident: dict[int, LayerWeights]  # layers kept in DRAM; the others stream
-    limiter: anyio.CapacityLimiter | None = None  # compute slots (shared with other compute stages)
+    slot: ComputeSlot | None = None  # the compute slot, shared with other compute stages
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
     INPUTS = {"tree": TokenTree, "layers": StreamedLayer}
     OUTPUTS = {"verified": Verified, "free": FreeBuffer}
@@ -75,6 +76,10 @@ class PrunedVerify(Stage):
         st.x = layer_forward(self.spec, weights, st.x, st.pos, st.mask, self.cache, i, st.rows, self.inv_freq)
         self.token_layers += st.tree.n_nodes
 
+    def _traced_layer(self, st: PassState, i: int, weights: LayerWeights) -> None:
+        with self.tracer.span(self.name, f"layer {i}", batch=st.tree.n_nodes):  # the compute, not the wait for a slot
+            self.layer(st, i, weights)
+
     def finish(self, st: PassState) -> Verified:
         return Verified(st.tree, st.x)
 
@@ -88,17 +93,36 @@ class PrunedVerify(Stage):
     async def run(self, inputs, outputs):
         layers_in, free_out = inputs.get("layers"), outputs.get("free")
         async for tree in inputs["tree"]:
-            st = self.begin(tree)
+            with self.tracer.span(self.name, f"pass {tree.pass_id}", kind="pass", batch=tree.n_nodes):
+                verified = await self._pass(tree, layers_in, free_out)
+            await outputs["verified"].send(verified)
+
+    async def _pass(self, tree: TokenTree, layers_in, free_out) -> Verified:
+        """One pass. The compute slot is held from layer to layer while weights are ready and
+        let go only to wait for a read, which is when drafting ahead may use the cores."""
+        st, slot, held = self.begin(tree), self.slot, False
+        try:
             for i in range(self.spec.n_layer):
                 msg = None
                 if i in self.resident:
                     weights = self.resident[i]
                 else:
-                    msg = await layers_in.receive()
+                    try:
+                        msg = layers_in.receive_nowait()
+                    except anyio.WouldBlock:
+                        if held:
+                            slot.release()
+                            held = False
+                        msg = await layers_in.receive()
                     assert msg.layer == i, f"expected layer {i}, Prefetch sent {msg.layer}"
                     weights = msg.weights
-                with self.tracer.span(self.name, f"layer {i}", batch=tree.n_nodes):
-                    await anyio.to_thread.run_sync(self.layer, st, i, weights, limiter=self.limiter)
+                if slot is not None and not held:
+                    await slot.acquire(VERIFY)
+                    held = True
+                await anyio.to_thread.run_sync(self._traced_layer, st, i, weights)
                 if msg is not None:
                     await free_out.send(FreeBuffer(msg.buffer_id))
-            await outputs["verified"].send(self.finish(st))
+        finally:
+            if held:
+                slot.release()
+        return self.finish(st)

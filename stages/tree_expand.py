@@ -12,13 +12,21 @@ are nearly free). It adds the best candidate while that raises the tree's expect
 (accepted tokens + 1 per second of cycle). Fixed shapes (none: autoregressive; chain of k;
 k-ary tree) and a confidence bar without a latency model (EdgeLLM-like) are other policies of
 the same stage, for the baselines.
+
+While the target verifies a tree, the CPU mostly waits on flash; TreeExpand uses that time to
+draft ahead (`lookahead_nodes`): it expands the tree's leaves and the best candidates outside
+it, since the next cycle's root is one of them (the target's token after the last accepted
+node). When the guess holds, the next tree starts from those rows and their children at no
+drafting cost, and only the draft's cache rows carry over (the Draft stage keeps them pending).
 """
 
 from __future__ import annotations
 
 import heapq
+import time
 from typing import Protocol
 
+import anyio
 import attrs
 import numpy as np
 
@@ -42,6 +50,7 @@ class TreeExpandConfig:
     chain_length: int = 4  # chain: draft tokens per cycle
     kary_depth: int = 3  # kary: depth of the full tree (top_k children per node)
     confidence: float = 0.3  # confidence: add nodes whose path probability stays above this
+    lookahead_nodes: int = 0  # nodes drafted ahead while the target verifies (0: off), within the pass's idle time
 
     def __attrs_post_init__(self):
         if self.policy not in POLICIES:
@@ -49,6 +58,13 @@ class TreeExpandConfig:
         for name in ("max_nodes", "max_depth", "top_k", "round_nodes", "chain_length", "kary_depth"):
             if getattr(self, name) < 1:
                 raise LeverError(f"[tree_expand] {name}: must be >= 1, got {getattr(self, name)}")
+        if self.lookahead_nodes < 0:
+            raise LeverError(f"[tree_expand] lookahead_nodes: must be >= 0, got {self.lookahead_nodes}")
+
+    @property
+    def draft_rows(self) -> int:
+        """Pending draft rows one cycle may hold: rows carried in, the tree, rows drafted ahead."""
+        return self.max_nodes + 2 * self.lookahead_nodes + 1
 
 
 class Cost(Protocol):
@@ -57,6 +73,8 @@ class Cost(Protocol):
     def verify_s(self, n_tokens: int) -> float: ...
 
     def draft_s(self, batch: int) -> float: ...
+
+    def idle_s(self, n_tokens: int) -> float: ...
 
 
 @attrs.frozen
@@ -74,10 +92,18 @@ class FlatCost:
     def draft_s(self, batch: int) -> float:
         return self.draft_step_s
 
+    def idle_s(self, n_tokens: int) -> float:
+        return max(0.0, self.read_s - self.compute_per_token_s * n_tokens)
+
 
 @attrs.define
 class TreeBuilder:
-    """One cycle's tree, grown round by round from the draft's expansions (no event loop)."""
+    """One cycle's tree, grown round by round from the draft's expansions (no event loop).
+
+    After the tree is sent (`n_sent` nodes), `lookahead_request` keeps growing it past the tree
+    into rows drafted ahead; `carry_for` picks, once the target has answered, the part the next
+    cycle can start from, and `adopt` hands it to the next cycle's builder.
+    """
 
     config: TreeExpandConfig
     cost: Cost
@@ -89,9 +115,15 @@ class TreeBuilder:
     gain: list[float] = attrs.field(factory=list)  # estimated acceptance probability of each node
     row: list[int] = attrs.field(factory=list)  # the node's pending row in the draft (-1: not expanded)
     node_of_row: dict[int, int] = attrs.field(factory=dict)
+    proposals: dict[int, tuple] = attrs.field(factory=dict)  # pending row -> (child tokens, draft probs)
+    carried: dict[tuple[int, int], int] = attrs.field(factory=dict)  # (parent row, token) -> row drafted ahead
     candidates: list = attrs.field(factory=list)  # heap of (-gain, seq, parent node, token)
     draft_s: float = 0.0  # estimated drafting time of this cycle so far
     n_pending: int = 0  # rows this cycle has added to the draft's cache
+    n_sent: int = 0  # nodes in the tree sent to verification; later nodes were drafted ahead
+    lookahead_s: float = 0.0  # estimated drafting time spent ahead
+    n_ahead: int = 0  # nodes expanded ahead
+    n_carried_used: int = 0  # nodes of this tree that came drafted ahead
     _seq: int = 0
 
     @property
@@ -112,7 +144,8 @@ class TreeBuilder:
         self.row.append(-1)
         return self.n_nodes - 1
 
-    def request(self, nodes: list[int], given: list[int] = (), commit: tuple[int, ...] | None = None) -> ExpandRequest:
+    def request(self, nodes: list[int], given: list[int] = (), commit: tuple[int, ...] | None = None,
+                carry: tuple[int, ...] = ()) -> ExpandRequest:
         """Ask the draft to expand `nodes` (after extending its cache with `given` tokens)."""
         first = self.n_pending
         toks, parents = list(given), [first - 1 + i if i else -1 for i in range(len(given))]
@@ -124,25 +157,60 @@ class TreeBuilder:
             parents.append(self.row[p] if p >= 0 else first + len(given) - 1)
             toks.append(self.tokens[n])
         self.n_pending += len(toks)
-        self.draft_s += self.cost.draft_s(len(toks))
+        if toks:
+            self.draft_s += self.cost.draft_s(len(toks))
         return ExpandRequest(self.cycle, np.asarray(toks, np.int64), np.asarray(parents, np.int32),
-                             self.config.top_k, len(given), commit)
+                             self.config.top_k, len(given), commit, carry)
+
+    def _absorb(self, row: int, toks, probs) -> None:
+        """A node's children from the draft become candidates."""
+        self.proposals[row] = (toks, probs)
+        node = self.node_of_row[row]
+        for t, q in zip(toks, probs):
+            heapq.heappush(self.candidates, (-self.gain[node] * float(q), self._seq, node, int(t)))
+            self._seq += 1
+
+    def _carried_row(self, parent: int, token: int) -> int | None:
+        r = self.row[parent]
+        return self.carried.get((r, token)) if r >= 0 else None
+
+    def _expandable(self, n: int) -> bool:
+        if self.depth[n] >= self.config.max_depth:
+            return False
+        return self.config.policy != "kary" or self.depth[n] < self.config.kary_depth
 
     def on_expansion(self, exp: Expansion) -> ExpandRequest | None:
         """Take the draft's proposals; pick the next round; None when the tree is done."""
         for row, toks, probs in zip(exp.rows, exp.child_tokens, exp.child_probs):
-            node = self.node_of_row[int(row)]
-            for t, q in zip(toks, probs):
-                g = self.gain[node] * float(q)
-                heapq.heappush(self.candidates, (-g, self._seq, node, int(t)))
-                self._seq += 1
-        added = self.select_round()
-        if self.n_nodes >= self.limit:  # full: the children of what was added could not join
-            return None
-        expand = [n for n in added if self.depth[n] < self.config.max_depth]
-        if self.config.policy == "kary":
-            expand = [n for n in expand if self.depth[n] < self.config.kary_depth]
-        return self.request(expand) if expand else None
+            self._absorb(int(row), toks, probs)
+        return self.next_round()
+
+    def next_round(self, commit: tuple[int, ...] | None = None, carry: tuple[int, ...] = ()) -> ExpandRequest | None:
+        """Picks the next nodes; those drafted ahead bring their children at once, the rest
+        go to the draft. A cycle's first round always reaches the draft (it carries the commit)."""
+        expand: list[int] = []
+        while True:
+            ready = []
+            for n in self.select_round():
+                row = self._carried_row(self.parents[n], self.tokens[n])
+                if row is None:
+                    expand.append(n)
+                    continue
+                self.row[n], self.node_of_row[row] = row, n
+                self.n_carried_used += 1
+                if self._expandable(n):
+                    ready.append(n)
+            if self.n_nodes >= self.limit:  # full: the children of what was added could not join
+                expand = []
+                break
+            if not ready:
+                break
+            for n in ready:
+                self._absorb(self.row[n], *self.proposals[self.row[n]])
+        expand = [n for n in expand if self._expandable(n)]
+        if expand or commit is not None:
+            return self.request(expand, commit=commit, carry=carry)
+        return None
 
     def select_round(self) -> list[int]:
         policy = self.config.policy
@@ -180,22 +248,106 @@ class TreeBuilder:
         return self.draft_s + extra_draft_s + self.cost.verify_s(self.n_nodes if n_nodes is None else n_nodes)
 
     def _take_while_worth(self, n: int) -> list[int]:
-        """Adds the best candidates while each raises (E + 1) / latency."""
+        """Adds the best candidates while each raises (E + 1) / latency. A node drafted ahead
+        costs no drafting: its expansion is already done."""
         added = []
         per_node_draft = self.cost.draft_s(n) / n  # the round's expansion, shared by its nodes
+        extra = 0.0
         while self.candidates and len(added) < n and self.n_nodes < self.limit:
-            g = -self.candidates[0][0]
-            e, lat = self.expected_accepted(), self.latency_s(extra_draft_s=per_node_draft * len(added))
-            new_lat = self.latency_s(self.n_nodes + 1, per_node_draft * (len(added) + 1))
+            g, _, parent, tok = self.candidates[0]
+            g = -g
+            node_draft = 0.0 if self._carried_row(parent, tok) is not None else per_node_draft
+            e, lat = self.expected_accepted(), self.latency_s(extra_draft_s=extra)
+            new_lat = self.latency_s(self.n_nodes + 1, extra + node_draft)
             if (e + 1 + g) / new_lat < (e + 1) / lat:
                 break
-            _, _, parent, tok = heapq.heappop(self.candidates)
+            heapq.heappop(self.candidates)
             added.append(self.add(tok, parent, g))
+            extra += node_draft
         return added
 
     def tree(self, pass_id: int, commit: tuple[int, ...]) -> TokenTree:
+        self.n_sent = self.n_nodes
         return TokenTree(pass_id, np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), 1,
                          np.asarray(self.gain, np.float32), commit)
+
+    # -- drafting ahead, while the target verifies the sent tree
+
+    def lookahead_request(self, time_left_s: float = float("inf")) -> ExpandRequest | None:
+        """The next round drafted ahead, or None when the node cap or the pass's idle time is
+        used, or when the round would outlast the pass (`time_left_s`, as the cost model expects
+        it): a forward still running when the target answers delays the next cycle.
+
+        The next root is the target's token after the last accepted node: a child of a leaf
+        or a candidate outside the tree, with probability about its gain. So this expands, by
+        gain, the tree's unexpanded nodes and the best candidates, which join as nodes past
+        `n_sent`; the next cycle adopts them only when the guess was right."""
+        cfg = self.config
+        n = min(cfg.round_nodes, cfg.lookahead_nodes - self.n_ahead)
+        if n <= 0:
+            return None
+        # the n likeliest things to expand: unexpanded tree nodes and candidates, by gain
+        leaves = [(-self.gain[i], i) for i in range(self.n_sent) if self.row[i] < 0]
+        best = heapq.nsmallest(n, leaves + [(g, -1 - k) for k, (g, *_) in enumerate(heapq.nsmallest(n, self.candidates))])
+        # a forward's cost grows slowly with its batch: take the batch with the most gain per second
+        gains = np.cumsum([-g for g, _ in best])
+        if gains.size == 0:
+            return None
+        size = 1 + int(np.argmax([gains[b - 1] / self.cost.draft_s(b) for b in range(1, gains.size + 1)]))
+        step_s = self.cost.draft_s(size)
+        if self.lookahead_s + step_s > self.cost.idle_s(self.n_sent) or step_s > time_left_s:
+            return None  # past the time the pass leaves the compute units idle, or past its end
+        nodes: list[int] = []
+        for _, i in best[:size]:
+            if i >= 0:
+                nodes.append(i)
+            else:  # candidates leave the heap in gain order, as `best` took them
+                neg_g, _, parent, tok = heapq.heappop(self.candidates)
+                nodes.append(self.add(tok, parent, -neg_g))
+        self.lookahead_s += self.cost.draft_s(len(nodes))
+        self.n_ahead += len(nodes)
+        return attrs.evolve(self.request(nodes), ahead=True)
+
+    def on_lookahead(self, exp: Expansion) -> None:
+        for row, toks, probs in zip(exp.rows, exp.child_tokens, exp.child_probs):
+            self._absorb(int(row), toks, probs)
+
+    def carry_for(self, acc: Accepted) -> tuple[int, ...]:
+        """Rows drafted ahead that the next cycle starts from: the new root (the target's token
+        after the last accepted node) and its expanded subtree; () when the guess missed."""
+        last = acc.keep[-1] if acc.keep else -1
+        if last < 0 or self.row[last] < 0:
+            return ()
+        root = next((i for i in range(self.n_sent, self.n_nodes)
+                     if self.parents[i] == last and self.tokens[i] == acc.tokens[-1] and self.row[i] >= 0), None)
+        if root is None:
+            return ()
+        inside = {root}
+        for i in range(root + 1, self.n_nodes):  # parents come before children
+            if self.parents[i] in inside and self.row[i] >= 0:
+                inside.add(i)
+        return tuple(sorted(self.row[i] for i in inside))
+
+    def adopt(self, prev: TreeBuilder, carry: tuple[int, ...]) -> None:
+        """Takes over rows drafted ahead by `prev` (renumbered from 0, as the draft does);
+        the root, node 0, is the first of them."""
+        new_row = {old: i for i, old in enumerate(carry)}
+        for old, i in new_row.items():
+            node = prev.node_of_row[old]
+            p = prev.parents[node]
+            if i:
+                self.carried[(new_row.get(prev.row[p], -1), prev.tokens[node])] = i
+            self.proposals[i] = prev.proposals[old]
+        self.row[0], self.node_of_row[0] = 0, 0
+        self.n_pending = len(carry)
+        self._absorb(0, *self.proposals[0])
+
+
+async def _receive(stream) -> Accepted | None:
+    try:
+        return await stream.receive()
+    except anyio.EndOfStream:
+        return None
 
 
 def prefill_tree(prompt: list[int]) -> TokenTree:
@@ -217,6 +369,9 @@ class TreeExpand(Stage):
     OPTIONAL = frozenset({"expansion", "expand"})  # policy none needs no draft
 
     tree_sizes: list[int] = attrs.field(factory=list)  # nodes of each speculative tree (for the summary)
+    lookahead_hits: int = 0  # cycles that started from rows drafted ahead
+    lookahead_nodes_used: int = 0  # tree nodes that came drafted ahead
+    lookahead_rounds: int = 0  # draft forwards run while the target verified
     _committed: int = 0  # target rows committed, to keep trees inside the context
     _last: TreeBuilder | None = None
 
@@ -239,22 +394,47 @@ class TreeExpand(Stage):
             return b, None
         prev = self._last
         if prev is None:  # after the prefill: the draft holds the whole prompt as pending rows
-            commit, given = tuple(range(len(self.prompt))), []
-        else:  # the accepted path's expanded rows stay; an accepted leaf the draft never ran joins now
-            rows = [prev.row[n] for n in acc.keep]
-            commit = tuple(r for r in rows if r >= 0)
-            given = [prev.tokens[n] for n, r in zip(acc.keep, rows) if r < 0]
-        return b, b.request([0], given, commit)
+            return b, b.request([0], [], tuple(range(len(self.prompt))))
+        # the accepted path's expanded rows stay; an accepted leaf the draft never ran joins now
+        rows = [prev.row[n] for n in acc.keep]
+        commit = tuple(r for r in rows if r >= 0)
+        given = [prev.tokens[n] for n, r in zip(acc.keep, rows) if r < 0]
+        carry = () if given else prev.carry_for(acc)
+        if not carry:
+            return b, b.request([0], given, commit)
+        self.lookahead_hits += 1
+        b.adopt(prev, carry)
+        return b, b.next_round(commit, carry)
+
+    async def lookahead(self, b: TreeBuilder, expand_out, expansions, accepted) -> Accepted | None:
+        """Drafts ahead until the target's answer arrives (or there is nothing worth drafting)."""
+        end_s = time.perf_counter() + self.cost.verify_s(b.n_sent)  # when the pass should be done
+        while True:
+            try:
+                return accepted.receive_nowait()
+            except anyio.WouldBlock:
+                pass
+            except anyio.EndOfStream:
+                return None
+            req = None
+            if self.drafting and self.config.lookahead_nodes:
+                req = b.lookahead_request(end_s - time.perf_counter())
+            if req is None:
+                return await _receive(accepted)
+            with self.tracer.span(self.name, f"ahead {b.cycle}", kind="other"):
+                await expand_out.send(req)
+                b.on_lookahead(await expansions.receive())
+            self.lookahead_rounds += 1
 
     async def run(self, inputs, outputs):
         tree_out, expand_out, expansions = outputs["tree"], outputs.get("expand"), inputs.get("expansion")
+        accepted = inputs["accepted"]
         await tree_out.send(prefill_tree(self.prompt))
         if self.drafting:
             await expand_out.send(self.first_request())
             await expansions.receive()
-        async for acc in inputs["accepted"]:
-            if acc.done:
-                return
+        acc = await _receive(accepted)
+        while acc is not None and not acc.done:
             with self.tracer.span(self.name, f"expand {acc.pass_id + 1}"):
                 b, req = self.start_cycle(acc)
                 while req is not None:
@@ -262,4 +442,6 @@ class TreeExpand(Stage):
                     req = b.on_expansion(await expansions.receive())
             self._last = b
             self.tree_sizes.append(b.n_nodes)
+            self.lookahead_nodes_used += b.n_carried_used
             await tree_out.send(b.tree(acc.pass_id + 1, acc.keep))
+            acc = await self.lookahead(b, expand_out, expansions, accepted)

@@ -19,7 +19,7 @@ class FakeDraft:
 
     def __call__(self, req) -> Expansion:
         if req.commit is not None:
-            self.n_pending = 0
+            self.n_pending = len(req.carry)  # carried rows stay pending, renumbered from 0
         first = self.n_pending + req.n_given
         self.n_pending += req.tokens.size
         n, k = req.tokens.size - req.n_given, req.top_k
@@ -89,6 +89,69 @@ def test_next_cycle_commits_the_expanded_accepted_path_and_feeds_an_unexpanded_l
     b2, req2 = stage.start_cycle(Accepted(1, (10, 10, 42), (0, 1, 2)))
     assert req2.commit == (0, 1) and req2.n_given == 1 and req2.tokens.tolist() == [10, 42]
     assert req2.parents.tolist() == [-1, 0]
+
+
+def chain_cycle(stage: TreeExpand, lookahead_rounds: int) -> TreeBuilder:
+    """Cycle 1 of a chain of 2 after a 3-token prompt, then some rounds drafted ahead."""
+    b, req = stage.start_cycle(Accepted(0, (5,), (0, 1, 2)))
+    draft = FakeDraft()
+    while req is not None:
+        req = b.on_expansion(draft(req))
+    stage._last = b
+    b.tree(pass_id=1, commit=(0, 1, 2))
+    for _ in range(lookahead_rounds):
+        req = b.lookahead_request()
+        if req is None:
+            break
+        assert req.ahead
+        b.on_lookahead(draft(req))
+    return b
+
+
+def test_lookahead_expands_the_leaf_then_the_likeliest_candidates():
+    stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=2, lookahead_nodes=8, round_nodes=4),
+                       prompt=[1, 2, 3])
+    b = chain_cycle(stage, 1)
+    assert b.n_sent == 3 and b.row == [0, 1, 2]  # the chain's leaf first: every next root hangs below it
+    chain_cycle(stage, 2)
+    b = chain_cycle(stage, 10)
+    assert b.n_ahead == 8 and b.lookahead_request() is None  # the node cap
+    ahead = range(b.n_sent, b.n_nodes)
+    assert [b.parents[i] for i in ahead][:4] == [2, 2, 2, 2]  # then the leaf's children, all four
+    assert all(b.gain[i] <= b.gain[j] for i, j in zip(list(ahead)[4:], list(ahead)[:4]))
+
+
+def test_lookahead_stays_within_the_idle_time_of_the_pass():
+    cfg = TreeExpandConfig(policy="chain", chain_length=2, lookahead_nodes=64)
+    busy = TreeExpand("x", cfg, prompt=[1, 2, 3], cost=FlatCost(read_s=0.0))  # compute-bound: no idle time
+    assert chain_cycle(busy, 10).n_ahead == 0
+    idle = TreeExpand("x", cfg, prompt=[1, 2, 3], cost=FlatCost(read_s=0.05, draft_step_s=0.02))
+    assert chain_cycle(idle, 10).n_ahead > 0 and chain_cycle(idle, 10).lookahead_s <= 0.05
+    assert chain_cycle(idle, 0).lookahead_request(time_left_s=0.01) is None  # would outlast the pass
+
+
+def test_a_right_guess_starts_the_next_tree_from_rows_drafted_ahead():
+    cfg = TreeExpandConfig(policy="chain", chain_length=2, lookahead_nodes=8, round_nodes=4)
+    stage = TreeExpand("x", cfg, prompt=[1, 2, 3])
+    b = chain_cycle(stage, 10)
+    # the target took the chain (rows 0, 1, 2) and then 10, whose row the lookahead drafted
+    root = next(i for i in range(b.n_sent, b.n_nodes) if b.parents[i] == 2 and b.tokens[i] == 10)
+    acc = Accepted(1, (10, 10, 10), (0, 1, 2))
+    carry = b.carry_for(acc)
+    assert carry[0] == b.row[root] and all(r > b.row[root] for r in carry[1:])
+    b2, req = stage.start_cycle(acc)
+    assert req.commit == (0, 1, 2) and req.carry == carry and req.n_given == 0
+    assert b2.n_carried_used >= 1 and b2.n_nodes == 3  # the chain's first node came drafted ahead
+    assert req.tokens.size < 2  # so at most the second is left to draft
+    assert stage.lookahead_hits == 1
+
+
+def test_a_wrong_guess_starts_from_scratch():
+    stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=2, lookahead_nodes=8), prompt=[1, 2, 3])
+    chain_cycle(stage, 10)
+    b2, req = stage.start_cycle(Accepted(1, (10, 10, 99), (0, 1, 2)))  # 99 was never drafted
+    assert req.carry == () and req.commit == (0, 1, 2) and req.tokens.tolist() == [99]
+    assert stage.lookahead_hits == 0
 
 
 def test_unknown_policy_is_an_error():
