@@ -33,6 +33,10 @@ class TokenTree:
     n_given: int = 1
     draft_probs: np.ndarray | None = attrs.field(default=None, eq=False)  # (n_nodes,) draft p of each node
     commit: tuple[int, ...] | None = None  # rows of the previous pass to keep; None keeps all
+    # node -> (the draft's tokens for its children in the order drawn, (n_vocab,) float32 the
+    # distribution they were drawn from, or None when chosen by rank): what speculative sampling
+    # needs at each expanded node. Only some of the drawn tokens may be nodes of the tree.
+    drafts: dict[int, tuple[np.ndarray, np.ndarray | None]] = attrs.field(factory=dict, eq=False)
 
     @property
     def n_nodes(self) -> int:
@@ -102,12 +106,15 @@ class ExpandRequest:
 
 @attrs.frozen
 class Expansion:
-    """The draft's proposals for each expanded node: its most probable next tokens."""
+    """The draft's proposals for each expanded node: its most probable next tokens, or, when
+    the run samples, tokens drawn without replacement from the draft's distribution (which
+    comes along, for the target's rejection sampling)."""
 
     cycle: int
     rows: np.ndarray = attrs.field(eq=False)  # (m,) pending-row index of each expanded node
-    child_tokens: np.ndarray = attrs.field(eq=False)  # (m, top_k) int64, most probable first
+    child_tokens: np.ndarray = attrs.field(eq=False)  # (m, top_k) int64, most probable first (or in draw order); -1 pads
     child_probs: np.ndarray = attrs.field(eq=False)  # (m, top_k) float32, draft probabilities
+    child_q: np.ndarray | None = attrs.field(default=None, eq=False)  # (m, n_vocab) float32 drawn from, when sampling
 
 
 @attrs.frozen

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import anyio
 import attrs
+import numpy as np
 
 from lever.backends.flash import FlashConfig, FlashStore
 from lever.compute import ComputeSlot
@@ -116,7 +117,8 @@ def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: Samplin
             raise LeverError(f"[tree_expand] policy {tree.policy!r} needs a draft model ([model] draft)")
         if draft_model.spec.n_vocab != spec.n_vocab:
             raise LeverError(f"[model] draft: vocabulary of {draft_model.spec.n_vocab} tokens, the target has {spec.n_vocab}")
-        core = DraftModel(draft_model, draft_model.new_cache(n_ctx + tree.draft_rows))
+        core = DraftModel(draft_model, draft_model.new_cache(n_ctx + tree.draft_rows), sampling=params,
+                          rng=np.random.default_rng(None if params.seed is None else [params.seed, 1]))
         draft = Draft("draft", core, compute, tracer)
         p.connect(expand, "expand", draft, "expand", 1)
         p.connect(draft, "expansion", expand, "expansion", 1)

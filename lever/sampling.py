@@ -60,3 +60,43 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         return int(np.argmax(logits))
     p = distribution(logits, params)
     return int(rng.choice(p.size, p=p))
+
+
+def draw_without_replacement(q: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k tokens drawn one after another from q (n_vocab,) without replacement (Gumbel-top-k:
+    the order is the order of the draws); fewer when q has fewer than k tokens of mass."""
+    with np.errstate(divide="ignore"):
+        keys = np.log(q.astype(np.float64)) + rng.gumbel(size=q.size)
+    k = min(k, int(np.count_nonzero(q)))
+    top = np.argpartition(-keys, k - 1)[:k] if k else np.zeros(0, np.int64)
+    return top[np.argsort(-keys[top], kind="stable")].astype(np.int64)
+
+
+def rejection_sample(p: np.ndarray, drawn, q: np.ndarray | None, rng: np.random.Generator) -> tuple[int, int]:
+    """The target's token at a tree node whose draft children were `drawn`: multi-candidate
+    speculative sampling (SpecInfer), in its recursive form for draws without replacement.
+
+    p is the target's distribution; `drawn` the draft's tokens in the order they were drawn
+    from q without replacement (q None: chosen deterministically, point masses). Each is
+    accepted with probability min(1, r(x) / q'(x)), r the target's residual so far and q' the
+    draft's distribution over what was not drawn yet; on a rejection the residual becomes
+    norm(max(r - q', 0)). Whatever the draft, the token returned is distributed exactly as p.
+    Returns (token, index into drawn, or -1 when every draft token was rejected).
+    """
+    r = np.asarray(p, np.float64)
+    left = None if q is None else np.asarray(q, np.float64).copy()
+    for j, x in enumerate(drawn):
+        q_x = 1.0 if left is None else left[x] / left.sum()
+        if rng.random() * q_x < r[x]:
+            return int(x), j
+        if left is None:  # a point mass: the residual is r without x
+            r = r.copy()
+            r[x] = 0.0
+        else:
+            r = np.maximum(r - left / left.sum(), 0.0)
+            left[x] = 0.0
+        mass = r.sum()
+        if mass <= 0.0:  # r was q' up to rounding, so x was in fact certain to be accepted
+            return int(x), j
+        r /= mass
+    return int(rng.choice(r.size, p=r)), -1

@@ -19,7 +19,7 @@ import numpy as np
 
 from lever.graph import Stage
 from lever.messages import Accepted, TokenTree, Verified
-from lever.sampling import SamplingParams, sample
+from lever.sampling import SamplingParams, distribution, rejection_sample, sample
 from lever.trace import Tracer
 
 
@@ -50,6 +50,13 @@ def likely_path(tree: TokenTree, kids: list[list[int]], node: int, n: int) -> li
     return path
 
 
+def choose(logits: np.ndarray, drafted, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The target's token at one node, given the draft's tokens there (None: not expanded)."""
+    if params.greedy or drafted is None or not len(drafted[0]):
+        return sample(logits, params, rng)  # with nothing drafted, exactly an autoregressive draw
+    return rejection_sample(distribution(logits, params), drafted[0], drafted[1], rng)[0]
+
+
 def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], params: SamplingParams,
                 rng: np.random.Generator, budget: int, eos_ids: frozenset[int]) -> tuple[list[int], list[int], int]:
     """Walks the tree along the target's choices. Returns (emitted tokens, kept nodes, lm_head rows).
@@ -62,9 +69,10 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
     that chain, the rows past the fork were wasted and a new batch starts at the fork. The
     kernels are batch-invariant, so the logits, and the tokens, are those of one row at a time.
 
-    With sampling, a node's draft children are accepted only when the target's sampled token
-    equals them, which keeps the target's distribution exactly (each token is a fresh draw from
-    the target's own distribution at that node).
+    Greedy, the target's token is the argmax. Sampling, it comes from multi-candidate
+    rejection sampling over the draft's tokens at that node (`rejection_sample`), so it is
+    distributed exactly as the target's own sample would be, and a drawn token that is a node
+    of the tree is accepted as often as the two distributions allow.
     """
     kids = children_of(tree)
     node = tree.n_given - 1
@@ -76,7 +84,7 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
         logits = logits_at(path)
         rows += len(path)
         for j, at in enumerate(path):
-            tok = sample(logits[j], params, rng)
+            tok = choose(logits[j], tree.drafts.get(at), params, rng)
             out.append(tok)
             nxt = next((c for c in kids[at] if int(tree.tokens[c]) == tok), None)
             if nxt is None or tok in eos_ids or len(out) >= budget:

@@ -3,7 +3,8 @@
 TreeExpand sends it the nodes to expand; one batched draft forward runs them all with tree
 attention over the draft's own KV cache (each node sees the committed prefix and its own
 ancestors), and it answers with each node's most probable next tokens and their
-probabilities. Rows added during a cycle are pending; the first request of the next cycle says
+probabilities; when the run samples, with tokens drawn from its distribution instead, which
+the target's rejection sampling (Accept) needs. Rows added during a cycle are pending; the first request of the next cycle says
 which to keep (the accepted path), so the draft's cache follows the accepted text exactly.
 """
 
@@ -17,6 +18,7 @@ from lever.graph import Stage
 from lever.kv_cache import KVCache
 from lever.messages import ExpandRequest, Expansion
 from lever.model import Model
+from lever.sampling import SamplingParams, distribution, draw_without_replacement
 from lever.trace import Tracer
 
 
@@ -44,6 +46,8 @@ class DraftModel:
     n_committed: int = 0
     pending_parents: list[int] = attrs.field(factory=list)  # parent pending row of each pending row
     forwards: int = 0  # batched forwards run (for the run summary)
+    sampling: SamplingParams | None = None  # when the run samples: children are drawn from the draft's distribution
+    rng: np.random.Generator = attrs.field(factory=np.random.default_rng)
 
     def commit(self, keep: tuple[int, ...], carry: tuple[int, ...] = ()) -> None:
         """A new cycle: of the pending rows, `keep` (ascending) join the committed prefix and
@@ -92,8 +96,23 @@ class DraftModel:
         if expand.size == 0:
             empty = np.zeros((0, req.top_k))
             return Expansion(req.cycle, expand.astype(np.int32), empty.astype(np.int64), empty.astype(np.float32))
-        tokens, probs = softmax_top_k(self.model.logits(hidden[expand]), req.top_k)
-        return Expansion(req.cycle, (first + expand).astype(np.int32), tokens, probs)
+        logits = self.model.logits(hidden[expand])
+        rows = (first + expand).astype(np.int32)
+        if self.sampling is None or self.sampling.greedy:
+            tokens, probs = softmax_top_k(logits, req.top_k)
+            return Expansion(req.cycle, rows, tokens, probs)
+        return Expansion(req.cycle, rows, *self.draw(logits, req.top_k))
+
+    def draw(self, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Children drawn without replacement from the draft's distribution under the run's
+        sampling parameters (so close to the target's): tokens (-1 pads), their probabilities, q."""
+        q = np.stack([distribution(row, self.sampling) for row in logits]).astype(np.float32)
+        tokens = np.full((len(q), k), -1, np.int64)
+        probs = np.zeros((len(q), k), np.float32)
+        for i, row in enumerate(q):
+            drawn = draw_without_replacement(row, k, self.rng)
+            tokens[i, : drawn.size], probs[i, : drawn.size] = drawn, row[drawn]
+        return tokens, probs, q
 
 
 @attrs.define

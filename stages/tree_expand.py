@@ -115,7 +115,7 @@ class TreeBuilder:
     gain: list[float] = attrs.field(factory=list)  # estimated acceptance probability of each node
     row: list[int] = attrs.field(factory=list)  # the node's pending row in the draft (-1: not expanded)
     node_of_row: dict[int, int] = attrs.field(factory=dict)
-    proposals: dict[int, tuple] = attrs.field(factory=dict)  # pending row -> (child tokens, draft probs)
+    proposals: dict[int, tuple] = attrs.field(factory=dict)  # pending row -> (child tokens, draft probs, q or None)
     carried: dict[tuple[int, int], int] = attrs.field(factory=dict)  # (parent row, token) -> row drafted ahead
     candidates: list = attrs.field(factory=list)  # heap of (-gain, seq, parent node, token)
     draft_s: float = 0.0  # estimated drafting time of this cycle so far
@@ -162,11 +162,13 @@ class TreeBuilder:
         return ExpandRequest(self.cycle, np.asarray(toks, np.int64), np.asarray(parents, np.int32),
                              self.config.top_k, len(given), commit, carry)
 
-    def _absorb(self, row: int, toks, probs) -> None:
+    def _absorb(self, row: int, toks, probs, q_dist=None) -> None:
         """A node's children from the draft become candidates."""
-        self.proposals[row] = (toks, probs)
+        self.proposals[row] = (toks, probs, q_dist)
         node = self.node_of_row[row]
         for t, q in zip(toks, probs):
+            if t < 0:  # fewer tokens had mass than were asked for
+                break
             heapq.heappush(self.candidates, (-self.gain[node] * float(q), self._seq, node, int(t)))
             self._seq += 1
 
@@ -179,10 +181,13 @@ class TreeBuilder:
             return False
         return self.config.policy != "kary" or self.depth[n] < self.config.kary_depth
 
+    def _absorb_all(self, exp: Expansion) -> None:
+        for i, row in enumerate(exp.rows):
+            self._absorb(int(row), exp.child_tokens[i], exp.child_probs[i], None if exp.child_q is None else exp.child_q[i])
+
     def on_expansion(self, exp: Expansion) -> ExpandRequest | None:
         """Take the draft's proposals; pick the next round; None when the tree is done."""
-        for row, toks, probs in zip(exp.rows, exp.child_tokens, exp.child_probs):
-            self._absorb(int(row), toks, probs)
+        self._absorb_all(exp)
         return self.next_round()
 
     def next_round(self, commit: tuple[int, ...] | None = None, carry: tuple[int, ...] = ()) -> ExpandRequest | None:
@@ -268,8 +273,13 @@ class TreeBuilder:
 
     def tree(self, pass_id: int, commit: tuple[int, ...]) -> TokenTree:
         self.n_sent = self.n_nodes
+        drafts = {}
+        for n, r in enumerate(self.row):
+            if r in self.proposals:
+                toks, _, q = self.proposals[r]
+                drafts[n] = (toks[toks >= 0], q)
         return TokenTree(pass_id, np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), 1,
-                         np.asarray(self.gain, np.float32), commit)
+                         np.asarray(self.gain, np.float32), commit, drafts)
 
     # -- drafting ahead, while the target verifies the sent tree
 
@@ -309,8 +319,7 @@ class TreeBuilder:
         return attrs.evolve(self.request(nodes), ahead=True)
 
     def on_lookahead(self, exp: Expansion) -> None:
-        for row, toks, probs in zip(exp.rows, exp.child_tokens, exp.child_probs):
-            self._absorb(int(row), toks, probs)
+        self._absorb_all(exp)
 
     def carry_for(self, acc: Accepted) -> tuple[int, ...]:
         """Rows drafted ahead that the next cycle starts from: the new root (the target's token

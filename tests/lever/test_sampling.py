@@ -40,3 +40,28 @@ def test_samples_follow_distribution():
 def test_bad_params(kw):
     with pytest.raises(LeverError):
         SamplingParams(**kw)
+
+
+def test_rejection_sampling_returns_the_targets_distribution_for_any_draft():
+    from lever.sampling import draw_without_replacement, rejection_sample
+
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+    q = np.array([0.05, 0.1, 0.15, 0.2, 0.5], np.float32)  # a draft that is badly off
+    for drafted in ("sampled", "by rank"):
+        counts = np.zeros(5)
+        for _ in range(20000):
+            if drafted == "sampled":
+                tok, _ = rejection_sample(p, draw_without_replacement(q, 3, rng), q, rng)
+            else:
+                tok, _ = rejection_sample(p, [4, 3], None, rng)
+            counts[tok] += 1
+        assert np.abs(counts / counts.sum() - p).max() < 0.012, drafted  # ~4 standard errors
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted():
+    from lever.sampling import draw_without_replacement, rejection_sample
+
+    rng = np.random.default_rng(0)
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    assert all(rejection_sample(p, draw_without_replacement(p, 2, rng), p, rng)[1] == 0 for _ in range(200))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from lever.messages import TokenTree
-from lever.sampling import SamplingParams
+from lever.messages import Expansion, TokenTree
+from lever.sampling import SamplingParams, draw_without_replacement
 from lever.stages.accept import accept_tree
+from lever.stages.tree_expand import FlatCost, TreeBuilder, TreeExpandConfig
 
 VOCAB = 50
 
@@ -56,3 +57,109 @@ def test_budget_and_eos_stop_the_walk():
     toks, _, rows, calls = walk({0: 7, 1: 9, 3: 1}, budget=1)
     assert toks == [7] and calls == [[0]] and rows == 1  # no row past what may still be emitted
     assert walk({0: 7, 1: 9, 3: 1}, budget=9, eos=frozenset({7}))[0] == [7]
+
+
+# -- speculative sampling keeps the target's distribution, through real trees
+
+V = 4  # vocabulary of the synthetic models: 4**3 outcomes for three tokens
+N_TOKENS = 3
+TRIALS = 6000
+P_FLOOR = 1e-4  # chance that an exact sampler fails the test with these seeds: below this
+
+
+def synthetic(prefix: tuple[int, ...], salt: int) -> np.ndarray:
+    """A fixed next-token distribution for every prefix (salt 1: the target, 2: the draft)."""
+    return np.random.default_rng([salt, *prefix]).dirichlet(np.full(V, 0.6))
+
+
+class SamplingDraft:
+    """Draws each expanded node's children from the synthetic draft, as Draft does when sampling."""
+
+    def __init__(self, prefix, rng):
+        self.prefix, self.rng, self.paths = tuple(prefix), rng, []
+
+    def __call__(self, req):
+        if req.commit is not None:
+            self.paths = []
+        for tok, parent in zip(req.tokens.tolist(), req.parents.tolist()):
+            self.paths.append(self.prefix if parent < 0 else self.paths[parent] + (tok,))
+        rows = np.arange(len(self.paths) - req.tokens.size + req.n_given, len(self.paths), dtype=np.int32)
+        q = np.stack([synthetic(self.paths[r], 2) for r in rows]).astype(np.float32)
+        toks = np.full((rows.size, req.top_k), -1, np.int64)
+        for i in range(rows.size):
+            d = draw_without_replacement(q[i], req.top_k, self.rng)
+            toks[i, : d.size] = d
+        probs = np.where(toks >= 0, np.take_along_axis(q, np.maximum(toks, 0), 1), 0).astype(np.float32)
+        return Expansion(req.cycle, rows, toks, probs, q)
+
+
+def speculative_sample(rng, config) -> tuple[int, ...]:
+    """N_TOKENS tokens by cycles of draft tree + rejection-sampling Accept, from prefix (0,)."""
+    prefix = (0,)
+    while len(prefix) - 1 < N_TOKENS:
+        b = TreeBuilder(config, FlatCost(read_s=1.0, compute_per_token_s=1e-4, draft_step_s=1e-3), 1, room=100)
+        b.add(prefix[-1], -1, 1.0)
+        draft = SamplingDraft(prefix, rng)
+        req = b.request([0], [], commit=())
+        while req is not None:
+            req = b.on_expansion(draft(req))
+        t = b.tree(1, ())
+
+        def logits_at(nodes):
+            out = []
+            for n in nodes:
+                path = []
+                while n > 0:
+                    path.append(int(t.tokens[n]))
+                    n = int(t.parents[n])
+                out.append(np.log(synthetic(prefix + tuple(reversed(path)), 1)))
+            return np.array(out)
+
+        toks, _, _ = accept_tree(t, logits_at, SamplingParams(temperature=1.0), rng, N_TOKENS - len(prefix) + 1, frozenset())
+        prefix += tuple(toks)
+    return prefix[1:]
+
+
+def chi_square_vs_target(samples) -> tuple[float, float]:
+    """Pearson's statistic over all V**N_TOKENS sequences, and its 1 - P_FLOOR quantile
+    (Wilson-Hilferty: accurate to a few percent at these degrees of freedom)."""
+    counts = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    stat = 0.0
+    for seq in np.ndindex(*(V,) * N_TOKENS):
+        p, prefix = 1.0, (0,)
+        for tok in seq:
+            p *= synthetic(prefix, 1)[tok]
+            prefix += (tok,)
+        want = p * len(samples)
+        stat += (counts.get(tuple(seq), 0) - want) ** 2 / want
+    df, z = V**N_TOKENS - 1, 3.72  # z: the normal quantile of 1 - P_FLOOR
+    return stat, df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_tree_speculative_sampling_matches_the_targets_distribution():
+    rng = np.random.default_rng(1)
+    config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
+    samples = [speculative_sample(rng, config) for _ in range(TRIALS)]
+    stat, limit = chi_square_vs_target(samples)
+    assert stat < limit, f"chi-square {stat:.1f} over the {limit:.1f} an exact sampler stays under"
+    assert np.mean([len(s) for s in samples]) == N_TOKENS
+
+
+def test_the_distribution_test_catches_a_biased_verifier(monkeypatch):
+    """Control: the classic mistake (on rejection, resample from p instead of the residual)."""
+    import lever.stages.accept as accept
+
+    def naive(p, drawn, q, rng):
+        for j, x in enumerate(drawn):
+            q_x = 1.0 if q is None else q[x] / q.sum()
+            if rng.random() * q_x < p[x]:
+                return int(x), j
+        return int(rng.choice(p.size, p=p)), -1
+
+    monkeypatch.setattr(accept, "rejection_sample", naive)
+    rng = np.random.default_rng(1)
+    config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
+    stat, limit = chi_square_vs_target([speculative_sample(rng, config) for _ in range(TRIALS)])
+    assert stat > limit
