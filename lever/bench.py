@@ -182,30 +182,3 @@ def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75,
 
 
 RUNTIME_MARGIN_BYTES = 300 * 2**20  # interpreter, numpy, tokenizer, metadata, scratch
-
-
-def bench_pipelines(config: str, prompts: list[str], n: int, chain_ks=(2, 4, 6, 8, 12), sets: list[str] = (),
-                    out=print) -> dict[str, float]:
-    """Flash-AR, Chain-SD (best k), EdgeLLM-like and Lever on the same config, prompts and machine;
-    ms/token per pipeline (summed over prompts) and Lever's speedup over each."""
-    spec = ['pipeline.kind="speculative"']
-    runs = {"flash-ar": ['pipeline.kind="flash-ar"']}
-    for k in chain_ks:
-        runs[f"chain-sd k={k}"] = spec + ['tree_expand.policy="chain"', f"tree_expand.chain_length={k}"]
-    runs["edgellm-like"] = spec + ['tree_expand.policy="confidence"']
-    runs["lever"] = spec + ['tree_expand.policy="gain-cost"']
-    ms: dict[str, float] = {}
-    out(f"{'pipeline':<16}{'ms/token':>10}{'tokens/pass':>13}{'tree nodes':>12}{'MB/token':>10}")
-    for name, extra in runs.items():
-        rs = [run_json(config, [*sets, *extra], p, n) for p in prompts]
-        n_tok = sum(len(r["tokens"]) - 1 for r in rs)
-        ms[name] = 1000 * sum(r["decode_s"] for r in rs) / n_tok
-        tpp = sum(r["accepted_per_pass"] for r in rs) / len(rs)
-        nodes = sum(r["mean_tree_nodes"] for r in rs) / len(rs)
-        mb = sum(r["flash_mb_per_token"] for r in rs) / len(rs)
-        out(f"{name:<16}{ms[name]:>10.1f}{tpp:>13.2f}{nodes:>12.1f}{mb:>10.1f}")
-    best_chain = min((k for k in ms if k.startswith("chain")), key=ms.get)
-    lever = ms["lever"]
-    out(f"\nLever speedup: {ms['flash-ar'] / lever:.2f}x vs Flash-AR, {ms[best_chain] / lever:.2f}x vs Chain-SD "
-        f"({best_chain}), {ms['edgellm-like'] / lever:.2f}x vs EdgeLLM-like (paper: 2.93x, 1.50x, 1.27x)")
-    return ms

@@ -161,6 +161,13 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise LeverError(f"{flag}: expected numbers separated by commas, got {text!r}") from None
+
+
 def cmd_bench(args) -> int:
     from lever.bench import bench_model
 
@@ -175,12 +182,14 @@ def cmd_bench(args) -> int:
             raise LeverError("lever bench flash: -c CONFIG is required")
         bench_flash(str(args.config), args.prompt, args.n_gen, cap_bytes_per_s=args.cap)
     elif args.what == "pipelines":
-        from lever.bench import bench_pipelines
+        from lever.bench_pipelines import DEFAULT_PROMPTS, bench_pipelines, read_prompts
 
         if not args.config:
             raise LeverError("lever bench pipelines: -c CONFIG is required")
-        prompts = args.prompts or [args.prompt]
-        bench_pipelines(str(args.config), prompts, args.n_gen, sets=args.set or [])
+        prompts = read_prompts(args.prompts or DEFAULT_PROMPTS)
+        bench_pipelines(str(args.config), prompts, args.n_gen, _floats(args.budgets, "--budgets"),
+                        tuple(int(k) for k in _floats(args.chain_ks, "--chain-ks")), args.set or [], args.json,
+                        args.plot)
     return 0
 
 
@@ -240,7 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-c", "--config", type=Path)
     b.add_argument("-p", "--prompt", default="def quicksort(arr):")
     b.add_argument("--cap", type=float, default=0.0, help="flash: also run with this bandwidth cap (bytes/s)")
-    b.add_argument("--prompts", nargs="*", default=None, help="pipelines: several prompts, summed")
+    b.add_argument("--prompts", type=Path, default=None,
+                   help="pipelines: a file of prompts separated by lines holding only --- (default: examples/prompts/code.txt)")
+    b.add_argument("--budgets", default="0,0.25,0.5,0.75", help="pipelines: DRAM budgets, fractions of the layer bytes")
+    b.add_argument("--chain-ks", default="2,4,6,8", help="pipelines: Chain-SD lengths swept (the best is reported)")
+    b.add_argument("--json", type=Path, default=None, help="pipelines: write every figure to this file")
+    b.add_argument("--plot", type=Path, default=None, help="pipelines: draw speedup against budget (matplotlib)")
     b.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
     b.add_argument("--n-prompt", type=int, default=32)
     b.add_argument("--n-gen", type=int, default=32)

@@ -56,6 +56,7 @@ class RunResult:
     verify_pass_s: float = 0.0  # wall seconds with a verification pass under way (reads and waits included)
     draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
     lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead, of all decoding cycles
+    temperature: float = 0.0  # 0: greedy, so the tokens must equal the target's own greedy decoding
 
     @property
     def decode_tps(self) -> float:
@@ -168,5 +169,5 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         compute_s=summary.compute_s, overlap_share=summary.overlap_share, flash_gbps=summary.flash_gbps,
         draft_s=summary.stage_s.get("draft", 0.0), verify_pass_s=summary.pass_s("verify"),
         draft_hidden_share=summary.hidden_share("draft", "verify"),
-        lookahead_hit_share=h.expand.lookahead_hits / len(h.expand.tree_sizes) if h.expand.tree_sizes else 0.0,
+        temperature=g.temperature, lookahead_hit_share=h.expand.lookahead_hits / len(h.expand.tree_sizes) if h.expand.tree_sizes else 0.0,
     )
