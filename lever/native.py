@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +67,27 @@ def _load() -> ctypes.CDLL:
 
 
 _lib = _load()
-n_threads_default = 0  # 0: all cores (OpenMP decides)
+n_threads_default = 0  # 0: all cores
+_local = threading.local()
+
+
+@contextmanager
+def threads(n: int):
+    """Kernel threads for the calls this thread makes inside the block (0: all cores). Drafting
+    ahead runs on one core so that the reads it overlaps are not starved of CPU."""
+    prev = getattr(_local, "n", None)
+    _local.n = n
+    try:
+        yield
+    finally:
+        _local.n = prev
+
+
+def _threads(n_threads: int | None) -> int:
+    if n_threads is not None:
+        return n_threads
+    local = getattr(_local, "n", None)
+    return n_threads_default if local is None else local
 
 
 def _check(rc: int, what: str) -> None:
@@ -121,7 +143,7 @@ def matmul(type_id: int, w, n_out: int, n_in: int, x: np.ndarray, out: np.ndarra
         raise ValueError(f"matmul: activations of {x.size} values are not rows of {n_in}")
     if out is None:
         out = np.empty((n_tok, n_out), np.float32)
-    nt = n_threads_default if n_threads is None else n_threads
+    nt = _threads(n_threads)
     _check(_lib.lever_matmul(type_id, _ptr(w), n_out, n_in, _addr(x, np.float32), n_tok, _addr(out, np.float32), nt),
            "matmul")
     return out
@@ -166,7 +188,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, sca
     if out is None:
         out = np.empty_like(q)
     m = mask.view(np.uint8) if mask.dtype == np.bool_ and mask.flags.c_contiguous else np.ascontiguousarray(mask, np.uint8)
-    nt = n_threads_default if n_threads is None else n_threads
+    nt = _threads(n_threads)
     _check(_lib.lever_attention(_addr(q, np.float32), n_tok, n_head, hd, _addr(k, k.dtype), _addr(v, v.dtype),
                                 _KV_TYPES[k.dtype], n_kv, n_kv_head, _addr(m, np.uint8), scale,
                                 _addr(out, np.float32), nt), "attention")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from lever import native
 from lever.compute import AHEAD, DRAFT, ComputeSlot, run_on
 from lever.graph import Stage
 from lever.kv_cache import KVCache
@@ -123,12 +124,16 @@ class Draft(Stage):
     core: DraftModel
     slot: ComputeSlot | None = None  # the compute slot, shared with the target's layers
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
+    ahead_threads: int = 1  # kernel threads when drafting ahead: leave the other cores to the pass it overlaps
     INPUTS = {"expand": ExpandRequest}
     OUTPUTS = {"expansion": Expansion}
 
     def _expand(self, req: ExpandRequest) -> Expansion:
         with self.tracer.span(self.name, f"draft c{req.cycle}", batch=int(req.tokens.size)):  # not the wait for a slot
-            return self.core.expand(req)
+            if not req.ahead:
+                return self.core.expand(req)
+            with native.threads(self.ahead_threads):
+                return self.core.expand(req)
 
     async def run(self, inputs, outputs):
         async for req in inputs["expand"]:

@@ -72,7 +72,7 @@ class Cost(Protocol):
 
     def verify_s(self, n_tokens: int) -> float: ...
 
-    def draft_s(self, batch: int) -> float: ...
+    def expand_s(self, batch: int) -> float: ...  # one Draft expansion: the forward and the draft's lm_head
 
     def idle_s(self, n_tokens: int) -> float: ...
 
@@ -89,7 +89,7 @@ class FlatCost:
     def verify_s(self, n_tokens: int) -> float:
         return max(self.read_s, self.compute_per_token_s * n_tokens)
 
-    def draft_s(self, batch: int) -> float:
+    def expand_s(self, batch: int) -> float:
         return self.draft_step_s
 
     def idle_s(self, n_tokens: int) -> float:
@@ -158,7 +158,7 @@ class TreeBuilder:
             toks.append(self.tokens[n])
         self.n_pending += len(toks)
         if toks:
-            self.draft_s += self.cost.draft_s(len(toks))
+            self.draft_s += self.cost.expand_s(len(toks))
         return ExpandRequest(self.cycle, np.asarray(toks, np.int64), np.asarray(parents, np.int32),
                              self.config.top_k, len(given), commit, carry)
 
@@ -212,7 +212,7 @@ class TreeBuilder:
                 break
             for n in ready:
                 self._absorb(self.row[n], *self.proposals[self.row[n]])
-        expand = [n for n in expand if self._expandable(n)]
+        expand = [n for n in expand if self._expandable(n) and self._worth_expanding(n)]
         if expand or commit is not None:
             return self.request(expand, commit=commit, carry=carry)
         return None
@@ -253,23 +253,35 @@ class TreeBuilder:
         return self.draft_s + extra_draft_s + self.cost.verify_s(self.n_nodes if n_nodes is None else n_nodes)
 
     def _take_while_worth(self, n: int) -> list[int]:
-        """Adds the best candidates while each raises (E + 1) / latency. A node drafted ahead
-        costs no drafting: its expansion is already done."""
-        added = []
-        per_node_draft = self.cost.draft_s(n) / n  # the round's expansion, shared by its nodes
-        extra = 0.0
+        """Adds the best candidates while each raises (E + 1) / latency.
+
+        A node's drafting cost is what its expansion adds to the round's batched forward: the
+        whole forward for the round's first node (a draft forward costs nearly the same for 1
+        token as for 8, so a lone node per round is expensive), the increment for the others;
+        a node drafted ahead costs nothing, its expansion is done."""
+        added, batch, extra = [], 0, 0.0
         while self.candidates and len(added) < n and self.n_nodes < self.limit:
             g, _, parent, tok = self.candidates[0]
             g = -g
-            node_draft = 0.0 if self._carried_row(parent, tok) is not None else per_node_draft
+            carried = self._carried_row(parent, tok) is not None
+            node_draft = 0.0 if carried else self.cost.expand_s(batch + 1) - self.cost.expand_s(batch)
             e, lat = self.expected_accepted(), self.latency_s(extra_draft_s=extra)
             new_lat = self.latency_s(self.n_nodes + 1, extra + node_draft)
             if (e + 1 + g) / new_lat < (e + 1) / lat:
                 break
             heapq.heappop(self.candidates)
             added.append(self.add(tok, parent, g))
+            batch += not carried
             extra += node_draft
         return added
+
+    def _worth_expanding(self, node: int) -> bool:
+        """Whether a child of `node` could ever join: even one as likely as the node itself
+        must pay for a draft forward of its own. Saves the forward that ends most trees."""
+        if self.config.policy != "gain-cost":
+            return True
+        e, lat = self.expected_accepted(), self.latency_s()
+        return (e + 1 + self.gain[node]) / (lat + self.cost.expand_s(1)) >= (e + 1) / lat
 
     def tree(self, pass_id: int, commit: tuple[int, ...]) -> TokenTree:
         self.n_sent = self.n_nodes
@@ -303,8 +315,8 @@ class TreeBuilder:
         gains = np.cumsum([-g for g, _ in best])
         if gains.size == 0:
             return None
-        size = 1 + int(np.argmax([gains[b - 1] / self.cost.draft_s(b) for b in range(1, gains.size + 1)]))
-        step_s = self.cost.draft_s(size)
+        size = 1 + int(np.argmax([gains[b - 1] / self.cost.expand_s(b) for b in range(1, gains.size + 1)]))
+        step_s = self.cost.expand_s(size)
         if self.lookahead_s + step_s > self.cost.idle_s(self.n_sent) or step_s > time_left_s:
             return None  # past the time the pass leaves the compute units idle, or past its end
         nodes: list[int] = []
@@ -314,7 +326,7 @@ class TreeBuilder:
             else:  # candidates leave the heap in gain order, as `best` took them
                 neg_g, _, parent, tok = heapq.heappop(self.candidates)
                 nodes.append(self.add(tok, parent, -neg_g))
-        self.lookahead_s += self.cost.draft_s(len(nodes))
+        self.lookahead_s += self.cost.expand_s(len(nodes))
         self.n_ahead += len(nodes)
         return attrs.evolve(self.request(nodes), ahead=True)
 

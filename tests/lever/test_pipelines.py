@@ -144,7 +144,8 @@ def test_speculative_sampling_runs_on_real_models(stories):
 
 
 def test_speculative_on_stories_accepts_many_per_pass(stories):
-    cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=60")
+    """Its own draft, and a slow flash so that reads dominate: gain-cost grows deep trees."""
+    cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=60", "flash.bandwidth_cap_bytes_per_s=5e6")
     res = run_pipeline(cfg, "Once upon a time")
     assert res.tokens == reference_tokens(stories, "Once upon a time", 60)
     assert res.accepted_per_pass > 4 and res.n_passes < 20
