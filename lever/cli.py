@@ -109,20 +109,26 @@ def cmd_logits(args) -> int:
     return 0
 
 
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "default.toml"
+
+
 def cmd_run(args) -> int:
     from lever.config import load_config
     from lever.run import run_pipeline
 
     overrides = (args.set or []) + ([f"generate.n_predict={args.n}"] if args.n is not None else [])
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config or DEFAULT_CONFIG, overrides)
+    prompt = args.prompt if args.prompt is not None else cfg.generate.prompt
+    if not prompt:
+        raise LeverError(f"{cfg.path}: no prompt: give -p PROMPT or [generate] prompt")
 
     def on_text(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
     if not args.json:
-        sys.stdout.write(args.prompt)
-    res = run_pipeline(cfg, args.prompt, None if args.json else on_text, args.trace)
+        sys.stdout.write(prompt)
+    res = run_pipeline(cfg, prompt, None if args.json else on_text, args.trace)
     if args.json:
         print(json.dumps(res.as_json()))
         return 0
@@ -151,6 +157,11 @@ def print_summary(res, file) -> None:
       f"resident layers {res.resident_layer_bytes / mib:.0f}, head {res.head_bytes / mib:.0f}, "
       f"window {res.window_bytes / mib:.0f}, KV cache {res.kv_cache_bytes / mib:.0f}, draft {res.draft_bytes / mib:.0f}")
     p("  stages      " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(res.stage_s.items())))
+    if res.baseline is not None:
+        b = res.baseline
+        same = "the same tokens" if res.baseline_tokens_equal else "DIFFERENT tokens"
+        p(f"  vs {b.pipeline:<8} {res.speedup:.2f}x faster: {b.ms_per_token:.1f} ms/token on the same prompt, "
+          f"{b.flash_mb_per_token:.1f} MB/token from the device, {same}")
 
 
 def cmd_convert(args) -> int:
@@ -224,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     lg.set_defaults(func=cmd_logits)
 
     r = sub.add_parser("run", help="generate through a configured pipeline (target streamed from flash)")
-    r.add_argument("-c", "--config", type=Path, default=None, help="TOML config (examples/*.toml)")
-    r.add_argument("-p", "--prompt", required=True)
+    r.add_argument("-c", "--config", type=Path, default=None,
+                   help="TOML config (default: examples/default.toml, the shipped model pair)")
+    r.add_argument("-p", "--prompt", default=None, help="default: the config's [generate] prompt")
     r.add_argument("-n", type=int, default=None, help="tokens to generate (overrides [generate] n_predict)")
     r.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
     r.add_argument("--json", action="store_true", help="print one JSON object with the run's figures")

@@ -40,10 +40,14 @@ class PipelineConfig:
     """flash-ar: autoregressive, target streamed from flash; resident-ar: the same with every
     layer in DRAM; speculative: a draft model proposes trees ([tree_expand] policy: gain-cost
     is Lever, chain is Chain-SD, kary a fixed tree) that the streamed target verifies."""
+    baseline: str = ""
+    """Another kind to run after it on the same prompt (usually flash-ar): the summary then
+    gives the speedup over it, measured in the same run, and checks greedy tokens are equal."""
 
     def __attrs_post_init__(self):
-        if self.kind not in PIPELINE_KINDS:
-            raise LeverError(f"[pipeline] kind: unknown pipeline {self.kind!r} (known: {', '.join(PIPELINE_KINDS)})")
+        for key, kind in (("kind", self.kind), ("baseline", self.baseline)):
+            if kind not in PIPELINE_KINDS and (key == "kind" or kind):
+                raise LeverError(f"[pipeline] {key}: unknown pipeline {kind!r} (known: {', '.join(PIPELINE_KINDS)})")
 
 
 PIPELINE_KINDS = ("flash-ar", "resident-ar", "speculative")
@@ -72,6 +76,7 @@ class GenerateConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = -1  # -1: a fresh seed each run
+    prompt: str = ""  # the prompt when none is given on the command line
 
 
 @attrs.frozen

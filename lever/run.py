@@ -57,6 +57,16 @@ class RunResult:
     draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
     lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead, of all decoding cycles
     temperature: float = 0.0  # 0: greedy, so the tokens must equal the target's own greedy decoding
+    baseline: RunResult | None = None  # [pipeline] baseline run on the same prompt, when configured
+
+    @property
+    def speedup(self) -> float:
+        """Decode speed over the baseline's, measured in the same run (0 without one)."""
+        return self.baseline.ms_per_token / self.ms_per_token if self.baseline and self.ms_per_token else 0.0
+
+    @property
+    def baseline_tokens_equal(self) -> bool | None:
+        return None if self.baseline is None else self.tokens == self.baseline.tokens
 
     @property
     def decode_tps(self) -> float:
@@ -79,9 +89,11 @@ class RunResult:
         return (self.prefill_s + self.decode_s) / self.n_passes / per_pass if per_pass else 0.0
 
     def as_json(self) -> dict:
-        d = attrs.asdict(self)
+        d = attrs.asdict(self, filter=lambda a, _: a.name != "baseline")
         d.update(decode_tps=self.decode_tps, ms_per_token=self.ms_per_token, flash_mb_per_token=self.flash_mb_per_token,
                  pass_wall_ratio=self.pass_wall_ratio)
+        if self.baseline is not None:
+            d.update(baseline=self.baseline.as_json(), speedup=self.speedup, baseline_tokens_equal=self.baseline_tokens_equal)
         return d
 
 
@@ -90,7 +102,16 @@ def _peak_rss_bytes() -> int:
 
 
 def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None) -> RunResult:
-    kind = cfg.pipeline.kind
+    """One generation through the configured pipeline; then its [pipeline] baseline, if any,
+    on the same prompt (not streamed to on_text), attached to the result."""
+    res = _run_kind(cfg, cfg.pipeline.kind, prompt, on_text, trace_path)
+    if not cfg.pipeline.baseline:
+        return res
+    base = _run_kind(cfg, cfg.pipeline.baseline, prompt, None, None)
+    return attrs.evolve(res, baseline=base)
+
+
+def _run_kind(cfg: Config, kind: str, prompt: str, on_text, trace_path) -> RunResult:
     if not cfg.model.target:
         raise LeverError(f"{cfg.path or 'config'}: [model] target: no target model given")
     flash = attrs.evolve(cfg.flash, dram_budget=1.0) if kind == "resident-ar" else cfg.flash

@@ -30,6 +30,7 @@ import anyio
 import attrs
 import numpy as np
 
+from lever.calibration import Calibration
 from lever.errors import LeverError
 from lever.graph import Stage
 from lever.messages import Accepted, ExpandRequest, Expansion, TokenTree
@@ -51,6 +52,7 @@ class TreeExpandConfig:
     kary_depth: int = 3  # kary: depth of the full tree (top_k children per node)
     confidence: float = 0.3  # confidence: add nodes whose path probability stays above this
     lookahead_nodes: int = 0  # nodes drafted ahead while the target verifies (0: off), within the pass's idle time
+    calibration: str = "online"  # gain-cost: "online" learns draft probability -> acceptance from each cycle; "identity"
 
     def __attrs_post_init__(self):
         if self.policy not in POLICIES:
@@ -58,6 +60,8 @@ class TreeExpandConfig:
         for name in ("max_nodes", "max_depth", "top_k", "round_nodes", "chain_length", "kary_depth"):
             if getattr(self, name) < 1:
                 raise LeverError(f"[tree_expand] {name}: must be >= 1, got {getattr(self, name)}")
+        if self.calibration not in ("online", "identity"):
+            raise LeverError(f"[tree_expand] calibration: {self.calibration!r} is not 'online' or 'identity'")
         if self.lookahead_nodes < 0:
             raise LeverError(f"[tree_expand] lookahead_nodes: must be >= 0, got {self.lookahead_nodes}")
 
@@ -117,7 +121,10 @@ class TreeBuilder:
     node_of_row: dict[int, int] = attrs.field(factory=dict)
     proposals: dict[int, tuple] = attrs.field(factory=dict)  # pending row -> (child tokens, draft probs, q or None)
     carried: dict[tuple[int, int], int] = attrs.field(factory=dict)  # (parent row, token) -> row drafted ahead
-    candidates: list = attrs.field(factory=list)  # heap of (-gain, seq, parent node, token)
+    candidates: list = attrs.field(factory=list)  # heap of (-gain, seq, parent node, token, draft p, rank)
+    q_draft: list[float] = attrs.field(factory=list)  # the draft's probability of each node given its parent
+    rank: list[int] = attrs.field(factory=list)  # its place among its parent's proposals
+    calibration: Calibration | None = None  # draft p -> acceptance; None: the identity
     draft_s: float = 0.0  # estimated drafting time of this cycle so far
     n_pending: int = 0  # rows this cycle has added to the draft's cache
     n_sent: int = 0  # nodes in the tree sent to verification; later nodes were drafted ahead
@@ -136,7 +143,9 @@ class TreeBuilder:
         cap = min(self.config.max_nodes, self.room)
         return min(cap, self.config.chain_length + 1) if self.config.policy == "chain" else cap
 
-    def add(self, token: int, parent: int, gain: float) -> int:
+    def add(self, token: int, parent: int, gain: float, q: float = 1.0, rank: int = 0) -> int:
+        self.q_draft.append(q)
+        self.rank.append(rank)
         self.tokens.append(token)
         self.parents.append(parent)
         self.depth.append(0 if parent < 0 else self.depth[parent] + 1)
@@ -166,10 +175,11 @@ class TreeBuilder:
         """A node's children from the draft become candidates."""
         self.proposals[row] = (toks, probs, q_dist)
         node = self.node_of_row[row]
-        for t, q in zip(toks, probs):
+        for rank, (t, q) in enumerate(zip(toks, probs)):
             if t < 0:  # fewer tokens had mass than were asked for
                 break
-            heapq.heappush(self.candidates, (-self.gain[node] * float(q), self._seq, node, int(t)))
+            p = self.calibration(float(q), rank) if self.calibration is not None else float(q)
+            heapq.heappush(self.candidates, (-self.gain[node] * p, self._seq, node, int(t), float(q), rank))
             self._seq += 1
 
     def _carried_row(self, parent: int, token: int) -> int | None:
@@ -233,15 +243,15 @@ class TreeBuilder:
         added = []
         while self.candidates and len(added) < n and self.n_nodes < self.limit \
                 and -self.candidates[0][0] >= self.config.confidence:
-            neg_g, _, parent, tok = heapq.heappop(self.candidates)
-            added.append(self.add(tok, parent, -neg_g))
+            neg_g, _, parent, tok, q, rank = heapq.heappop(self.candidates)
+            added.append(self.add(tok, parent, -neg_g, q, rank))
         return added
 
     def _take(self, n: int) -> list[int]:
         added = []
         while self.candidates and len(added) < n and self.n_nodes < self.limit:
-            neg_g, _, parent, tok = heapq.heappop(self.candidates)
-            added.append(self.add(tok, parent, -neg_g))
+            neg_g, _, parent, tok, q, rank = heapq.heappop(self.candidates)
+            added.append(self.add(tok, parent, -neg_g, q, rank))
         if self.config.policy == "chain":
             self.candidates.clear()  # a chain keeps only the best child of its last node
         return added
@@ -261,7 +271,7 @@ class TreeBuilder:
         a node drafted ahead costs nothing, its expansion is done."""
         added, batch, extra = [], 0, 0.0
         while self.candidates and len(added) < n and self.n_nodes < self.limit:
-            g, _, parent, tok = self.candidates[0]
+            g, _, parent, tok, q, rank = self.candidates[0]
             g = -g
             carried = self._carried_row(parent, tok) is not None
             node_draft = 0.0 if carried else self.cost.expand_s(batch + 1) - self.cost.expand_s(batch)
@@ -270,7 +280,7 @@ class TreeBuilder:
             if (e + 1 + g) / new_lat < (e + 1) / lat:
                 break
             heapq.heappop(self.candidates)
-            added.append(self.add(tok, parent, g))
+            added.append(self.add(tok, parent, g, q, rank))
             batch += not carried
             extra += node_draft
         return added
@@ -324,8 +334,8 @@ class TreeBuilder:
             if i >= 0:
                 nodes.append(i)
             else:  # candidates leave the heap in gain order, as `best` took them
-                neg_g, _, parent, tok = heapq.heappop(self.candidates)
-                nodes.append(self.add(tok, parent, -neg_g))
+                neg_g, _, parent, tok, q, rank = heapq.heappop(self.candidates)
+                nodes.append(self.add(tok, parent, -neg_g, q, rank))
         self.lookahead_s += self.cost.expand_s(len(nodes))
         self.n_ahead += len(nodes)
         return attrs.evolve(self.request(nodes), ahead=True)
@@ -393,12 +403,26 @@ class TreeExpand(Stage):
     lookahead_hits: int = 0  # cycles that started from rows drafted ahead
     lookahead_nodes_used: int = 0  # tree nodes that came drafted ahead
     lookahead_rounds: int = 0  # draft forwards run while the target verified
+    calibration: Calibration | None = None  # gain-cost with calibration "online": learned from each cycle
     _committed: int = 0  # target rows committed, to keep trees inside the context
     _last: TreeBuilder | None = None
+
+    def __attrs_post_init__(self):
+        if self.calibration is None and self.config.policy == "gain-cost" and self.config.calibration == "online":
+            self.calibration = Calibration()
 
     @property
     def drafting(self) -> bool:
         return self.config.policy != "none"
+
+    def learn(self, prev: TreeBuilder, acc: Accepted) -> None:
+        """Every sent node whose parent the target reached was a trial: accepted or not."""
+        if self.calibration is None:
+            return
+        reached = set(acc.keep)
+        for i in range(1, prev.n_sent):
+            if prev.parents[i] in reached:
+                self.calibration.observe(prev.q_draft[i], prev.rank[i], i in reached)
 
     def first_request(self) -> ExpandRequest:
         """The draft prefills the prompt while the target does."""
@@ -409,7 +433,10 @@ class TreeExpand(Stage):
     def start_cycle(self, acc: Accepted) -> tuple[TreeBuilder, ExpandRequest | None]:
         """A new tree rooted at the newest token, and the draft request that starts it."""
         self._committed += len(acc.keep)
-        b = TreeBuilder(self.config, self.cost, acc.pass_id + 1, room=self.n_ctx - self._committed)
+        if self._last is not None:
+            self.learn(self._last, acc)
+        b = TreeBuilder(self.config, self.cost, acc.pass_id + 1, room=self.n_ctx - self._committed,
+                        calibration=self.calibration)
         b.add(acc.tokens[-1], -1, 1.0)
         if not self.drafting:
             return b, None

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from tests.conftest import ROOT
 from lever.cli import main
 from tests.tiny_gguf import write_tiny_model
 
@@ -110,7 +111,8 @@ def test_ctrl_c_stops_a_run_within_a_second(tiny_model):
     import time
 
     path = tiny_model("llama", "F32", n_layer=4)
-    proc = subprocess.Popen([sys.executable, "-m", "lever.cli", "run", "-p", "the", "-n", "100000",
+    proc = subprocess.Popen([sys.executable, "-m", "lever.cli", "run", "-c", str(ROOT / "examples" / "flash-ar.toml"),
+                             "-p", "the", "-n", "100000",
                              "--set", f'model.target="{path}"', "--set", "flash.read_latency_ms=2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -125,7 +127,8 @@ def test_ctrl_c_stops_a_run_within_a_second(tiny_model):
 
 def test_run_json_and_trace(tiny_model, tmp_path):
     path, trace = tiny_model("llama", "F32", n_layer=4), tmp_path / "t.json"
-    proc = run_cli("run", "-p", "the", "-n", "6", "--json", "--trace", str(trace), "--set", f'model.target="{path}"')
+    proc = run_cli("run", "-c", str(ROOT / "examples" / "flash-ar.toml"), "-p", "the", "-n", "6", "--json", "--trace",
+                   str(trace), "--set", f'model.target="{path}"')
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     for key in ("pipeline", "dram_budget_bytes", "flash_read_bytes", "peak_rss_bytes", "stage_s", "tokens", "text"):
@@ -133,3 +136,10 @@ def test_run_json_and_trace(tiny_model, tmp_path):
     assert out["pipeline"] == "flash-ar" and len(out["tokens"]) == 6 and {"verify", "prefetch"} <= out["stage_s"].keys()
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["cat"] for e in events} >= {"io", "compute"} and all(e["ph"] == "X" for e in events)
+
+
+def test_run_without_a_prompt_uses_the_configs(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\ntarget = "x.gguf"\n')
+    assert main(["run", "-c", str(cfg)]) == 1
+    assert "no prompt" in capsys.readouterr().err

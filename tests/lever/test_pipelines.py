@@ -163,3 +163,17 @@ def test_speculative_stops_at_context_like_generate(tiny_model):
 def test_speculative_needs_a_draft(tiny_model):
     with pytest.raises(LeverError, match=r"\[model\] draft"):
         run_pipeline(config(tiny_model("llama", "F32"), *SPEC), PROMPT)
+
+
+def test_a_baseline_runs_after_on_the_same_prompt(stories):
+    """[pipeline] baseline: the summary's speedup is measured in the same run, tokens checked."""
+    cfg = config(stories, *SPEC, f'model.draft="{stories}"', 'pipeline.baseline="flash-ar"', "generate.n_predict=24")
+    res = run_pipeline(cfg, "Once upon a time")
+    assert res.baseline is not None and res.baseline.pipeline == "flash-ar"
+    assert res.baseline_tokens_equal and res.speedup > 0
+    assert res.as_json()["baseline"]["tokens"] == res.tokens
+
+
+def test_an_unknown_baseline_is_one_line():
+    with pytest.raises(LeverError, match=r"\[pipeline\] baseline: unknown pipeline 'fast'"):
+        load_config(None, ['pipeline.baseline="fast"'])

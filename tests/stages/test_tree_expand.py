@@ -154,6 +154,24 @@ def test_a_wrong_guess_starts_from_scratch():
     assert stage.lookahead_hits == 0
 
 
+def test_online_calibration_learns_from_each_cycle():
+    """Nodes whose parent the target reached are trials; the next tree's gains use the rates."""
+    stage = TreeExpand("x", TreeExpandConfig(policy="gain-cost", max_nodes=8, round_nodes=4), prompt=[1, 2, 3])
+    b, req = stage.start_cycle(Accepted(0, (5,), (0, 1, 2)))
+    draft = FakeDraft(p_first=0.7)
+    while req is not None:
+        req = b.on_expansion(draft(req))
+    stage._last = b
+    b.tree(pass_id=1, commit=(0, 1, 2))
+    first = [i for i in range(1, b.n_nodes) if b.parents[i] == 0 and b.rank[i] == 0]
+    stage.start_cycle(Accepted(1, (10, 99), (0, first[0])))  # the first child accepted, nothing below
+    c = stage.calibration
+    # first children: the root's (accepted) and its own (rejected); the root's others: rejected
+    assert c.trials[0].sum() == 2 and c.accepted[0].sum() == 1
+    assert c.trials[1].sum() >= 1 and c.accepted[1].sum() == 0
+    assert c(0.1, 1) < 0.1  # rejected later choices now count for less than their draft probability
+
+
 def test_unknown_policy_is_an_error():
     with pytest.raises(LeverError, match=r"\[tree_expand\] policy"):
         TreeExpandConfig(policy="magic")
