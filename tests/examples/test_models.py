@@ -98,3 +98,9 @@ def test_train_pair_smoke_run(tmp_path):
     t, d = Model(tmp_path / log["target"]["path"]), Model(tmp_path / log["draft"]["path"])
     assert t.spec.n_vocab == d.spec.n_vocab
     assert log["target"]["history"][-1]["train_loss"] < log["target"]["history"][0]["train_loss"]
+    again = tmp_path / "again"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_pair.py"), "--tiny", "--out", str(again)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in (log["target"]["path"], log["draft"]["path"]):  # deterministic given the seed: the same bytes
+        assert (again / name).read_bytes() == (tmp_path / name).read_bytes(), name
