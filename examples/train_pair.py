@@ -20,6 +20,7 @@ it. Runs are deterministic given --seed and --threads (stop conditions are step 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -304,7 +305,10 @@ def val_loss(model: Transformer, windows: torch.Tensor, batch: int) -> float:
 
 
 def train(name: str, a: Arch, sched: Schedule, stream: np.ndarray, val: torch.Tensor, seed: int,
-          log_every: int, eval_every: int) -> tuple[Transformer, dict]:
+          log_every: int, eval_every: int, partial: Path | None = None, key: dict | None = None,
+          save_every: int = 100) -> tuple[Transformer, dict]:
+    """Trains from scratch, or resumes from `partial` (saved every save_every steps when given,
+    with the optimizer and sampler state: a resumed run ends with the very same weights)."""
     gen = torch.Generator().manual_seed(seed)
     model = Transformer(a)
     model.init_weights(gen)
@@ -318,8 +322,15 @@ def train(name: str, a: Arch, sched: Schedule, stream: np.ndarray, val: torch.Te
           f"{sched.batch}x{n_ctx} tokens, lr {sched.lr} (warmup {sched.warmup}, cosine to {sched.min_lr_frac:g}x)",
           flush=True)
     t0, c0, seen, run_loss, run_n = time.perf_counter(), time.process_time(), 0, 0.0, 0
-    history = []
-    for step in range(sched.steps):
+    history, first = [], 0
+    if partial and partial.exists() and (state := torch.load(partial, weights_only=False))["key"] == key:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        rng.bit_generator.state = state["rng"]
+        first, history, seen = state["step"], state["history"], state["seen"]
+        t0, c0 = t0 - state["seconds"], c0 - state["cpu_seconds"]
+        print(f"[{name}] resumed from {partial} at step {first}", flush=True)
+    for step in range(first, sched.steps):
         # Random windows over the whole stream (they may span a file boundary, marked by EOT).
         starts = rng.integers(0, stream.size - n_ctx - 1, sched.batch)
         xy = torch.from_numpy(np.stack([stream[s : s + n_ctx + 1] for s in starts]).astype(np.int64))
@@ -349,6 +360,12 @@ def train(name: str, a: Arch, sched: Schedule, stream: np.ndarray, val: torch.Te
             print(line, flush=True)
             history.append(rec)
             run_loss, run_n = 0.0, 0
+        if partial and (step + 1) % save_every == 0 and not last:
+            tmp = partial.with_suffix(".tmp")
+            torch.save({"key": key, "step": step + 1, "model": model.state_dict(), "opt": opt.state_dict(),
+                        "rng": rng.bit_generator.state, "history": history, "seen": seen,
+                        "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}, tmp)
+            tmp.replace(partial)  # a kill while saving leaves the previous partial state whole
     # wall time counts any pauses (SIGSTOP while benchmarks run); CPU time is the work itself
     return model, {"history": history, "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
                    "tokens_seen": seen}
@@ -447,8 +464,9 @@ def parse_args(argv):
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--val-windows", type=int, default=64, help="held-out windows for the val loss")
-    ap.add_argument("--checkpoints", type=Path, help="save the trained float weights here; reuse them "
-                    "if present (to rewrite the GGUFs in another type without training again)")
+    ap.add_argument("--checkpoints", type=Path, help="keep training state here: a killed run resumes where "
+                    "it saved, a finished one is reused (to rewrite the GGUFs in another type)")
+    ap.add_argument("--save-every", type=int, default=100, help="steps between resumable saves (with --checkpoints)")
     ap.add_argument("--agree-tokens", type=int, default=32768, help="held-out tokens for the Lever evaluation")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -508,20 +526,24 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {"target": (ta, Schedule(args.target_steps, args.batch, args.target_lr, args.warmup), args.seed),
             "draft": (da, Schedule(args.draft_steps, args.batch, args.draft_lr, args.warmup), args.seed + 1)}
     trained = {}
+    if args.checkpoints:
+        args.checkpoints.mkdir(parents=True, exist_ok=True)
     for name, (arch, sched, seed) in runs.items():
         ckpt = args.checkpoints / f"{name}.pt" if args.checkpoints else None
         key = {"arch": asdict(arch), "schedule": asdict(sched), "seed": seed, "threads": args.threads,
-               "tokens": int(train_stream.size)}
-        if ckpt and ckpt.exists() and (saved := torch.load(ckpt))["key"] == key:
+               "stream": hashlib.sha256(train_stream.tobytes()).hexdigest()}
+        if ckpt and ckpt.exists() and (saved := torch.load(ckpt, weights_only=False))["key"] == key:
             model = Transformer(arch)
             model.load_state_dict(saved["state"])
             trained[name] = model, saved["info"]
             print(f"[{name}] loaded from {ckpt}", flush=True)
             continue
-        trained[name] = model, info = train(name, arch, sched, train_stream, seed=seed, **common)
+        partial = ckpt.with_suffix(".partial.pt") if ckpt else None
+        trained[name] = model, info = train(name, arch, sched, train_stream, seed=seed, partial=partial, key=key,
+                                            save_every=args.save_every, **common)
         if ckpt:
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"key": key, "state": model.state_dict(), "info": info}, ckpt)
+            partial.unlink(missing_ok=True)
     (target, t_info), (draft, d_info) = trained["target"], trained["draft"]
 
     t_path = args.out / f"stdlib-target-{args.target_type.lower()}.gguf"
