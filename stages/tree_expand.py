@@ -401,8 +401,6 @@ class TreeExpand(Stage):
 
     tree_sizes: list[int] = attrs.field(factory=list)  # nodes of each speculative tree (for the summary)
     lookahead_hits: int = 0  # cycles that started from rows drafted ahead
-    lookahead_nodes_used: int = 0  # tree nodes that came drafted ahead
-    lookahead_rounds: int = 0  # draft forwards run while the target verified
     calibration: Calibration | None = None  # gain-cost with calibration "online": learned from each cycle
     _committed: int = 0  # target rows committed, to keep trees inside the context
     _last: TreeBuilder | None = None
@@ -472,7 +470,6 @@ class TreeExpand(Stage):
             with self.tracer.span(self.name, f"ahead {b.cycle}", kind="other"):
                 await expand_out.send(req)
                 b.on_lookahead(await expansions.receive())
-            self.lookahead_rounds += 1
 
     async def run(self, inputs, outputs):
         tree_out, expand_out, expansions = outputs["tree"], outputs.get("expand"), inputs.get("expansion")
@@ -490,6 +487,5 @@ class TreeExpand(Stage):
                     req = b.on_expansion(await expansions.receive())
             self._last = b
             self.tree_sizes.append(b.n_nodes)
-            self.lookahead_nodes_used += b.n_carried_used
             await tree_out.send(b.tree(acc.pass_id + 1, acc.keep))
             acc = await self.lookahead(b, expand_out, expansions, accepted)
