@@ -84,6 +84,11 @@ class RuntimeConfig:
     """Threads of this machine."""
 
     threads: int = 0  # compute threads (0: all cores)
+    ahead_cores: int = 0  # cores drafting ahead keeps beside a verification pass (0: they take turns on all cores)
+
+    def __attrs_post_init__(self):
+        if self.ahead_cores < 0:
+            raise LeverError(f"[runtime] ahead_cores: must be >= 0, got {self.ahead_cores}")
 
 
 SECTIONS: dict[str, type] = {

@@ -94,8 +94,9 @@ def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: Samplin
             draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None) -> Handles:
     spec = target.model.spec
     tree = tree or TreeExpandConfig(policy="none")
-    compute = ComputeSlot()  # the kernels use every core; one compute job at a time, verification first
-    expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer)
+    compute = ComputeSlot(cfg.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
+    expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer,
+                        ahead_beside=bool(compute.ahead_cores))
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
     verify = PrunedVerify("verify", spec, target.model.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,

@@ -132,7 +132,8 @@ class Draft(Stage):
         with self.tracer.span(self.name, f"draft c{req.cycle}", batch=int(req.tokens.size)):  # not the wait for a slot
             if not req.ahead:
                 return self.core.expand(req)
-            with native.threads(self.ahead_threads):
+            n_threads = self.slot.threads(AHEAD) if self.slot is not None and self.slot.ahead_cores else self.ahead_threads
+            with native.threads(n_threads):
                 return self.core.expand(req)
 
     async def run(self, inputs, outputs):

@@ -16,6 +16,7 @@ import anyio
 import attrs
 import numpy as np
 
+from lever import native
 from lever.compute import VERIFY, ComputeSlot
 from lever.graph import Stage
 from lever.kv_cache import KVCache
@@ -76,9 +77,10 @@ class PrunedVerify(Stage):
         st.x = layer_forward(self.spec, weights, st.x, st.pos, st.mask, self.cache, i, st.rows, self.inv_freq)
         self.token_layers += st.tree.n_nodes
 
-    def _traced_layer(self, st: PassState, i: int, weights: LayerWeights) -> None:
+    def _traced_layer(self, st: PassState, i: int, weights: LayerWeights, n_threads: int = 0) -> None:
         with self.tracer.span(self.name, f"layer {i}", batch=st.tree.n_nodes):  # the compute, not the wait for a slot
-            self.layer(st, i, weights)
+            with native.threads(n_threads):
+                self.layer(st, i, weights)
 
     def finish(self, st: PassState) -> Verified:
         return Verified(st.tree, st.x)
@@ -111,7 +113,7 @@ class PrunedVerify(Stage):
                         msg = layers_in.receive_nowait()
                     except anyio.WouldBlock:
                         if held:
-                            slot.release()
+                            slot.release(VERIFY)
                             held = False
                         msg = await layers_in.receive()
                     assert msg.layer == i, f"expected layer {i}, Prefetch sent {msg.layer}"
@@ -119,10 +121,11 @@ class PrunedVerify(Stage):
                 if slot is not None and not held:
                     await slot.acquire(VERIFY)
                     held = True
-                await anyio.to_thread.run_sync(self._traced_layer, st, i, weights)
+                n_threads = slot.threads(VERIFY) if slot is not None else 0  # fewer while drafting ahead runs beside
+                await anyio.to_thread.run_sync(self._traced_layer, st, i, weights, n_threads)
                 if msg is not None:
                     await free_out.send(FreeBuffer(msg.buffer_id))
         finally:
             if held:
-                slot.release()
+                slot.release(VERIFY)
         return self.finish(st)

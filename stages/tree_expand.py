@@ -125,6 +125,7 @@ class TreeBuilder:
     q_draft: list[float] = attrs.field(factory=list)  # the draft's probability of each node given its parent
     rank: list[int] = attrs.field(factory=list)  # its place among its parent's proposals
     calibration: Calibration | None = None  # draft p -> acceptance; None: the identity
+    ahead_beside: bool = False  # drafting ahead has cores of its own: it may use the whole pass, not its idle time
     draft_s: float = 0.0  # estimated drafting time of this cycle so far
     n_pending: int = 0  # rows this cycle has added to the draft's cache
     n_sent: int = 0  # nodes in the tree sent to verification; later nodes were drafted ahead
@@ -327,7 +328,8 @@ class TreeBuilder:
             return None
         size = 1 + int(np.argmax([gains[b - 1] / self.cost.expand_s(b) for b in range(1, gains.size + 1)]))
         step_s = self.cost.expand_s(size)
-        if self.lookahead_s + step_s > self.cost.idle_s(self.n_sent) or step_s > time_left_s:
+        budget_s = self.cost.verify_s(self.n_sent) if self.ahead_beside else self.cost.idle_s(self.n_sent)
+        if self.lookahead_s + step_s > budget_s or step_s > time_left_s:
             return None  # past the time the pass leaves the compute units idle, or past its end
         nodes: list[int] = []
         for _, i in best[:size]:
@@ -402,6 +404,7 @@ class TreeExpand(Stage):
     tree_sizes: list[int] = attrs.field(factory=list)  # nodes of each speculative tree (for the summary)
     lookahead_hits: int = 0  # cycles that started from rows drafted ahead
     calibration: Calibration | None = None  # gain-cost with calibration "online": learned from each cycle
+    ahead_beside: bool = False  # drafting ahead runs on cores of its own beside the pass ([runtime] ahead_cores)
     _committed: int = 0  # target rows committed, to keep trees inside the context
     _last: TreeBuilder | None = None
 
@@ -434,7 +437,7 @@ class TreeExpand(Stage):
         if self._last is not None:
             self.learn(self._last, acc)
         b = TreeBuilder(self.config, self.cost, acc.pass_id + 1, room=self.n_ctx - self._committed,
-                        calibration=self.calibration)
+                        calibration=self.calibration, ahead_beside=self.ahead_beside)
         b.add(acc.tokens[-1], -1, 1.0)
         if not self.drafting:
             return b, None
