@@ -195,5 +195,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
 
 
 from lever.profile import ProfileConfig  # noqa: E402  (the [profile] section; it imports register_section)
+from lever.predictor import PredictorConfig  # noqa: E402  (the [predictor] section)
 
 register_section("profile", ProfileConfig)
+register_section("predictor", PredictorConfig)

@@ -34,9 +34,10 @@ class TokenTree:
     draft_probs: np.ndarray | None = attrs.field(default=None, eq=False)  # (n_nodes,) draft p of each node
     commit: tuple[int, ...] | None = None  # rows of the previous pass to keep; None keeps all
     # node -> (the draft's tokens for its children in the order drawn, (n_vocab,) float32 the
-    # distribution they were drawn from, or None when chosen by rank): what speculative sampling
-    # needs at each expanded node. Only some of the drawn tokens may be nodes of the tree.
-    drafts: dict[int, tuple[np.ndarray, np.ndarray | None]] = attrs.field(factory=dict, eq=False)
+    # distribution they were drawn from, or None when chosen by rank, the draft's probability
+    # of each token): what speculative sampling needs at each expanded node, and the pruning
+    # predictor's shadow candidates. Only some of the drawn tokens may be nodes of the tree.
+    drafts: dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray]] = attrs.field(factory=dict, eq=False)
 
     @property
     def n_nodes(self) -> int:
@@ -68,6 +69,9 @@ class Verified:
 
     tree: TokenTree
     hidden: np.ndarray = attrs.field(eq=False)  # (n_nodes, n_embd)
+    # (n_nodes,) bool: nodes verified to the last layer; pruned ones hold a middle layer's state
+    # and must not be descended into. None: all of them.
+    alive: np.ndarray | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen

@@ -129,7 +129,8 @@ def load_layer(f: GGUFFile, spec: ModelSpec, layer: int, raws: dict[str, np.ndar
 def layer_forward(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
                   cache: KVCache, layer: int, rows: slice, inv_freq: np.ndarray) -> np.ndarray:
     """One transformer layer over tokens x (n_tok, n_embd); writes their k/v into cache rows
-    `rows` and attends over cache rows [0, rows.stop) through mask (n_tok, rows.stop)."""
+    `rows` (a slice, or one row per token) and attends over cache rows [0, mask.shape[1])
+    through mask (n_tok, n_rows_seen)."""
     n_tok = x.shape[0]
     h = native.rmsnorm(x, lw.attn_norm, spec.rms_eps)
     q, k, v = lw.wq(h), lw.wk(h), lw.wv(h)
@@ -150,7 +151,7 @@ def layer_forward(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndar
     ck, cv = cache.k[layer], cache.v[layer]
     ck[rows] = k
     cv[rows] = v.reshape(n_tok, spec.n_head_kv, spec.head_dim)
-    attn = native.attention(q, ck[: rows.stop], cv[: rows.stop], mask, 1.0 / float(np.sqrt(spec.head_dim)))
+    attn = native.attention(q, ck[: mask.shape[1]], cv[: mask.shape[1]], mask, 1.0 / float(np.sqrt(spec.head_dim)))
     x = x + lw.wo(attn.reshape(n_tok, -1))
     h = native.rmsnorm(x, lw.ffn_norm, spec.rms_eps)
     return x + lw.w_down(native.swiglu(lw.w_gate(h), lw.w_up(h)))

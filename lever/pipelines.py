@@ -17,6 +17,7 @@ import attrs
 import numpy as np
 
 from lever.backends.flash import FlashConfig, FlashStore
+from lever.calibration import Calibration
 from lever.compute import ComputeSlot
 from lever.config import Config
 from lever.errors import LeverError
@@ -24,6 +25,7 @@ from lever.gguf_file import GGUFFile
 from lever.graph import Pipeline
 from lever.kv_cache import KVCache
 from lever.model import LayerWeights, Model, load_layer
+from lever.predictor import Predictor
 from lever.sampling import SamplingParams
 from lever.stages.accept import Accept, AcceptConfig
 from lever.stages.draft import Draft, DraftModel
@@ -91,16 +93,17 @@ class Handles:
 
 def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
             n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None,
-            draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None) -> Handles:
+            draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None,
+            predictor: Predictor | None = None, calibration: Calibration | None = None) -> Handles:
     spec = target.model.spec
     tree = tree or TreeExpandConfig(policy="none")
     compute = ComputeSlot(cfg.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
     expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer,
-                        ahead_beside=bool(compute.ahead_cores))
+                        calibration=calibration, ahead_beside=bool(compute.ahead_cores))
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
     verify = PrunedVerify("verify", spec, target.model.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
-                          compute, tracer)
+                          compute, predictor, tracer)
     accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.policy == "confidence"),
                     params, target.model.logits, tracer)
     output = Output("output", on_tokens)

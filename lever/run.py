@@ -8,6 +8,7 @@ against the DRAM the configuration accounts for.
 
 from __future__ import annotations
 
+import copy
 import resource
 import time
 
@@ -15,11 +16,13 @@ import anyio
 import attrs
 
 from lever.backends.flash.device import process_read_bytes
+from lever.calibration import Calibration
 from lever.config import Config
 from lever.errors import LeverError
 from lever.cost_model import cost_model_for
 from lever.model import Model
 from lever.pipelines import FlashTarget, compose
+from lever.predictor import Artifact, Predictor, artifact_path, predictor_for
 from lever.sampling import SamplingParams
 from lever.tokenizer import StreamDecoder, Tokenizer
 from lever.trace import Tracer
@@ -56,6 +59,9 @@ class RunResult:
     verify_pass_s: float = 0.0  # wall seconds with a verification pass under way (reads and waits included)
     draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
     lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead, of all decoding cycles
+    token_layers: int = 0  # nodes x layers the target computed, over the run
+    token_layers_late: int = 0  # the part after the pruning predictor's layer (the middle one without it)
+    pruned_share: float = 0.0  # tree nodes (past the root) the predictor pruned
     temperature: float = 0.0  # 0: greedy, so the tokens must equal the target's own greedy decoding
     baseline: RunResult | None = None  # [pipeline] baseline run on the same prompt, when configured
 
@@ -122,6 +128,20 @@ def _run_kind(cfg: Config, kind: str, prompt: str, on_text, trace_path) -> RunRe
         target.close()
 
 
+def _predictor(cfg: Config, target: FlashTarget) -> tuple[Predictor | None, Calibration | None]:
+    """The pruning predictor ([predictor] enabled) and TreeExpand's starting calibration
+    ([tree_expand] calibration = "calibrated"), from `lever calibrate`'s artifact."""
+    pc, want_table = cfg.predictor, cfg.tree_expand.calibration == "calibrated"
+    if not pc.enabled and not want_table:
+        return None, None
+    path = cfg.resolve_path(cfg.model.target)
+    art = None
+    if want_table or pc.layer < 0 or pc.threshold < 0:
+        art = Artifact.read(artifact_path(str(cfg.resolve_path(pc.artifact)) if pc.artifact else "", path), path)
+    pred = predictor_for(pc, target.model, path, art) if pc.enabled else None
+    return pred, copy.deepcopy(art.calibration) if want_table else None
+
+
 def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trace_path) -> RunResult:
     spec = target.model.spec
     tok = Tokenizer.from_gguf(target.model.file)
@@ -149,7 +169,9 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
             raise LeverError(f"{cfg.path or 'config'}: [model] draft: a speculative pipeline needs a draft model")
         draft, tree = Model(cfg.resolve_path(cfg.model.draft)), cfg.tree_expand
     cost = cost_model_for(cfg) if kind == "speculative" else None
-    h = compose(target, prompt_ids, cfg, params, frozenset(tok.eos_ids), n_ctx, tracer, on_tokens, draft, tree, cost)
+    predictor, calibration = _predictor(cfg, target) if kind == "speculative" else (None, None)
+    h = compose(target, prompt_ids, cfg, params, frozenset(tok.eos_ids), n_ctx, tracer, on_tokens, draft, tree, cost,
+                predictor, calibration)
     target.warm_head()
     target.store.reset_stats()
     dev0 = process_read_bytes() or 0
@@ -190,5 +212,7 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         compute_s=summary.compute_s, overlap_share=summary.overlap_share, flash_gbps=summary.flash_gbps,
         draft_s=summary.stage_s.get("draft", 0.0), verify_pass_s=summary.pass_s("verify"),
         draft_hidden_share=summary.hidden_share("draft", "verify"),
+        token_layers=h.verify.token_layers, token_layers_late=h.verify.token_layers_late,
+        pruned_share=predictor.n_pruned / max(predictor.n_scored, 1) if predictor is not None else 0.0,
         temperature=g.temperature, lookahead_hit_share=h.expand.lookahead_hits / len(h.expand.tree_sizes) if h.expand.tree_sizes else 0.0,
     )

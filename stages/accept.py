@@ -58,7 +58,8 @@ def choose(logits: np.ndarray, drafted, params: SamplingParams, rng: np.random.G
 
 
 def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], params: SamplingParams,
-                rng: np.random.Generator, budget: int, eos_ids: frozenset[int]) -> tuple[list[int], list[int], int]:
+                rng: np.random.Generator, budget: int, eos_ids: frozenset[int],
+                alive: np.ndarray | None = None) -> tuple[list[int], list[int], int]:
     """Walks the tree along the target's choices. Returns (emitted tokens, kept nodes, lm_head rows).
 
     `logits_at(nodes)` gives the target's logits, (len(nodes), n_vocab), at those tree nodes.
@@ -73,8 +74,13 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
     rejection sampling over the draft's tokens at that node (`rejection_sample`), so it is
     distributed exactly as the target's own sample would be, and a drawn token that is a node
     of the tree is accepted as often as the two distributions allow.
+
+    Nodes not `alive` (pruned in verification) are not descended into: chosen there, their
+    token is the bonus token, as for a drawn token that was never a node.
     """
     kids = children_of(tree)
+    if alive is not None:
+        kids = [[c for c in k if alive[c]] for k in kids]
     node = tree.n_given - 1
     keep = list(range(tree.n_given))
     out: list[int] = []
@@ -122,11 +128,11 @@ class Accept(Stage):
             every = self.logits_fn(v.hidden)
             self.lm_head_rows += tree.n_nodes
             tokens, keep, _ = accept_tree(tree, lambda nodes: every[nodes], self.params, self._rng, budget,
-                                          self.config.eos_ids)
+                                          self.config.eos_ids, v.alive)
             rows = 0
         else:
             tokens, keep, rows = accept_tree(tree, lambda nodes: self.logits_fn(v.hidden[nodes]), self.params,
-                                             self._rng, budget, self.config.eos_ids)
+                                             self._rng, budget, self.config.eos_ids, v.alive)
         self.lm_head_rows += rows
         self.n_emitted += len(tokens)
         self.n_ctx_used += len(keep)

@@ -5,7 +5,10 @@ Resident layers come from DRAM; every other layer arrives from Prefetch's channe
 the next layers overlaps this one's compute. Each node attends to the committed prefix and to
 its own ancestors (positions by depth), so a whole tree costs one streamed pass. The KV cache
 belongs to this stage: it changes only by the `commit` each tree carries from Accept.
-Pruning by a mid-layer predictor hooks in between layers (`prune_after`); none yet.
+With a predictor (`lever/predictor.py`), after its layer m the nodes it prunes leave the pass:
+layers m+1.. run on the survivors only, and the pruned rows of those layers are zeroed, never
+committed, and masked from every survivor (a pruned node's subtree goes with it, so no survivor
+has a pruned ancestor).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from lever.kv_cache import KVCache
 from lever.messages import FreeBuffer, StreamedLayer, TokenTree, Verified
 from lever.model import LayerWeights, layer_forward
 from lever.model_spec import ModelSpec
+from lever.predictor import Predictor
 from lever.trace import Tracer
 
 
@@ -34,7 +38,10 @@ class PassState:
     x: np.ndarray  # (n_nodes, n_embd) hidden states entering the next layer
     pos: np.ndarray  # (n_nodes,) int32
     mask: np.ndarray  # (n_nodes, n_past + n_nodes) bool
-    rows: slice  # the cache rows of this pass
+    rows: slice | np.ndarray  # the cache rows of this pass's live nodes
+    alive: np.ndarray | None = None  # (n_nodes,) bool once pruned; None: every node goes on
+    dead_rows: np.ndarray | None = None  # cache rows of the pruned nodes
+    hidden: np.ndarray | None = None  # (n_nodes, n_embd) pruned nodes keep their state at the pruning layer
 
 
 @attrs.define
@@ -47,12 +54,14 @@ class PrunedVerify(Stage):
     cache: KVCache
     resident: dict[int, LayerWeights]  # layers kept in DRAM; the others stream
     slot: ComputeSlot | None = None  # the compute slot, shared with other compute stages
+    predictor: Predictor | None = None  # prunes branches after its layer; None: every node runs every layer
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
     INPUTS = {"tree": TokenTree, "layers": StreamedLayer}
     OUTPUTS = {"verified": Verified, "free": FreeBuffer}
     OPTIONAL = frozenset({"layers", "free"})  # all-resident (memory AR) needs no streaming
 
     token_layers: int = 0  # sum over passes of nodes x layers computed (verification compute)
+    token_layers_late: int = 0  # the part after the predictor's layer (or the model's middle): what pruning cuts
     _last_n_nodes: int = 0  # nodes of the previous pass, whose rows the next commit selects from
     inv_freq: np.ndarray = attrs.field(init=False)
 
@@ -73,9 +82,33 @@ class PrunedVerify(Stage):
         pos = (n_past + tree.depths()).astype(np.int32)
         return PassState(tree, self.embed(tree.tokens), pos, mask, rows)
 
+    @property
+    def late_from(self) -> int:
+        """The first layer counted in token_layers_late."""
+        return self.predictor.layer + 1 if self.predictor is not None else self.spec.n_layer // 2
+
     def layer(self, st: PassState, i: int, weights: LayerWeights) -> None:
+        if st.alive is not None:  # the pruned rows of this layer: finite, masked, never committed
+            self.cache.k[i][st.dead_rows] = 0
+            self.cache.v[i][st.dead_rows] = 0
         st.x = layer_forward(self.spec, weights, st.x, st.pos, st.mask, self.cache, i, st.rows, self.inv_freq)
-        self.token_layers += st.tree.n_nodes
+        n = st.x.shape[0]
+        self.token_layers += n
+        self.token_layers_late += n if i >= self.late_from else 0
+        if self.predictor is not None and i == self.predictor.layer:
+            self.prune(st, self.predictor.prune(st.tree, st.x))
+
+    @staticmethod
+    def prune(st: PassState, alive: np.ndarray) -> None:
+        """The nodes not alive leave the pass from the next layer on."""
+        if alive.all():
+            return
+        live = np.flatnonzero(alive)
+        st.hidden, st.alive = st.x.copy(), alive
+        base = st.rows.start
+        st.dead_rows = base + np.flatnonzero(~alive)
+        st.rows = base + live
+        st.x, st.pos, st.mask = st.x[live], st.pos[live], st.mask[live]
 
     def _traced_layer(self, st: PassState, i: int, weights: LayerWeights, n_threads: int = 0) -> None:
         with self.tracer.span(self.name, f"layer {i}", batch=st.tree.n_nodes):  # the compute, not the wait for a slot
@@ -83,7 +116,10 @@ class PrunedVerify(Stage):
                 self.layer(st, i, weights)
 
     def finish(self, st: PassState) -> Verified:
-        return Verified(st.tree, st.x)
+        if st.alive is None:
+            return Verified(st.tree, st.x)
+        st.hidden[st.alive] = st.x
+        return Verified(st.tree, st.hidden, st.alive)
 
     def verify(self, tree: TokenTree, layers: dict[int, LayerWeights]) -> Verified:
         """The whole pass at once, with every layer given (tests, and memory-resident use)."""

@@ -52,7 +52,7 @@ class TreeExpandConfig:
     kary_depth: int = 3  # kary: depth of the full tree (top_k children per node)
     confidence: float = 0.3  # confidence: add nodes whose path probability stays above this
     lookahead_nodes: int = 0  # nodes drafted ahead while the target verifies (0: off), within the pass's idle time
-    calibration: str = "online"  # gain-cost: "online" learns draft probability -> acceptance from each cycle; "identity"
+    calibration: str = "online"  # gain-cost: "online" learns draft probability -> acceptance from each cycle; "calibrated" starts from `lever calibrate`'s table and learns on; "identity"
 
     def __attrs_post_init__(self):
         if self.policy not in POLICIES:
@@ -60,8 +60,8 @@ class TreeExpandConfig:
         for name in ("max_nodes", "max_depth", "top_k", "round_nodes", "chain_length", "kary_depth"):
             if getattr(self, name) < 1:
                 raise LeverError(f"[tree_expand] {name}: must be >= 1, got {getattr(self, name)}")
-        if self.calibration not in ("online", "identity"):
-            raise LeverError(f"[tree_expand] calibration: {self.calibration!r} is not 'online' or 'identity'")
+        if self.calibration not in ("online", "identity", "calibrated"):
+            raise LeverError(f"[tree_expand] calibration: {self.calibration!r} is not 'online', 'identity' or 'calibrated'")
         if self.lookahead_nodes < 0:
             raise LeverError(f"[tree_expand] lookahead_nodes: must be >= 0, got {self.lookahead_nodes}")
 
@@ -299,8 +299,8 @@ class TreeBuilder:
         drafts = {}
         for n, r in enumerate(self.row):
             if r in self.proposals:
-                toks, _, q = self.proposals[r]
-                drafts[n] = (toks[toks >= 0], q)
+                toks, probs, q = self.proposals[r]
+                drafts[n] = (toks[toks >= 0], q, np.asarray(probs)[toks >= 0])
         return TokenTree(pass_id, np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), 1,
                          np.asarray(self.gain, np.float32), commit, drafts)
 

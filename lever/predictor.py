@@ -1,0 +1,244 @@
+"""The pruning predictor: after target layer m, which tree branches the target will not take.
+
+It sits inside PrunedVerify's pass. After layer m each node's hidden state goes through the
+target's final norm and the output projection's rows of its candidate tokens only (a logit
+lens: a few hundred dot products, not the whole vocabulary), the candidates being the node's
+children in the tree plus its shadows, the draft's other proposals there, so that a lone child
+does not score 1 by construction. A small correction fitted by `lever calibrate` (a scale on
+the lens logits, a weight on the draft's log-probability, the logit of "none of these") turns
+them into the probability that each child is the target's choice. Children under the threshold
+are pruned with their subtrees, never the backbone (the draft's likeliest chain) and never more
+than a share of the tree; pruned nodes skip layers m+1.. and their KV rows are never committed.
+
+Pruning cannot change a token: Accept only descends into nodes that were verified to the end,
+and the token at a node comes from that node's own logits, which pruning its children leaves
+alone. It can only end an accepted path earlier.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attrs
+import msgpack
+import numpy as np
+
+from lever import native
+from lever.calibration import Calibration
+from lever.errors import LeverError
+from lever.messages import TokenTree
+
+ARTIFACT_SUFFIX = ".lever-predictor.msgpack"
+
+
+@attrs.frozen
+class PredictorConfig:
+    """[predictor]: pruning tree branches at a middle layer of the target."""
+
+    enabled: bool = False  # prune with the predictor (needs `lever calibrate`, or layer and weights set here)
+    artifact: str = ""  # calibration artifact; empty: beside the target, <target>.lever-predictor.msgpack
+    layer: int = -1  # prune after this target layer; -1: the calibrated one
+    threshold: float = -1.0  # prune a child whose score is below; -1: the calibrated one
+    max_prune_share: float = 0.5  # never prune more than this share of a tree's nodes in one pass
+
+    def __attrs_post_init__(self):
+        if not 0.0 <= self.max_prune_share <= 1.0:
+            raise LeverError(f"[predictor] max_prune_share: must be in [0, 1], got {self.max_prune_share}")
+        if self.threshold != -1.0 and not 0.0 <= self.threshold <= 1.0:
+            raise LeverError(f"[predictor] threshold: must be in [0, 1] (or -1: calibrated), got {self.threshold}")
+
+
+@attrs.frozen
+class Correction:
+    """Lens logit z and draft probability q of a candidate -> score logit a*z + b*log q;
+    "none of the candidates" has logit c."""
+
+    scale: float = 1.0  # a
+    draft_weight: float = 0.0  # b
+    none_logit: float = 0.0  # c
+
+
+def backbone(tree: TokenTree, kids: list[list[int]]) -> set[int]:
+    """The draft's likeliest chain from the root: never pruned."""
+    probs = tree.draft_probs
+    node, chain = tree.n_given - 1, set(range(tree.n_given))
+    while kids[node]:
+        node = max(kids[node], key=lambda c: probs[c]) if probs is not None else kids[node][0]
+        chain.add(node)
+    return chain
+
+
+def candidates(tree: TokenTree, kids: list[list[int]], node: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens, draft probabilities, n children): the node's children first, then its shadows.
+    A child's probability is its draft p at the node (from the draft's proposals when known)."""
+    toks = [int(tree.tokens[c]) for c in kids[node]]
+    known: dict[int, float] = {}
+    drafted = tree.drafts.get(node)
+    if drafted is not None and len(drafted) > 2 and drafted[2] is not None:
+        known = {int(t): float(p) for t, p in zip(drafted[0], drafted[2])}
+    gain = tree.draft_probs  # path probabilities: their ratio is the conditional one
+    probs = [known.get(t, float(gain[c] / max(gain[node], 1e-9)) if gain is not None else 1.0)
+             for t, c in zip(toks, kids[node])]
+    shadows = [(t, p) for t, p in known.items() if t not in set(toks)]
+    return (np.asarray(toks + [t for t, _ in shadows], np.int64),
+            np.asarray(probs + [p for _, p in shadows], np.float64), len(toks))
+
+
+def lens_logits(x: np.ndarray, tokens: np.ndarray, norm: np.ndarray, eps: float, output) -> np.ndarray:
+    """Logit-lens logits of `tokens` at hidden state x (n_embd,): final norm, then those rows of
+    the output projection only."""
+    h = native.rmsnorm(x[None, :].astype(np.float32), norm, eps)[0]
+    rows = native.dequantize(output.type_id, np.ascontiguousarray(output.data[tokens]), tokens.size, output.n_in)
+    return rows @ h  # (n_candidates,)
+
+
+def scores(z: np.ndarray, q: np.ndarray, corr: Correction) -> np.ndarray:
+    """Probabilities (n_candidates,) that each candidate is the target's token."""
+    s = corr.scale * z + corr.draft_weight * np.log(np.maximum(q, 1e-9))
+    s = np.append(s, corr.none_logit)
+    s -= s.max()
+    e = np.exp(s)
+    return (e / e.sum())[:-1]
+
+
+def children_of(tree: TokenTree) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in range(tree.n_nodes)]
+    for i in range(1, tree.n_nodes):
+        kids[int(tree.parents[i])].append(i)
+    return kids
+
+
+@attrs.define
+class Predictor:
+    """Scores children at layer `layer` and prunes the hopeless ones."""
+
+    layer: int
+    threshold: float
+    correction: Correction
+    norm: np.ndarray  # (n_embd,) the target's output norm
+    eps: float
+    output: object  # the target's output projection (lever.model.Weight)
+    max_prune_share: float = 0.5
+    n_scored: int = 0  # children scored, over the run
+    n_pruned: int = 0  # nodes pruned (subtrees included), over the run
+
+    def child_scores(self, tree: TokenTree, x: np.ndarray) -> np.ndarray:
+        """(n_nodes,) each node's score at its parent; 1 for the given nodes."""
+        kids = children_of(tree)
+        out = np.ones(tree.n_nodes)
+        for node in range(tree.n_nodes):
+            if not kids[node] or node < tree.n_given - 1:
+                continue
+            toks, q, n_kids = candidates(tree, kids, node)
+            s = scores(lens_logits(x[node], toks, self.norm, self.eps, self.output), q, self.correction)
+            out[kids[node]] = s[:n_kids]
+        return out
+
+    def prune(self, tree: TokenTree, x: np.ndarray) -> np.ndarray:
+        """(n_nodes,) bool: the nodes that go on past layer `layer`. x (n_nodes, n_embd) is the
+        tree's hidden state after that layer."""
+        alive = np.ones(tree.n_nodes, bool)
+        if tree.n_nodes <= tree.n_given:
+            return alive
+        kids = children_of(tree)
+        keep = backbone(tree, kids)
+        s = self.child_scores(tree, x)
+        self.n_scored += tree.n_nodes - tree.n_given
+        cap = int(self.max_prune_share * tree.n_nodes)
+        # lowest scores first, each taking its whole subtree, while the cap allows
+        for node in np.argsort(s, kind="stable"):
+            if s[node] >= self.threshold:
+                break
+            if node in keep or not alive[node]:
+                continue
+            sub = subtree(kids, int(node))
+            if (~alive).sum() + len(sub) > cap:
+                continue
+            alive[sub] = False
+        self.n_pruned += int((~alive).sum())
+        return alive
+
+
+def subtree(kids: list[list[int]], node: int) -> list[int]:
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(kids[n])
+    return out
+
+
+# -- the calibration artifact (written by `lever calibrate`)
+
+ARTIFACT_VERSION = 1
+
+
+def artifact_path(cfg_path: str, target: str | os.PathLike) -> Path:
+    return Path(cfg_path).expanduser() if cfg_path else Path(str(target) + ARTIFACT_SUFFIX)
+
+
+@attrs.frozen
+class Artifact:
+    """What `lever calibrate` fitted for one target model."""
+
+    model: ModelIdentity  # noqa: F821  (lever.profile's: size and first MiB, checked at every load)
+    model_sha256: str  # of the whole file, recorded for provenance
+    layer: int
+    threshold: float
+    correction: Correction
+    calibration: Calibration = attrs.field(eq=False)  # draft p -> acceptance, for TreeExpand
+    report: dict = attrs.field(factory=dict, eq=False)  # what calibration measured (held-out figures)
+
+    def write(self, path: Path) -> None:
+        data = {"version": ARTIFACT_VERSION, "model": attrs.asdict(self.model), "model_sha256": self.model_sha256,
+                "layer": self.layer, "threshold": self.threshold, "correction": attrs.asdict(self.correction),
+                "calibration": {"accepted": self.calibration.accepted.tolist(),
+                                "trials": self.calibration.trials.tolist(),
+                                "prior_weight": self.calibration.prior_weight},
+                "report": self.report}
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_bytes(msgpack.packb(data))
+        tmp.replace(path)
+
+    @classmethod
+    def read(cls, path: Path, target: str | os.PathLike) -> Artifact:
+        """The artifact at path, checked to belong to the target model file."""
+        from lever.profile import ModelIdentity  # lever.profile imports lever.config, which imports this
+        try:
+            data = msgpack.unpackb(path.read_bytes())
+        except FileNotFoundError:
+            raise LeverError(f"{path}: no predictor artifact (run `lever calibrate -c CONFIG --corpus FILE`)") from None
+        except (ValueError, msgpack.UnpackException) as e:
+            raise LeverError(f"{path}: not a predictor artifact ({e})") from None
+        try:
+            if data["version"] != ARTIFACT_VERSION:
+                raise LeverError(f"{path}: predictor artifact version {data['version']}, expected {ARTIFACT_VERSION}")
+            model = ModelIdentity(**data["model"])
+            cal = data["calibration"]
+            c = Calibration(n_bins=len(cal["trials"][0]), prior_weight=cal["prior_weight"])
+            c.accepted, c.trials = np.asarray(cal["accepted"], float), np.asarray(cal["trials"], float)
+            art = cls(model, data["model_sha256"], int(data["layer"]), float(data["threshold"]),
+                      Correction(**data["correction"]), c, data.get("report", {}))
+        except (KeyError, TypeError, IndexError) as e:
+            raise LeverError(f"{path}: malformed predictor artifact ({e!r})") from None
+        if not art.model.same_file(ModelIdentity.of(target)):
+            raise LeverError(f"{path}: calibrated for {art.model.path} (sha256 {art.model_sha256[:12]}), "
+                             f"not {target}: run `lever calibrate` again")
+        return art
+
+
+def predictor_for(cfg: PredictorConfig, model, target_path: str | os.PathLike,
+                  artifact: Artifact | None = None) -> Predictor:
+    """The configured predictor over the target `model` (lever.model.Model)."""
+    n_layer = model.spec.n_layer
+    layer, threshold, corr = cfg.layer, cfg.threshold, Correction()
+    if artifact is None and (layer < 0 or threshold < 0):
+        artifact = Artifact.read(artifact_path(cfg.artifact, target_path), target_path)
+    if artifact is not None:
+        corr = artifact.correction
+        layer = artifact.layer if layer < 0 else layer
+        threshold = artifact.threshold if threshold < 0 else threshold
+    if not 0 <= layer < n_layer - 1:
+        raise LeverError(f"[predictor] layer: {layer} is not a middle layer of a {n_layer}-layer target (0..{n_layer - 2})")
+    return Predictor(layer, threshold, corr, model.output_norm, model.spec.rms_eps, model.output, cfg.max_prune_share)
