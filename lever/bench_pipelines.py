@@ -48,8 +48,9 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def pipelines(chain_ks) -> dict[str, list[str]]:
-    """Each pipeline as config overrides of the same config file."""
+def pipelines(chain_ks, pruning: bool = False) -> dict[str, list[str]]:
+    """Each pipeline as config overrides of the same config file; with pruning, Lever again
+    with its predictor (from `lever calibrate`)."""
     spec = ['pipeline.kind="speculative"']
     runs = {"flash-ar": ['pipeline.kind="flash-ar"']}
     for k in chain_ks:
@@ -57,6 +58,8 @@ def pipelines(chain_ks) -> dict[str, list[str]]:
                                    "tree_expand.lookahead_nodes=0"]
     runs["edgellm-like"] = [*spec, 'tree_expand.policy="confidence"', "tree_expand.lookahead_nodes=0"]
     runs["lever"] = [*spec, 'tree_expand.policy="gain-cost"']
+    if pruning:
+        runs["lever+pruning"] = [*runs["lever"], "predictor.enabled=true"]
     return runs
 
 
@@ -70,6 +73,12 @@ class Row:
     flash_mb_per_token: float
     draft_hidden_share: float
     lookahead_hit_share: float
+    layer_tokens_per_pass: tuple[float, ...] = ()  # nodes computed at each target layer per decoding pass
+    prune_layer: int = -1  # the predictor's layer, for pipelines that prune
+
+    def late_token_layers(self, m: int) -> float:
+        """Verification compute after layer m: token-layers per pass."""
+        return float(sum(self.layer_tokens_per_pass[m + 1 :]))
 
     @property
     def tps(self) -> float:
@@ -79,9 +88,11 @@ class Row:
 def aggregate(runs: list[dict]) -> Row:
     n_tok = sum(len(r["tokens"]) - 1 for r in runs)
     mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
+    n_pass = sum(max(r["n_passes"] - 1, 1) for r in runs)
+    layers = [sum(col) / n_pass for col in zip(*(r.get("layer_tokens", []) for r in runs))]
     return Row(1000 * sum(r["decode_s"] for r in runs) / max(n_tok, 1), mean("accepted_per_pass"),
                mean("mean_tree_nodes"), sum(r["flash_read_bytes"] for r in runs) / max(n_tok, 1) / 1e6,
-               mean("draft_hidden_share"), mean("lookahead_hit_share"))
+               mean("draft_hidden_share"), mean("lookahead_hit_share"), tuple(layers), runs[0].get("prune_layer", -1))
 
 
 def best_chain(rows: dict[str, Row]) -> str:
@@ -89,10 +100,11 @@ def best_chain(rows: dict[str, Row]) -> str:
 
 
 def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUDGETS, chain_ks=DEFAULT_CHAIN_KS,
-                    sets: list[str] = (), json_path=None, plot_path=None, out=print, progress: bool = True) -> dict:
+                    sets: list[str] = (), json_path=None, plot_path=None, out=print, progress: bool = True,
+                    pruning: bool = False) -> dict:
     from rich.progress import Progress
 
-    runs = pipelines(chain_ks)
+    runs = pipelines(chain_ks, pruning)
     table: dict[float, dict[str, Row]] = {}
     raw: list[dict] = []
     mismatches: list[str] = []
@@ -144,6 +156,14 @@ def _print_budget(b: float, rows: dict[str, Row], out) -> None:
     for name, r in rows.items():
         out(f"{name:<16}{r.ms_per_token:>10.1f}{r.tps:>10.2f}{r.accepted_per_pass:>13.2f}{r.tree_nodes:>12.1f}"
             f"{r.flash_mb_per_token:>16.1f}{ar / r.ms_per_token:>8.2f}x")
+    if "lever+pruning" in rows:
+        p, lv = rows["lever+pruning"], rows["lever"]
+        m = p.prune_layer
+        cut = 1 - p.late_token_layers(m) / max(lv.late_token_layers(m), 1e-9)
+        out(f"pruning after layer {m}: token-layers per pass after it {lv.late_token_layers(m):.0f} -> "
+            f"{p.late_token_layers(m):.0f} ({100 * cut:.0f}% cut), tokens/pass {lv.accepted_per_pass:.2f} -> "
+            f"{p.accepted_per_pass:.2f} ({100 * (p.accepted_per_pass / lv.accepted_per_pass - 1):+.1f}%), "
+            f"tokens/s {lv.tps:.2f} -> {p.tps:.2f} ({lv.ms_per_token / p.ms_per_token:.2f}x)")
 
 
 def _summary(table: dict[float, dict[str, Row]]) -> dict:

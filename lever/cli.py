@@ -164,6 +164,28 @@ def print_summary(res, file) -> None:
           f"{b.flash_mb_per_token:.1f} MB/token from the device, {same}")
 
 
+def cmd_calibrate(args) -> int:
+    from rich.progress import Progress
+
+    from lever.calibrate import calibrate
+    from lever.config import load_config
+
+    cfg = load_config(args.config, args.set or [])
+    with Progress(transient=True) as bar:
+        task = bar.add_task("calibrating (prompts)", total=args.n_prompts)
+        art, path = calibrate(cfg, args.corpus, args.out, args.n_prompts, args.n_gen, args.prompt_tokens,
+                              progress=lambda i, n: bar.update(task, completed=i))
+    r = art.report
+    print(f"predictor: layer {art.layer}, threshold {art.threshold}, correction {art.correction}")
+    print(f"held out ({r['held_out_trees']} trees): tokens/pass {r['tokens_per_pass']:.2f} -> "
+          f"{r['tokens_per_pass_pruned']:.2f} pruned, token-layers after layer {art.layer} cut "
+          f"{100 * r['late_token_layers_cut']:.0f}%, estimated tokens/s {r['tps']:.2f} -> {r['tps_pruned']:.2f}")
+    print("acceptance by depth (held out): " + ", ".join(
+        f"{d['depth']}: {d['predicted']:.3f} predicted / {d['observed']:.3f} observed" for d in r["depth"]))
+    print(f"wrote {path}")
+    return 0
+
+
 def cmd_convert(args) -> int:
     from lever.convert import convert
 
@@ -200,7 +222,7 @@ def cmd_bench(args) -> int:
         prompts = read_prompts(args.prompts or DEFAULT_PROMPTS)
         bench_pipelines(str(args.config), prompts, args.n_gen, _floats(args.budgets, "--budgets"),
                         tuple(int(k) for k in _floats(args.chain_ks, "--chain-ks")), args.set or [], args.json,
-                        args.plot)
+                        args.plot, pruning=args.pruning)
     return 0
 
 
@@ -245,6 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(r)
     r.set_defaults(func=cmd_run)
 
+    ca = sub.add_parser("calibrate", help="fit the pruning predictor and the acceptance table on a corpus")
+    ca.add_argument("-c", "--config", type=Path, required=True, help="a speculative pipeline's TOML config")
+    ca.add_argument("--corpus", type=Path, required=True, help="text the prompts are cut from")
+    ca.add_argument("--out", type=Path, default=None, help="default: beside the target, <target>.lever-predictor.msgpack")
+    ca.add_argument("--n-prompts", type=int, default=12, help="prompts cut from the corpus (a third held out)")
+    ca.add_argument("--n-gen", type=int, default=32, help="tokens generated per prompt")
+    ca.add_argument("--prompt-tokens", type=int, default=48, help="tokens per prompt")
+    ca.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    _add_common(ca)
+    ca.set_defaults(func=cmd_calibrate)
+
     cv = sub.add_parser("convert", help="rewrite a GGUF with 4096-byte tensor alignment (for O_DIRECT reads)")
     cv.add_argument("input", type=Path)
     cv.add_argument("output", type=Path)
@@ -267,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chain-ks", default="2,4,6,8", help="pipelines: Chain-SD lengths swept (the best is reported)")
     b.add_argument("--json", type=Path, default=None, help="pipelines: write every figure to this file")
     b.add_argument("--plot", type=Path, default=None, help="pipelines: draw speedup against budget (matplotlib)")
+    b.add_argument("--pruning", action="store_true",
+                   help="pipelines: also Lever with its pruning predictor (run `lever calibrate` first)")
     b.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
     b.add_argument("--n-prompt", type=int, default=32)
     b.add_argument("--n-gen", type=int, default=32)

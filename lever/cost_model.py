@@ -198,7 +198,7 @@ class CostModel:
 
     # -- what TreeExpand asks
 
-    def verify_s(self, n_tokens: int) -> float:
+    def verify_s(self, n_tokens: int, n_after: int | None = None, after_layer: int = -1) -> float:
         """Latency of one target pass verifying n tokens (a tree of n nodes), started cold.
 
         The pass is a two-stage pipeline: Prefetch reads the streamed layers back to back
@@ -223,11 +223,14 @@ class CostModel:
         """
         if n_tokens < 1:
             raise LeverError(f"verify_s: a pass verifies at least 1 token, got {n_tokens}")
-        c = self.layer_compute_s(n_tokens)
+        # with pruning, layers past `after_layer` run on the n_after survivors only
+        c_all = self.layer_compute_s(n_tokens)
+        c_late = c_all if n_after is None else self.layer_compute_s(max(n_after, 1))
         read_free = self.read_latency_s  # when the reader may start the next streamed layer
         done = 0.0  # when compute finished the previous layer
         computed: list[float] = []  # compute end of each streamed layer, in read order
-        for b in self.layer_read_bytes:
+        for i, b in enumerate(self.layer_read_bytes):
+            c = c_late if n_after is not None and i > after_layer else c_all
             if not b:
                 done += c
                 continue

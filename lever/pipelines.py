@@ -94,7 +94,7 @@ class Handles:
 def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
             n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None,
             draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None,
-            predictor: Predictor | None = None, calibration: Calibration | None = None) -> Handles:
+            predictor: Predictor | None = None, calibration: Calibration | None = None, observer=None) -> Handles:
     spec = target.model.spec
     tree = tree or TreeExpandConfig(policy="none")
     compute = ComputeSlot(cfg.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
@@ -103,7 +103,7 @@ def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: Samplin
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
     verify = PrunedVerify("verify", spec, target.model.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
-                          compute, predictor, tracer)
+                          compute, predictor, tracer, observer)
     accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.policy == "confidence"),
                     params, target.model.logits, tracer)
     output = Output("output", on_tokens)

@@ -138,26 +138,30 @@ class Predictor:
     def prune(self, tree: TokenTree, x: np.ndarray) -> np.ndarray:
         """(n_nodes,) bool: the nodes that go on past layer `layer`. x (n_nodes, n_embd) is the
         tree's hidden state after that layer."""
-        alive = np.ones(tree.n_nodes, bool)
         if tree.n_nodes <= tree.n_given:
-            return alive
-        kids = children_of(tree)
-        keep = backbone(tree, kids)
-        s = self.child_scores(tree, x)
+            return np.ones(tree.n_nodes, bool)
+        alive = prune_by_scores(tree, self.child_scores(tree, x), self.threshold, self.max_prune_share)
         self.n_scored += tree.n_nodes - tree.n_given
-        cap = int(self.max_prune_share * tree.n_nodes)
-        # lowest scores first, each taking its whole subtree, while the cap allows
-        for node in np.argsort(s, kind="stable"):
-            if s[node] >= self.threshold:
-                break
-            if node in keep or not alive[node]:
-                continue
-            sub = subtree(kids, int(node))
-            if (~alive).sum() + len(sub) > cap:
-                continue
-            alive[sub] = False
         self.n_pruned += int((~alive).sum())
         return alive
+
+
+def prune_by_scores(tree: TokenTree, s: np.ndarray, threshold: float, max_share: float) -> np.ndarray:
+    """(n_nodes,) bool alive: children scored under the threshold go with their subtrees, the
+    lowest first, never the backbone and never past max_share of the tree's nodes."""
+    alive = np.ones(tree.n_nodes, bool)
+    kids = children_of(tree)
+    keep = backbone(tree, kids)
+    cap = int(max_share * tree.n_nodes)
+    for node in np.argsort(s, kind="stable"):
+        if s[node] >= threshold:
+            break
+        if node in keep or not alive[node]:
+            continue
+        sub = subtree(kids, int(node))
+        if (~alive).sum() + len(sub) <= cap:
+            alive[sub] = False
+    return alive
 
 
 def subtree(kids: list[list[int]], node: int) -> list[int]:

@@ -60,7 +60,8 @@ class RunResult:
     draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
     lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead, of all decoding cycles
     token_layers: int = 0  # nodes x layers the target computed, over the run
-    token_layers_late: int = 0  # the part after the pruning predictor's layer (the middle one without it)
+    layer_tokens: list[int] = attrs.field(factory=list)  # nodes computed at each target layer, over the run
+    prune_layer: int = -1  # the pruning predictor's layer (-1: none)
     pruned_share: float = 0.0  # tree nodes (past the root) the predictor pruned
     temperature: float = 0.0  # 0: greedy, so the tokens must equal the target's own greedy decoding
     baseline: RunResult | None = None  # [pipeline] baseline run on the same prompt, when configured
@@ -107,23 +108,23 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None) -> RunResult:
+def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None, observer=None) -> RunResult:
     """One generation through the configured pipeline; then its [pipeline] baseline, if any,
     on the same prompt (not streamed to on_text), attached to the result."""
-    res = _run_kind(cfg, cfg.pipeline.kind, prompt, on_text, trace_path)
+    res = _run_kind(cfg, cfg.pipeline.kind, prompt, on_text, trace_path, observer)
     if not cfg.pipeline.baseline:
         return res
     base = _run_kind(cfg, cfg.pipeline.baseline, prompt, None, None)
     return attrs.evolve(res, baseline=base)
 
 
-def _run_kind(cfg: Config, kind: str, prompt: str, on_text, trace_path) -> RunResult:
+def _run_kind(cfg: Config, kind: str, prompt: str, on_text, trace_path, observer=None) -> RunResult:
     if not cfg.model.target:
         raise LeverError(f"{cfg.path or 'config'}: [model] target: no target model given")
     flash = attrs.evolve(cfg.flash, dram_budget=1.0) if kind == "resident-ar" else cfg.flash
     target = FlashTarget.open(cfg.resolve_path(cfg.model.target), flash)
     try:
-        return _run(cfg, kind, target, prompt, on_text, trace_path)
+        return _run(cfg, kind, target, prompt, on_text, trace_path, observer)
     finally:
         target.close()
 
@@ -142,7 +143,7 @@ def _predictor(cfg: Config, target: FlashTarget) -> tuple[Predictor | None, Cali
     return pred, copy.deepcopy(art.calibration) if want_table else None
 
 
-def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trace_path) -> RunResult:
+def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trace_path, observer=None) -> RunResult:
     spec = target.model.spec
     tok = Tokenizer.from_gguf(target.model.file)
     prompt_ids = tok.encode(prompt)
@@ -171,7 +172,7 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
     cost = cost_model_for(cfg) if kind == "speculative" else None
     predictor, calibration = _predictor(cfg, target) if kind == "speculative" else (None, None)
     h = compose(target, prompt_ids, cfg, params, frozenset(tok.eos_ids), n_ctx, tracer, on_tokens, draft, tree, cost,
-                predictor, calibration)
+                predictor, calibration, observer)
     target.warm_head()
     target.store.reset_stats()
     dev0 = process_read_bytes() or 0
@@ -212,7 +213,8 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         compute_s=summary.compute_s, overlap_share=summary.overlap_share, flash_gbps=summary.flash_gbps,
         draft_s=summary.stage_s.get("draft", 0.0), verify_pass_s=summary.pass_s("verify"),
         draft_hidden_share=summary.hidden_share("draft", "verify"),
-        token_layers=h.verify.token_layers, token_layers_late=h.verify.token_layers_late,
+        token_layers=h.verify.token_layers, layer_tokens=h.verify.layer_tokens.tolist(),
+        prune_layer=predictor.layer if predictor is not None else -1,
         pruned_share=predictor.n_pruned / max(predictor.n_scored, 1) if predictor is not None else 0.0,
         temperature=g.temperature, lookahead_hit_share=h.expand.lookahead_hits / len(h.expand.tree_sizes) if h.expand.tree_sizes else 0.0,
     )

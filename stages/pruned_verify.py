@@ -56,17 +56,20 @@ class PrunedVerify(Stage):
     slot: ComputeSlot | None = None  # the compute slot, shared with other compute stages
     predictor: Predictor | None = None  # prunes branches after its layer; None: every node runs every layer
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
+    # called after every layer as observer(layer, tree, x) while no node is pruned (`lever calibrate` records through it)
+    observer: Callable[[int, TokenTree, np.ndarray], None] | None = None
     INPUTS = {"tree": TokenTree, "layers": StreamedLayer}
     OUTPUTS = {"verified": Verified, "free": FreeBuffer}
     OPTIONAL = frozenset({"layers", "free"})  # all-resident (memory AR) needs no streaming
 
     token_layers: int = 0  # sum over passes of nodes x layers computed (verification compute)
-    token_layers_late: int = 0  # the part after the predictor's layer (or the model's middle): what pruning cuts
+    layer_tokens: np.ndarray = attrs.field(init=False)  # (n_layer,) nodes computed at each layer in decoding passes
     _last_n_nodes: int = 0  # nodes of the previous pass, whose rows the next commit selects from
     inv_freq: np.ndarray = attrs.field(init=False)
 
     def __attrs_post_init__(self):
         self.inv_freq = self.spec.inv_freq()
+        self.layer_tokens = np.zeros(self.spec.n_layer, np.int64)
 
     def begin(self, tree: TokenTree) -> PassState:
         """Commits the previous pass's kept rows, then lays out this tree's rows and mask."""
@@ -82,11 +85,6 @@ class PrunedVerify(Stage):
         pos = (n_past + tree.depths()).astype(np.int32)
         return PassState(tree, self.embed(tree.tokens), pos, mask, rows)
 
-    @property
-    def late_from(self) -> int:
-        """The first layer counted in token_layers_late."""
-        return self.predictor.layer + 1 if self.predictor is not None else self.spec.n_layer // 2
-
     def layer(self, st: PassState, i: int, weights: LayerWeights) -> None:
         if st.alive is not None:  # the pruned rows of this layer: finite, masked, never committed
             self.cache.k[i][st.dead_rows] = 0
@@ -94,7 +92,10 @@ class PrunedVerify(Stage):
         st.x = layer_forward(self.spec, weights, st.x, st.pos, st.mask, self.cache, i, st.rows, self.inv_freq)
         n = st.x.shape[0]
         self.token_layers += n
-        self.token_layers_late += n if i >= self.late_from else 0
+        if st.tree.n_given == 1:  # decoding passes only: the prompt's pass is the same for every pipeline
+            self.layer_tokens[i] += n
+        if self.observer is not None and st.alive is None:
+            self.observer(i, st.tree, st.x)
         if self.predictor is not None and i == self.predictor.layer:
             self.prune(st, self.predictor.prune(st.tree, st.x))
 

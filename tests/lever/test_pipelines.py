@@ -177,3 +177,38 @@ def test_a_baseline_runs_after_on_the_same_prompt(stories):
 def test_an_unknown_baseline_is_one_line():
     with pytest.raises(LeverError, match=r"\[pipeline\] baseline: unknown pipeline 'fast'"):
         load_config(None, ['pipeline.baseline="fast"'])
+
+
+PRUNE = ["predictor.enabled=true", "predictor.layer=1", "predictor.max_prune_share=1.0"]
+
+
+@pytest.mark.parametrize("policy", ["chain", "kary", "confidence", "gain-cost"])
+def test_pruning_is_lossless_on_every_policy(tiny_model, policy):
+    """A predictor that prunes nearly everything it may can shorten what is accepted, never
+    change a token."""
+    path = tiny_model("qwen2", "Q8_0", n_layer=3)
+    draft = tiny_model("qwen2", "Q8_0", n_layer=1, seed=7)
+    res = run_pipeline(config(path, *SPEC, *PRUNE, "predictor.threshold=0.99", f'model.draft="{draft}"',
+                              f'tree_expand.policy="{policy}"', "generate.n_predict=40", "tree_expand.max_nodes=24",
+                              "tree_expand.confidence=0.001"), PROMPT)
+    assert res.tokens == reference_tokens(path, n=40)
+    if policy != "chain":  # a chain is all backbone: nothing to prune
+        assert res.pruned_share > 0.2
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.5])
+def test_pruning_on_the_shipped_pair_cuts_late_layers_and_keeps_tokens(threshold):
+    """The trained pair: real trees, real scores. Pruning cuts the verification compute after
+    the predictor's layer and the tokens stay the target's own."""
+    target, draft = (f"examples/models/stdlib-{n}.gguf" for n in ("target-q4_0", "draft-q8_0"))
+    prompt = "def read_config(path):\n"
+    base = [*SPEC, f'model.draft="{draft}"', "generate.n_predict=48", "tree_expand.max_nodes=32"]
+    plain = run_pipeline(config(target, *base), prompt)
+    pruned = run_pipeline(config(target, *base, *PRUNE[:2], "predictor.layer=2", f"predictor.threshold={threshold}"),
+                          prompt)
+    assert pruned.tokens == plain.tokens == reference_tokens(target, prompt, 48)
+    assert pruned.pruned_share > 0
+    assert pruned.prune_layer == 2
+    late_share = [sum(r.layer_tokens[3:]) / sum(r.layer_tokens[:3]) for r in (plain, pruned)]
+    assert late_share[0] == pytest.approx(1.0)  # every node runs every layer
+    assert late_share[1] < 1.0
