@@ -203,6 +203,7 @@ def evaluate(recs: list[TreeRecord], layer: int, corr: Correction, threshold: fl
     return {"layer": layer, "threshold": threshold, "tokens_per_pass": tokens / max(len(recs), 1),
             "tokens_per_pass_pruned": tokens_pruned / max(len(recs), 1),
             "late_token_layers_cut": 1 - late_pruned / max(late, 1),
+            "token_layers_cut": (late - late_pruned) / max(late * n_layer / max(n_layer - 1 - layer, 1), 1),
             "tps": tokens / max(time_s, 1e-9), "tps_pruned": tokens_pruned / max(time_pruned_s, 1e-9)}
 
 
@@ -212,7 +213,7 @@ def choose(grid: list[dict]) -> dict:
     model, and a device whose verification is costlier than profiled gains more from pruning."""
     top = max(g["tps_pruned"] for g in grid)
     near = [g for g in grid if g["tps_pruned"] >= top * (1 - TPS_TIE)]
-    return max(near, key=lambda g: (g["late_token_layers_cut"], g["tps_pruned"]))
+    return max(near, key=lambda g: (g["token_layers_cut"], g["tps_pruned"]))
 
 
 def corpus_prompts(path: Path, tok: Tokenizer, n_prompts: int, prompt_tokens: int) -> list[str]:
