@@ -85,10 +85,15 @@ class RuntimeConfig:
 
     threads: int = 0  # compute threads (0: all cores)
     ahead_cores: int = 0  # cores drafting ahead keeps beside a verification pass (0: they take turns on all cores)
+    # Emulates a compute-bound verification unit (an NPU busy with a big tree): each target layer
+    # of a pass takes at least this many ms per token, waiting out the rest (0: the CPU as it is).
+    emulate_layer_ms_per_token: float = 0.0
 
     def __attrs_post_init__(self):
         if self.ahead_cores < 0:
             raise LeverError(f"[runtime] ahead_cores: must be >= 0, got {self.ahead_cores}")
+        if self.emulate_layer_ms_per_token < 0:
+            raise LeverError(f"[runtime] emulate_layer_ms_per_token: must be >= 0, got {self.emulate_layer_ms_per_token}")
 
 
 SECTIONS: dict[str, type] = {

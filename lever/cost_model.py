@@ -307,7 +307,18 @@ def _analytic_model(f, kv_rows: int):
 
 def cost_model_for(cfg) -> CostModel:
     """The cost model a run of `cfg` uses: its [profile] path when set (checked to be a
-    profile of the configured target and draft), else the analytic fallback."""
+    profile of the configured target and draft), else the analytic fallback; with the
+    verification unit emulated slower ([runtime] emulate_layer_ms_per_token), as slow."""
+    model = _cost_model_for(cfg)
+    runtime = cfg.sections.get("runtime")
+    ms = getattr(runtime, "emulate_layer_ms_per_token", 0.0)
+    if ms > 0:
+        model = attrs.evolve(model, layer_s=[max(s, n * ms / 1e3) for n, s in zip(model.tokens, model.layer_s)],
+                             source=f"{model.source}, layers at least {ms} ms/token")
+    return model
+
+
+def _cost_model_for(cfg) -> CostModel:
     if not cfg.model.target:
         raise LeverError(f"{cfg.path or 'config'}: [model] target is not set")
     target = cfg.resolve_path(cfg.model.target)

@@ -103,7 +103,7 @@ def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: Samplin
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
     verify = PrunedVerify("verify", spec, target.model.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
-                          compute, predictor, tracer, observer)
+                          compute, predictor, tracer, observer, cfg.runtime.emulate_layer_ms_per_token / 1e3)
     accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.policy == "confidence"),
                     params, target.model.logits, tracer)
     output = Output("output", on_tokens)

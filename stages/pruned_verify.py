@@ -13,6 +13,7 @@ has a pruned ancestor).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import anyio
@@ -58,6 +59,7 @@ class PrunedVerify(Stage):
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
     # called after every layer as observer(layer, tree, x) while no node is pruned (`lever calibrate` records through it)
     observer: Callable[[int, TokenTree, np.ndarray], None] | None = None
+    emulate_layer_s_per_token: float = 0.0  # [runtime] emulate_layer_ms_per_token, in seconds
     INPUTS = {"tree": TokenTree, "layers": StreamedLayer}
     OUTPUTS = {"verified": Verified, "free": FreeBuffer}
     OPTIONAL = frozenset({"layers", "free"})  # all-resident (memory AR) needs no streaming
@@ -113,8 +115,11 @@ class PrunedVerify(Stage):
 
     def _traced_layer(self, st: PassState, i: int, weights: LayerWeights, n_threads: int = 0) -> None:
         with self.tracer.span(self.name, f"layer {i}", batch=st.tree.n_nodes):  # the compute, not the wait for a slot
+            t0, n = time.perf_counter(), st.x.shape[0]
             with native.threads(n_threads):
                 self.layer(st, i, weights)
+            if self.emulate_layer_s_per_token:  # a slower unit: the layer ends when it would have there
+                time.sleep(max(0.0, t0 + n * self.emulate_layer_s_per_token - time.perf_counter()))
 
     def finish(self, st: PassState) -> Verified:
         if st.alive is None:

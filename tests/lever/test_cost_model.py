@@ -177,3 +177,13 @@ def test_config_picks_the_profile_or_the_fallback(tiny_model, tmp_path):
         cost_model_for(load_config(None, base + [f"profile.path='{wrong}'"]))
     with pytest.raises(LeverError, match=rf"{tmp_path / 'gone.msgpack'}: no such profile file"):
         cost_model_for(load_config(None, base + [f"profile.path='{tmp_path / 'gone.msgpack'}'"]))
+
+
+def test_an_emulated_slow_verification_unit_is_in_the_cost_model(tiny_model):
+    target, draft = tiny_model("qwen2", "Q4_0", n_layer=4), tiny_model("qwen2", "Q8_0", n_layer=2, seed=3)
+    base = [f"model.target='{target}'", f"model.draft='{draft}'", "flash.mode='mmap'"]
+    cpu = cost_model_for(load_config(None, base))
+    npu = cost_model_for(load_config(None, base + ["runtime.emulate_layer_ms_per_token=2.0"]))
+    assert npu.layer_compute_s(32) == pytest.approx(max(cpu.layer_compute_s(32), 32 * 2e-3))
+    assert npu.layer_compute_s(64) > npu.layer_compute_s(32) >= 0.064 - 1e-12
+    assert npu.marginal_verify_s(20) > cpu.marginal_verify_s(20)  # bigger trees cost more: they shrink

@@ -212,3 +212,11 @@ def test_pruning_on_the_shipped_pair_cuts_late_layers_and_keeps_tokens(threshold
     late_share = [sum(r.layer_tokens[3:]) / sum(r.layer_tokens[:3]) for r in (plain, pruned)]
     assert late_share[0] == pytest.approx(1.0)  # every node runs every layer
     assert late_share[1] < 1.0
+
+
+def test_an_emulated_slow_verification_unit_slows_every_layer(tiny_model):
+    """[runtime] emulate_layer_ms_per_token: each layer of a pass lasts at least n x that."""
+    path = tiny_model("qwen2", "Q8_0", n_layer=3)
+    res = run_pipeline(config(path, "runtime.emulate_layer_ms_per_token=20.0", "generate.n_predict=6"), PROMPT)
+    assert res.ms_per_token >= 3 * 20.0
+    assert res.tokens == reference_tokens(path, n=6)
