@@ -6,7 +6,8 @@ its probability says, its later choices far less. The table keeps, per rank (fir
 not) and probability bin, how often the target accepted such nodes whenever it reached their
 parent. It starts as the identity (each cell holds `prior_weight` pseudo-observations at the
 node's own probability) and learns online from every cycle's outcome, so a run calibrates
-itself within a few cycles; `lever calibrate` (issue 6) will fit it offline.
+itself within a few cycles; `lever calibrate` fits it offline on a corpus, and
+`[tree_expand] calibration = "calibrated"` starts from that table.
 """
 
 from __future__ import annotations

@@ -83,6 +83,7 @@ class Accepted:
     keep: tuple[int, ...]  # tree nodes whose KV rows stay (the accepted path, given chain first)
     done: bool = False
     stop_reason: str = ""  # "eos", "length", "context" when done
+    pruned: tuple[int, ...] = ()  # tree nodes the predictor pruned: whether the target took them is unknown
 
 
 @attrs.frozen

@@ -143,7 +143,8 @@ class Accept(Stage):
             stop = "length"
         elif self.n_ctx_used >= self.config.n_ctx:  # no row left for the next root
             stop = "context"
-        return Accepted(tree.pass_id, tuple(tokens), tuple(keep), bool(stop), stop)
+        pruned = () if v.alive is None else tuple(int(n) for n in np.flatnonzero(~v.alive))
+        return Accepted(tree.pass_id, tuple(tokens), tuple(keep), bool(stop), stop, pruned)
 
     async def run(self, inputs, outputs):
         emitted = outputs.get("emitted")

@@ -417,12 +417,12 @@ class TreeExpand(Stage):
         return self.config.policy != "none"
 
     def learn(self, prev: TreeBuilder, acc: Accepted) -> None:
-        """Every sent node whose parent the target reached was a trial: accepted or not."""
+        """Every sent node whose parent the target reached was a trial, accepted or not (unless pruned)."""
         if self.calibration is None:
             return
-        reached = set(acc.keep)
+        reached, pruned = set(acc.keep), set(acc.pruned)
         for i in range(1, prev.n_sent):
-            if prev.parents[i] in reached:
+            if prev.parents[i] in reached and i not in pruned:
                 self.calibration.observe(prev.q_draft[i], prev.rank[i], i in reached)
 
     def first_request(self) -> ExpandRequest:

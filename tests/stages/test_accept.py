@@ -6,6 +6,7 @@ import numpy as np
 
 from lever.messages import Expansion, TokenTree
 from lever.sampling import SamplingParams, draw_without_replacement
+from lever.predictor import prune_by_scores
 from lever.stages.accept import accept_tree
 from lever.stages.tree_expand import FlatCost, TreeBuilder, TreeExpandConfig
 
@@ -93,8 +94,9 @@ class SamplingDraft:
         return Expansion(req.cycle, rows, toks, probs, q)
 
 
-def speculative_sample(rng, config) -> tuple[int, ...]:
-    """N_TOKENS tokens by cycles of draft tree + rejection-sampling Accept, from prefix (0,)."""
+def speculative_sample(rng, config, prune: bool = False) -> tuple[int, ...]:
+    """N_TOKENS tokens by cycles of draft tree + rejection-sampling Accept, from prefix (0,);
+    with prune, random branches are pruned as a predictor might (never the backbone)."""
     prefix = (0,)
     while len(prefix) - 1 < N_TOKENS:
         b = TreeBuilder(config, FlatCost(read_s=1.0, compute_per_token_s=1e-4, draft_step_s=1e-3), 1, room=100)
@@ -115,7 +117,9 @@ def speculative_sample(rng, config) -> tuple[int, ...]:
                 out.append(np.log(synthetic(prefix + tuple(reversed(path)), 1)))
             return np.array(out)
 
-        toks, _, _ = accept_tree(t, logits_at, SamplingParams(temperature=1.0), rng, N_TOKENS - len(prefix) + 1, frozenset())
+        alive = prune_by_scores(t, rng.random(t.n_nodes), 0.5, 1.0) if prune else None
+        toks, _, _ = accept_tree(t, logits_at, SamplingParams(temperature=1.0), rng, N_TOKENS - len(prefix) + 1,
+                                 frozenset(), alive)
         prefix += tuple(toks)
     return prefix[1:]
 
@@ -145,6 +149,14 @@ def test_tree_speculative_sampling_matches_the_targets_distribution():
     stat, limit = chi_square_vs_target(samples)
     assert stat < limit, f"chi-square {stat:.1f} over the {limit:.1f} an exact sampler stays under"
     assert np.mean([len(s) for s in samples]) == N_TOKENS
+
+
+def test_pruned_trees_keep_the_targets_distribution():
+    """Pruning only stops the walk early: a pruned child chosen by the target is the bonus token."""
+    rng = np.random.default_rng(2)
+    config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
+    stat, limit = chi_square_vs_target([speculative_sample(rng, config, prune=True) for _ in range(TRIALS)])
+    assert stat < limit, f"chi-square {stat:.1f} over the {limit:.1f} an exact sampler stays under"
 
 
 def test_the_distribution_test_catches_a_biased_verifier(monkeypatch):
