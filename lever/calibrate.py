@@ -191,7 +191,7 @@ def evaluate(recs: list[TreeRecord], layer: int, corr: Correction, threshold: fl
         for node, z in rec.lens.get(layer, {}).items():
             toks, q, n_kids = candidates(tree, kids, node)
             s[kids[node]] = scores(z, q, corr)[:n_kids]
-        alive = prune_by_scores(tree, s, threshold, max_share) if threshold > 0 else np.ones(tree.n_nodes, bool)
+        alive = prune_by_scores(tree, s, threshold, max_share, cost, layer) if threshold > 0 else np.ones(tree.n_nodes, bool)
         n, n_alive = tree.n_nodes, int(alive.sum())
         tokens += int(on_target_path(rec)[tree.n_given:].sum()) + 1
         tokens_pruned += int(on_target_path(rec, alive)[tree.n_given:].sum()) + 1

@@ -38,6 +38,7 @@ class TokenTree:
     # of each token): what speculative sampling needs at each expanded node, and the pruning
     # predictor's shadow candidates. Only some of the drawn tokens may be nodes of the tree.
     drafts: dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray]] = attrs.field(factory=dict, eq=False)
+    cycle_s: float = 0.0  # TreeExpand's estimate of this cycle's latency (drafting and the pass); 0: none
 
     @property
     def n_nodes(self) -> int:

@@ -41,6 +41,7 @@ class PredictorConfig:
     layer: int = -1  # prune after this target layer; -1: the calibrated one
     threshold: float = -1.0  # prune a child whose score is below; -1: the calibrated one
     max_prune_share: float = 0.5  # never prune more than this share of a tree's nodes in one pass
+    cost_aware: bool = True  # prune a branch only when the time it saves beats the tokens it may take (cost model)
 
     def __attrs_post_init__(self):
         if not 0.0 <= self.max_prune_share <= 1.0:
@@ -120,6 +121,7 @@ class Predictor:
     eps: float
     output: object  # the target's output projection (lever.model.Weight)
     max_prune_share: float = 0.5
+    cost: object = None  # the cost model (lever.cost_model.CostModel): prune only what pays; None: by score alone
     n_scored: int = 0  # children scored, over the run
     n_pruned: int = 0  # nodes pruned (subtrees included), over the run
 
@@ -140,28 +142,53 @@ class Predictor:
         tree's hidden state after that layer."""
         if tree.n_nodes <= tree.n_given:
             return np.ones(tree.n_nodes, bool)
-        alive = prune_by_scores(tree, self.child_scores(tree, x), self.threshold, self.max_prune_share)
+        alive = prune_by_scores(tree, self.child_scores(tree, x), self.threshold, self.max_prune_share,
+                                self.cost, self.layer)
         self.n_scored += tree.n_nodes - tree.n_given
         self.n_pruned += int((~alive).sum())
         return alive
 
 
-def prune_by_scores(tree: TokenTree, s: np.ndarray, threshold: float, max_share: float) -> np.ndarray:
+def prune_by_scores(tree: TokenTree, s: np.ndarray, threshold: float, max_share: float,
+                    cost=None, layer: int = -1) -> np.ndarray:
     """(n_nodes,) bool alive: children scored under the threshold go with their subtrees, the
-    lowest first, never the backbone and never past max_share of the tree's nodes."""
+    lowest first, never the backbone and never past max_share of the tree's nodes.
+
+    With a cost model, a subtree goes only when it pays, by the rule TreeExpand grows trees
+    with: the share of expected tokens it takes must be below the share of the cycle's time
+    its pruning saves (the pass after `layer` on fewer tokens). So a pass that waits on flash
+    prunes next to nothing, and a compute-bound one prunes all the hopeless branches."""
     alive = np.ones(tree.n_nodes, bool)
     kids = children_of(tree)
     keep = backbone(tree, kids)
     cap = int(max_share * tree.n_nodes)
+    reach = reach_probabilities(tree, s) if cost is not None else None
+    expected = float(reach[tree.n_given:].sum()) + 1 if reach is not None else 0.0
+    cycle_s = (tree.cycle_s or cost.verify_s(tree.n_nodes)) if cost is not None else 0.0
     for node in np.argsort(s, kind="stable"):
         if s[node] >= threshold:
             break
         if node in keep or not alive[node]:
             continue
-        sub = subtree(kids, int(node))
-        if (~alive).sum() + len(sub) <= cap:
-            alive[sub] = False
+        sub = [i for i in subtree(kids, int(node)) if alive[i]]
+        n_alive = int(alive.sum())
+        if tree.n_nodes - n_alive + len(sub) > cap:
+            continue
+        if cost is not None:
+            saved_s = (cost.verify_s(tree.n_nodes, n_alive, layer)
+                       - cost.verify_s(tree.n_nodes, n_alive - len(sub), layer))
+            if reach[sub].sum() / expected > saved_s / cycle_s:
+                continue
+        alive[sub] = False
     return alive
+
+
+def reach_probabilities(tree: TokenTree, s: np.ndarray) -> np.ndarray:
+    """(n_nodes,) the chance the target's walk reaches each node, by the predictor's scores."""
+    reach = np.ones(tree.n_nodes)
+    for i in range(tree.n_given, tree.n_nodes):
+        reach[i] = reach[tree.parents[i]] * s[i]
+    return reach
 
 
 def subtree(kids: list[list[int]], node: int) -> list[int]:
@@ -233,7 +260,7 @@ class Artifact:
 
 
 def predictor_for(cfg: PredictorConfig, model, target_path: str | os.PathLike,
-                  artifact: Artifact | None = None) -> Predictor:
+                  artifact: Artifact | None = None, cost=None) -> Predictor:
     """The configured predictor over the target `model` (lever.model.Model)."""
     n_layer = model.spec.n_layer
     layer, threshold, corr = cfg.layer, cfg.threshold, Correction()
@@ -245,4 +272,5 @@ def predictor_for(cfg: PredictorConfig, model, target_path: str | os.PathLike,
         threshold = artifact.threshold if threshold < 0 else threshold
     if not 0 <= layer < n_layer - 1:
         raise LeverError(f"[predictor] layer: {layer} is not a middle layer of a {n_layer}-layer target (0..{n_layer - 2})")
-    return Predictor(layer, threshold, corr, model.output_norm, model.spec.rms_eps, model.output, cfg.max_prune_share)
+    return Predictor(layer, threshold, corr, model.output_norm, model.spec.rms_eps, model.output, cfg.max_prune_share,
+                     cost if cfg.cost_aware else None)

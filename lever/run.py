@@ -129,7 +129,7 @@ def _run_kind(cfg: Config, kind: str, prompt: str, on_text, trace_path, observer
         target.close()
 
 
-def _predictor(cfg: Config, target: FlashTarget) -> tuple[Predictor | None, Calibration | None]:
+def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None, Calibration | None]:
     """The pruning predictor ([predictor] enabled) and TreeExpand's starting calibration
     ([tree_expand] calibration = "calibrated"), from `lever calibrate`'s artifact."""
     pc, want_table = cfg.predictor, cfg.tree_expand.calibration == "calibrated"
@@ -139,7 +139,7 @@ def _predictor(cfg: Config, target: FlashTarget) -> tuple[Predictor | None, Cali
     art = None
     if want_table or pc.layer < 0 or pc.threshold < 0:
         art = Artifact.read(artifact_path(str(cfg.resolve_path(pc.artifact)) if pc.artifact else "", path), path)
-    pred = predictor_for(pc, target.model, path, art) if pc.enabled else None
+    pred = predictor_for(pc, target.model, path, art, cost) if pc.enabled else None
     return pred, copy.deepcopy(art.calibration) if want_table else None
 
 
@@ -170,7 +170,7 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
             raise LeverError(f"{cfg.path or 'config'}: [model] draft: a speculative pipeline needs a draft model")
         draft, tree = Model(cfg.resolve_path(cfg.model.draft)), cfg.tree_expand
     cost = cost_model_for(cfg) if kind == "speculative" else None
-    predictor, calibration = _predictor(cfg, target) if kind == "speculative" else (None, None)
+    predictor, calibration = _predictor(cfg, target, cost) if kind == "speculative" else (None, None)
     h = compose(target, prompt_ids, cfg, params, frozenset(tok.eos_ids), n_ctx, tracer, on_tokens, draft, tree, cost,
                 predictor, calibration, observer)
     target.warm_head()

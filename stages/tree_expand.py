@@ -302,7 +302,7 @@ class TreeBuilder:
                 toks, probs, q = self.proposals[r]
                 drafts[n] = (toks[toks >= 0], q, np.asarray(probs)[toks >= 0])
         return TokenTree(pass_id, np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), 1,
-                         np.asarray(self.gain, np.float32), commit, drafts)
+                         np.asarray(self.gain, np.float32), commit, drafts, self.latency_s())
 
     # -- drafting ahead, while the target verifies the sent tree
 

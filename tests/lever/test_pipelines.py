@@ -179,7 +179,7 @@ def test_an_unknown_baseline_is_one_line():
         load_config(None, ['pipeline.baseline="fast"'])
 
 
-PRUNE = ["predictor.enabled=true", "predictor.layer=1", "predictor.max_prune_share=1.0"]
+PRUNE = ["predictor.enabled=true", "predictor.layer=1", "predictor.max_prune_share=1.0", "predictor.cost_aware=false"]
 
 
 @pytest.mark.parametrize("policy", ["chain", "kary", "confidence", "gain-cost"])
@@ -204,7 +204,7 @@ def test_pruning_on_the_shipped_pair_cuts_late_layers_and_keeps_tokens(threshold
     prompt = "def read_config(path):\n"
     base = [*SPEC, f'model.draft="{draft}"', "generate.n_predict=48", "tree_expand.max_nodes=32"]
     plain = run_pipeline(config(target, *base), prompt)
-    pruned = run_pipeline(config(target, *base, *PRUNE[:2], "predictor.layer=2", f"predictor.threshold={threshold}"),
+    pruned = run_pipeline(config(target, *base, *PRUNE, "predictor.layer=2", f"predictor.threshold={threshold}"),
                           prompt)
     assert pruned.tokens == plain.tokens == reference_tokens(target, prompt, 48)
     assert pruned.pruned_share > 0

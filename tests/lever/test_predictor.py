@@ -87,3 +87,22 @@ def test_a_missing_or_corrupt_artifact_is_one_line(tmp_path):
     bad.write_bytes(b"\xc1garbage")
     with pytest.raises(LeverError, match="bad.msgpack"):
         Artifact.read(bad, model)
+
+
+class FakeCost:
+    """A pass of n nodes, n_after of them past the predictor's layer: fixed read time plus a
+    per-token compute that only counts when compute_bound."""
+
+    def __init__(self, compute_bound: bool):
+        self.per_token_s = 0.01 if compute_bound else 0.0
+
+    def verify_s(self, n, n_after=None, layer=-1):
+        return 0.5 + self.per_token_s * (n if n_after is None else n_after)
+
+
+def test_cost_aware_pruning_prunes_only_what_pays():
+    s = np.array([1.0, 0.9, 0.05, 0.9, 0.5, 0.04, 0.9])  # 2 (and 5 under it) are hopeless
+    waiting_on_flash = prune_by_scores(TREE, s, 0.3, 1.0, FakeCost(compute_bound=False))
+    compute_bound = prune_by_scores(TREE, s, 0.3, 1.0, FakeCost(compute_bound=True))
+    assert waiting_on_flash.all()  # saving compute nobody waits for is not worth a token
+    assert not compute_bound[2] and not compute_bound[5] and compute_bound[[0, 1, 3, 4, 6]].all()
