@@ -8,12 +8,22 @@ carries Qualcomm's HTP simulator, so it can here, slowly).
 
 from .graphs import MASK_NEG, LayerShape, build_layer, rope_tables, rotation_matrix
 from .runner import (
-    DEFAULT_HTP_ARCH, DEFAULT_SOC_MODEL, TOKEN_BUCKETS, PaddingStats, QnnLayerRunner, SessionStats,
-    is_available, kv_buckets_for, provider_options, session_options, unavailable_reason,
+    DEFAULT_HTP_ARCH,
+    DEFAULT_SOC_MODEL,
+    TOKEN_BUCKETS,
+    PaddingStats,
+    QnnLayerRunner,
+    SessionStats,
+    bench,
+    is_available,
+    kv_buckets_for,
+    provider_options,
+    session_options,
+    unavailable_reason,
 )
 
 __all__ = [
     "DEFAULT_HTP_ARCH", "DEFAULT_SOC_MODEL", "MASK_NEG", "TOKEN_BUCKETS", "LayerShape", "PaddingStats",
-    "QnnLayerRunner", "SessionStats", "build_layer", "is_available", "kv_buckets_for", "provider_options",
+    "QnnLayerRunner", "SessionStats", "bench", "build_layer", "is_available", "kv_buckets_for", "provider_options",
     "rope_tables", "rotation_matrix", "session_options", "unavailable_reason",
 ]

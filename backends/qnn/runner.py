@@ -1,13 +1,35 @@
 """QnnLayerRunner: `lever.model.layer_forward` on a Qualcomm HTP (NPU) through onnxruntime-qnn.
 
-WEIGHT FORM (measured figures: see the report block below, filled from tests and benches).
-
 It sits beside the CPU kernels as a drop-in for one layer: `forward` takes layer_forward's
 arguments and keeps its semantics (writes the tokens' K/V rows into the KVCache, attends over
 cache rows [0, mask.shape[1]) through the mask), so a pipeline stage can hand a layer to the
 NPU instead of the CPU. Shapes are static on HTP, so token rows and past KV rows are padded up
 to buckets; one compiled session per (buckets, precision, layer traits) serves every layer,
 the weights being graph inputs. The graph is graphs.py's.
+
+Weight form: float16 (or float32) graph *inputs*, dequantized from the GGUF blocks on the CPU
+(norm weights folded in), because that is the only form that keeps the target streamable: one
+session per bucket serves all layers, whether a layer is resident or was just read from flash.
+The alternatives measured worse or impossible here: QDQ int8/int4 weights need the weights as
+initializers (the QNN EP leaves DequantizeLinear of a graph input unsupported, so the session
+fails with CPU fallback disabled), i.e. compiled into a per-layer context binary that flash
+streaming cannot feed; compiled-in float16 weights ran no faster on the simulator (stories260K
+5.0/16.2/59 ms against 6.5/18.4/58 ms as inputs at 1/8/32 tokens; a 256-wide qwen2 18.9/44/166
+against 20.5/43/155 ms). Measured per layer call, weights cached, KV bucket 64, with another
+benchmark sharing the 2 cores (`bench(MODEL.gguf, precision)` below, medians):
+stories260K fp16 (soc 57/v75) 6.2/16.9/56 ms and fp32 0.9/2.8/12 ms at 1/8/32 tokens, against
+0.17/0.18/0.21 ms for the CPU layer_forward; tiny qwen2 (64 wide) fp16 3.9/8.5/35 ms, fp32
+0.9/2.5/8.9 ms, CPU 0.16/0.20/0.23 ms; real Qwen2.5-Coder-0.5B (Q4_K_M, 896 wide) fp16
+296/449/1403 ms against 0.46/3.0/3.5 ms on the CPU, plus 50-110 ms to dequantize a layer to
+float16 when it is not cached (numpy's float16 cast is most of it: 20-60 ms to float32). The
+simulator emulates the NPU on x86 (where float16 is the slower precision): these figures say
+what works, not a phone's speed. Compile vs reuse: 8 stories260K sessions compile in
+0.53 s and load from `cache_dir` in 0.10 s; one Qwen2.5-0.5B session 0.50 s vs 0.02 s. Buckets:
+float32 results are bit-identical whatever the token or KV bucket; float16 ones too from 2 token
+rows up, but the 1-row graph rounds differently (one float16 ulp, test_qnn.py shows it), which
+flipped no argmax over 300 stories260K positions decoded one token per call (100% agreement
+with the CPU either way). float32 graphs finalize only when small (QNN_COMMON_ERROR_MEM_ALLOC
+from 64 token rows of stories260K, and for any row of Qwen2.5-0.5B): fp16 is the working mode.
 """
 
 from __future__ import annotations
@@ -131,12 +153,10 @@ def _probe() -> tuple[bool, str]:
     except ImportError as e:
         return False, f"onnxruntime-qnn not importable ({e}); pip install -e '.[qnn]'"
     try:
-        import onnx  # noqa: F401
+        from onnx import TensorProto, helper
     except ImportError as e:
         return False, f"onnx not importable ({e}); pip install -e '.[qnn]'"
     try:
-        from onnx import TensorProto, helper
-
         g = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"])], "probe",
                               [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 4]) for n in "ab"],
                               [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 4])])
@@ -147,7 +167,7 @@ def _probe() -> tuple[bool, str]:
         c = sess.run(None, {"a": a, "b": a})[0]
         if not np.array_equal(c, 2 * a):
             return False, f"a 1-node HTP session ran but returned {c.tolist()} for 2*{a.tolist()}"
-    except Exception as e:  # registration, backend load, graph finalize: any of them means "not here"
+    except Exception as e:  # noqa: BLE001 (registration, backend load, finalize: any of them means "not here")
         return False, f"QNN HTP backend not usable ({type(e).__name__}: {e})"
     return True, f"onnxruntime {ort.__version__}, onnxruntime-qnn {qnn.__version__}, HTP backend runs"
 
@@ -241,7 +261,7 @@ def _dequantize_stack(mats: list[Weight], dtype, col_scale: np.ndarray | None = 
 
 
 def _dequantize_layer(lw: LayerWeights, dtype) -> dict[str, np.ndarray]:
-    vec = lambda a: np.ascontiguousarray(a, dtype)  # noqa: E731
+    vec = lambda a: np.ascontiguousarray(a, dtype)
     attn_norm = np.asarray(lw.attn_norm, np.float32)
     ffn_norm = np.asarray(lw.ffn_norm, np.float32)
     arrays = {
@@ -251,7 +271,7 @@ def _dequantize_layer(lw: LayerWeights, dtype) -> dict[str, np.ndarray]:
         "w_down": _dequantize_stack([lw.w_down], dtype),
     }
     if lw.bq is not None or lw.bk is not None or lw.bv is not None:
-        zeros = lambda w: np.zeros(w.n_out, np.float32)  # noqa: E731
+        zeros = lambda w: np.zeros(w.n_out, np.float32)
         parts = [lw.bq if lw.bq is not None else zeros(lw.wq), lw.bk if lw.bk is not None else zeros(lw.wk),
                  lw.bv if lw.bv is not None else zeros(lw.wv)]
         arrays["b_qkv"] = vec(np.concatenate(parts))
@@ -488,3 +508,41 @@ class QnnLayerRunner:
         for i, lw in enumerate(model.layers):
             x = self.forward(model.spec, lw, x, pos, mask, cache, i, rows, model.inv_freq)
         return x
+
+
+def bench(model_path: str, precision: str = "fp16", n_toks=(1, 8, 32), n_past: int = 40, reps: int = 15) -> dict:
+    """Median ms per call of layer 0, QNN (weights cached) against the CPU layer_forward, at
+    each token count after n_past committed rows (KV bucket 64)."""
+    from lever.kv_cache import causal_mask
+    from lever.model import Model, layer_forward
+
+    model = Model(model_path)
+    spec, lw = model.spec, model.layers[0]
+
+    def median_ms(f) -> float:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return float(np.median(times)) * 1e3
+
+    def one(n: int) -> dict:
+        cache = model.new_cache(n_past + n)
+        model.forward(np.arange(n_past) % spec.n_vocab, np.arange(n_past), causal_mask(0, n_past), cache)
+        x, pos, mask = model.embed(np.arange(n) % spec.n_vocab), np.arange(n_past, n_past + n), causal_mask(n_past, n)
+        rows = cache.reserve(n)
+        runner = QnnLayerRunner(spec, precision, soc_model=DEFAULT_SOC_MODEL if precision == "fp16" else None,
+                                token_buckets=(n,), kv_buckets=(64,))
+
+        def qnn_call():
+            runner.forward(spec, lw, x, pos, mask, cache, 0, rows, model.inv_freq)
+
+        qnn_call()
+        qnn_call()  # compiled, weights cached (met twice)
+        return {"cpu_ms": median_ms(lambda: layer_forward(spec, lw, x, pos, mask, cache, 0, rows, model.inv_freq)),
+                "qnn_ms": median_ms(qnn_call), "compile_s": runner.sessions_stats.create_s}
+
+    out = {n: one(n) for n in n_toks}
+    return out
+
