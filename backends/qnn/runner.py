@@ -294,8 +294,10 @@ class QnnLayerRunner:
     float32 on the CPU) or "fp32" (float32 graph, enable_htp_fp16_precision=0).
     cache_dir: where compiled sessions are kept as QNN context binaries (EPContext models),
     so that a later process loads them instead of compiling.
-    weight_cache_bytes: bound of the dequantized weights kept per LayerWeights object (LRU);
-    0 dequantizes on every call (layers streamed from flash arrive as new objects anyway).
+    weight_cache_bytes: bound of the dequantized weights kept per LayerWeights object (LRU),
+    from the second call with the same object on (see `weights`); 0 dequantizes on every call.
+    soc_model/htp_arch: the HTP target of fp16 sessions (None: the backend's default); never
+    used by fp32 sessions (see provider_options).
     """
 
     def __init__(self, spec: ModelSpec, precision: str = "fp16", soc_model: int | None = DEFAULT_SOC_MODEL,
@@ -421,7 +423,10 @@ class QnnLayerRunner:
                 cache: KVCache, layer: int, rows, inv_freq: np.ndarray) -> np.ndarray:
         """lever.model.layer_forward on HTP: the new hidden state (n_tok, n_embd) float32; the
         tokens' K/V are written into cache rows `rows`. More tokens than the largest token
-        bucket run in chunks, in order, so a token may see rows of its own or earlier chunks."""
+        bucket run in chunks, in order, so a token may see rows of its own or earlier chunks.
+        The new K/V rows are rounded to float16 before attention, as a float16 KVCache (the
+        default) stores them; with a float32 cache this differs from layer_forward by that
+        rounding."""
         if spec is not self.spec and spec != self.spec:
             raise LeverError("QnnLayerRunner.forward: spec differs from the runner's")
         x = np.asarray(x, np.float32)
