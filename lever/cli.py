@@ -157,6 +157,8 @@ def print_summary(res, file) -> None:
       f"resident layers {res.resident_layer_bytes / mib:.0f}, head {res.head_bytes / mib:.0f}, "
       f"window {res.window_bytes / mib:.0f}, KV cache {res.kv_cache_bytes / mib:.0f}, draft {res.draft_bytes / mib:.0f}")
     p("  stages      " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(res.stage_s.items())))
+    if res.placement:
+        p("  placement   " + ", ".join(f"{k}: {v}" for k, v in res.placement.items()))
     if res.baseline is not None:
         b = res.baseline
         same = "the same tokens" if res.baseline_tokens_equal else "DIFFERENT tokens"

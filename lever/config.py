@@ -201,6 +201,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
 
 from lever.profile import ProfileConfig  # noqa: E402  (the [profile] section; it imports register_section)
 from lever.predictor import PredictorConfig  # noqa: E402  (the [predictor] section)
+from lever.placement import PlacementConfig, QnnConfig  # noqa: E402  ([placement] and [qnn])
 
 register_section("profile", ProfileConfig)
 register_section("predictor", PredictorConfig)
+register_section("placement", PlacementConfig)
+register_section("qnn", QnnConfig)

@@ -184,12 +184,15 @@ class Model:
         e = self.tok_embd
         return native.dequantize(e.type_id, np.ascontiguousarray(e.data[tokens]), tokens.size, e.n_in)
 
-    def forward(self, tokens: np.ndarray, pos: np.ndarray, mask: np.ndarray, cache: KVCache) -> np.ndarray:
-        """Hidden states (n_tok, n_embd) after the last layer; cache gains n_tok pending rows."""
+    def forward(self, tokens: np.ndarray, pos: np.ndarray, mask: np.ndarray, cache: KVCache,
+                layer_fn=None) -> np.ndarray:
+        """Hidden states (n_tok, n_embd) after the last layer; cache gains n_tok pending rows.
+        layer_fn: a backend's layer with layer_forward's signature (default: the CPU kernels)."""
         rows = cache.reserve(len(tokens))
         x = self.embed(tokens)
+        layer_fn = layer_fn or layer_forward
         for i, lw in enumerate(self.layers):
-            x = layer_forward(self.spec, lw, x, pos, mask, cache, i, rows, self.inv_freq)
+            x = layer_fn(self.spec, lw, x, pos, mask, cache, i, rows, self.inv_freq)
         return x
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:

@@ -24,7 +24,8 @@ from lever.errors import LeverError
 from lever.gguf_file import GGUFFile
 from lever.graph import Pipeline
 from lever.kv_cache import KVCache
-from lever.model import LayerWeights, Model, load_layer
+from lever.model import LayerWeights, Model, layer_forward, load_layer
+from lever.placement import Placement
 from lever.predictor import Predictor
 from lever.sampling import SamplingParams
 from lever.stages.accept import Accept, AcceptConfig
@@ -94,7 +95,8 @@ class Handles:
 def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
             n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None,
             draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None,
-            predictor: Predictor | None = None, calibration: Calibration | None = None, observer=None) -> Handles:
+            predictor: Predictor | None = None, calibration: Calibration | None = None, observer=None,
+            placement: Placement | None = None) -> Handles:
     spec = target.model.spec
     tree = tree or TreeExpandConfig(policy="none")
     compute = ComputeSlot(cfg.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
@@ -103,7 +105,8 @@ def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: Samplin
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
     verify = PrunedVerify("verify", spec, target.model.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
-                          compute, predictor, tracer, observer, cfg.runtime.emulate_layer_ms_per_token / 1e3)
+                          compute, predictor, tracer, observer, cfg.runtime.emulate_layer_ms_per_token / 1e3,
+                          placement.verify_fn if placement is not None else layer_forward)
     accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.policy == "confidence"),
                     params, target.model.logits, tracer)
     output = Output("output", on_tokens)
@@ -122,7 +125,8 @@ def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: Samplin
         if draft_model.spec.n_vocab != spec.n_vocab:
             raise LeverError(f"[model] draft: vocabulary of {draft_model.spec.n_vocab} tokens, the target has {spec.n_vocab}")
         core = DraftModel(draft_model, draft_model.new_cache(n_ctx + tree.draft_rows), sampling=params,
-                          rng=np.random.default_rng(None if params.seed is None else [params.seed, 1]))
+                          rng=np.random.default_rng(None if params.seed is None else [params.seed, 1]),
+                          batch_layer_fn=placement.draft_batch_fn if placement is not None else None)
         draft = Draft("draft", core, compute, tracer)
         p.connect(expand, "expand", draft, "expand", 1)
         p.connect(draft, "expansion", expand, "expansion", 1)

@@ -22,6 +22,7 @@ from lever.errors import LeverError
 from lever.cost_model import cost_model_for
 from lever.model import Model
 from lever.pipelines import FlashTarget, compose
+from lever.placement import placement_for
 from lever.predictor import Artifact, Predictor, artifact_path, predictor_for
 from lever.sampling import SamplingParams
 from lever.tokenizer import StreamDecoder, Tokenizer
@@ -59,6 +60,7 @@ class RunResult:
     verify_pass_s: float = 0.0  # wall seconds with a verification pass under way (reads and waits included)
     draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
     lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead, of all decoding cycles
+    placement: dict[str, str] = attrs.field(factory=dict)  # where each stage's work ran
     token_layers: int = 0  # nodes x layers the target computed, over the run
     layer_tokens: list[int] = attrs.field(factory=list)  # nodes computed at each target layer, over the run
     prune_layer: int = -1  # the pruning predictor's layer (-1: none)
@@ -129,6 +131,13 @@ def _run_kind(cfg: Config, kind: str, prompt: str, on_text, trace_path, observer
         target.close()
 
 
+def _qnn_figures(runner) -> str:
+    """A QNN runner's padding waste and sessions, for the summary."""
+    pad, ses = runner.padding, runner.sessions_stats
+    return (f"{pad.calls} layer calls, padding waste {100 * pad.tok_waste:.0f}% of token rows and "
+            f"{100 * pad.kv_waste:.0f}% of KV rows, {ses.created} sessions compiled, {ses.loaded} loaded from cache")
+
+
 def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None, Calibration | None]:
     """The pruning predictor ([predictor] enabled) and TreeExpand's starting calibration
     ([tree_expand] calibration = "calibrated"), from `lever calibrate`'s artifact."""
@@ -171,8 +180,9 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         draft, tree = Model(cfg.resolve_path(cfg.model.draft)), cfg.tree_expand
     cost = cost_model_for(cfg) if kind == "speculative" else None
     predictor, calibration = _predictor(cfg, target, cost) if kind == "speculative" else (None, None)
+    place = placement_for(cfg, spec, draft.spec if draft is not None else None, n_ctx)
     h = compose(target, prompt_ids, cfg, params, frozenset(tok.eos_ids), n_ctx, tracer, on_tokens, draft, tree, cost,
-                predictor, calibration, observer)
+                predictor, calibration, observer, place)
     target.warm_head()
     target.store.reset_stats()
     dev0 = process_read_bytes() or 0
@@ -213,6 +223,7 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         compute_s=summary.compute_s, overlap_share=summary.overlap_share, flash_gbps=summary.flash_gbps,
         draft_s=summary.stage_s.get("draft", 0.0), verify_pass_s=summary.pass_s("verify"),
         draft_hidden_share=summary.hidden_share("draft", "verify"),
+        placement=place.where | {f"qnn {i}": _qnn_figures(r) for i, r in enumerate(place.runners)},
         token_layers=h.verify.token_layers, layer_tokens=h.verify.layer_tokens.tolist(),
         prune_layer=predictor.layer if predictor is not None else -1,
         pruned_share=predictor.n_pruned / max(predictor.n_scored, 1) if predictor is not None else 0.0,

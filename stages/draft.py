@@ -10,6 +10,8 @@ which to keep (the accepted path), so the draft's cache follows the accepted tex
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import numpy as np
 
@@ -47,6 +49,7 @@ class DraftModel:
     n_committed: int = 0
     pending_parents: list[int] = attrs.field(factory=list)  # parent pending row of each pending row
     forwards: int = 0  # batched forwards run (for the run summary)
+    batch_layer_fn: Callable | None = None  # the backend of forwards over several tokens ([placement] draft_batch); None: CPU
     sampling: SamplingParams | None = None  # when the run samples: children are drawn from the draft's distribution
     rng: np.random.Generator = attrs.field(factory=np.random.default_rng)
 
@@ -91,7 +94,8 @@ class DraftModel:
             depth[row] = depth[parent] + 1
             pos[j] = self.n_committed + depth[row]
             mask[j, [self.n_committed + a for a in self._ancestors(row)]] = True
-        hidden = self.model.forward(req.tokens, pos, mask, self.cache)
+        batched = req.tokens.size > 1
+        hidden = self.model.forward(req.tokens, pos, mask, self.cache, self.batch_layer_fn if batched else None)
         self.forwards += 1
         expand = np.arange(req.n_given, n)
         if expand.size == 0:

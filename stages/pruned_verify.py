@@ -60,6 +60,7 @@ class PrunedVerify(Stage):
     # called after every layer as observer(layer, tree, x) while no node is pruned (`lever calibrate` records through it)
     observer: Callable[[int, TokenTree, np.ndarray], None] | None = None
     emulate_layer_s_per_token: float = 0.0  # [runtime] emulate_layer_ms_per_token, in seconds
+    layer_fn: Callable = layer_forward  # the backend of the target's layers ([placement] verify): CPU kernels or QNN
     INPUTS = {"tree": TokenTree, "layers": StreamedLayer}
     OUTPUTS = {"verified": Verified, "free": FreeBuffer}
     OPTIONAL = frozenset({"layers", "free"})  # all-resident (memory AR) needs no streaming
@@ -91,7 +92,7 @@ class PrunedVerify(Stage):
         if st.alive is not None:  # the pruned rows of this layer: finite, masked, never committed
             self.cache.k[i][st.dead_rows] = 0
             self.cache.v[i][st.dead_rows] = 0
-        st.x = layer_forward(self.spec, weights, st.x, st.pos, st.mask, self.cache, i, st.rows, self.inv_freq)
+        st.x = self.layer_fn(self.spec, weights, st.x, st.pos, st.mask, self.cache, i, st.rows, self.inv_freq)
         n = st.x.shape[0]
         self.token_layers += n
         if st.tree.n_given == 1:  # decoding passes only: the prompt's pass is the same for every pipeline
