@@ -106,9 +106,6 @@ class CostModel:
     draft_head_rows: tuple[int, ...] = attrs.field(default=(), converter=_ints)
     draft_head_s: tuple[float, ...] = attrs.field(default=(), converter=_monotone)
     source: str = ""  # "profile PATH" or "fallback": what the numbers stand on
-    # the CPU's part of layer_s when verification is emulated on a slower unit ([runtime]
-    # emulate_layer_ms_per_token): the rest of a layer's time leaves the CPU free to draft
-    cpu_layer_s: tuple[float, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self):
         if not self.read_bytes_per_s > 0:
@@ -250,11 +247,9 @@ class CostModel:
         return self.verify_s(n_tokens + 1) - self.verify_s(n_tokens)
 
     def idle_s(self, n_tokens: int) -> float:
-        """Time the CPU waits during a pass of n tokens (on flash, or on an emulated slower
-        verification unit): what drafting ahead can use without delaying verification."""
-        cpu_s = self.n_layer * interpolate(self.tokens, self.cpu_layer_s, n_tokens) if self.cpu_layer_s \
-            else self.compute_s(n_tokens)
-        return max(0.0, self.verify_s(n_tokens) - cpu_s)
+        """Time the compute units wait on flash during a pass of n tokens: what drafting ahead
+        can use without delaying verification."""
+        return max(0.0, self.verify_s(n_tokens) - self.compute_s(n_tokens))
 
     def draft_s(self, batch: int) -> float:
         """One batched draft forward (all its layers) over `batch` tokens; 0 for none."""
@@ -319,7 +314,6 @@ def cost_model_for(cfg) -> CostModel:
     ms = getattr(runtime, "emulate_layer_ms_per_token", 0.0)
     if ms > 0:
         model = attrs.evolve(model, layer_s=[max(s, n * ms / 1e3) for n, s in zip(model.tokens, model.layer_s)],
-                             cpu_layer_s=model.layer_s,
                              source=f"{model.source}, layers at least {ms} ms/token")
     return model
 

@@ -114,13 +114,13 @@ class PrunedVerify(Stage):
         st.rows = base + live
         st.x, st.pos, st.mask = st.x[live], st.pos[live], st.mask[live]
 
-    def _traced_layer(self, st: PassState, i: int, weights: LayerWeights, n_threads: int = 0) -> float:
-        """Computes layer i; returns how much longer the emulated slower unit would take."""
+    def _traced_layer(self, st: PassState, i: int, weights: LayerWeights, n_threads: int = 0) -> None:
         with self.tracer.span(self.name, f"layer {i}", batch=st.tree.n_nodes):  # the compute, not the wait for a slot
             t0, n = time.perf_counter(), st.x.shape[0]
             with native.threads(n_threads):
                 self.layer(st, i, weights)
-            return max(0.0, t0 + n * self.emulate_layer_s_per_token - time.perf_counter())
+            if self.emulate_layer_s_per_token:  # a slower unit: the layer ends when it would have there
+                time.sleep(max(0.0, t0 + n * self.emulate_layer_s_per_token - time.perf_counter()))
 
     def finish(self, st: PassState) -> Verified:
         if st.alive is None:
@@ -165,12 +165,7 @@ class PrunedVerify(Stage):
                     await slot.acquire(VERIFY)
                     held = True
                 n_threads = slot.threads(VERIFY) if slot is not None else 0  # fewer while drafting ahead runs beside
-                unit_s = await anyio.to_thread.run_sync(self._traced_layer, st, i, weights, n_threads)
-                if unit_s > 0:  # the emulated NPU is still busy: the CPU is free for drafting meanwhile
-                    if held:
-                        slot.release(VERIFY)
-                        held = False
-                    await anyio.sleep(unit_s)
+                await anyio.to_thread.run_sync(self._traced_layer, st, i, weights, n_threads)
                 if msg is not None:
                     await free_out.send(FreeBuffer(msg.buffer_id))
         finally:

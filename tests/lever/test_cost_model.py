@@ -187,4 +187,3 @@ def test_an_emulated_slow_verification_unit_is_in_the_cost_model(tiny_model):
     assert npu.layer_compute_s(32) == pytest.approx(max(cpu.layer_compute_s(32), 32 * 2e-3))
     assert npu.layer_compute_s(64) > npu.layer_compute_s(32) >= 0.064 - 1e-12
     assert npu.marginal_verify_s(20) > cpu.marginal_verify_s(20)  # bigger trees cost more: they shrink
-    assert npu.idle_s(20) > cpu.idle_s(20)  # the CPU is free while the slower unit works: drafting ahead may use it
