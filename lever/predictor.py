@@ -18,6 +18,7 @@ alone. It can only end an accepted path earlier.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import attrs
@@ -122,28 +123,45 @@ class Predictor:
     output: object  # the target's output projection (lever.model.Weight)
     max_prune_share: float = 0.5
     cost: object = None  # the cost model (lever.cost_model.CostModel): prune only what pays; None: by score alone
+    scoring_s: float = 0.0  # what scoring and deciding cost per pass (moving average)
     n_scored: int = 0  # children scored, over the run
     n_pruned: int = 0  # nodes pruned (subtrees included), over the run
 
     def child_scores(self, tree: TokenTree, x: np.ndarray) -> np.ndarray:
-        """(n_nodes,) each node's score at its parent; 1 for the given nodes."""
+        """(n_nodes,) each node's score at its parent; 1 for the given nodes. One norm over the
+        scored nodes and one dequantization of every candidate row, not one per node."""
         kids = children_of(tree)
         out = np.ones(tree.n_nodes)
-        for node in range(tree.n_nodes):
-            if not kids[node] or node < tree.n_given - 1:
-                continue
-            toks, q, n_kids = candidates(tree, kids, node)
-            s = scores(lens_logits(x[node], toks, self.norm, self.eps, self.output), q, self.correction)
-            out[kids[node]] = s[:n_kids]
+        nodes = [n for n in range(tree.n_given - 1, tree.n_nodes) if kids[n]]
+        if not nodes:
+            return out
+        cands = [candidates(tree, kids, n) for n in nodes]
+        vocab, where = np.unique(np.concatenate([c[0] for c in cands]), return_inverse=True)
+        h = native.rmsnorm(np.ascontiguousarray(x[nodes], np.float32), self.norm, self.eps)  # (n_scored, n_embd)
+        out_w = self.output
+        rows = native.dequantize(out_w.type_id, np.ascontiguousarray(out_w.data[vocab]), vocab.size, out_w.n_in)
+        start = 0
+        for j, (node, (toks, q, n_kids)) in enumerate(zip(nodes, cands)):
+            z = rows[where[start : start + toks.size]] @ h[j]
+            start += toks.size
+            out[kids[node]] = scores(z, q, self.correction)[:n_kids]
         return out
 
     def prune(self, tree: TokenTree, x: np.ndarray) -> np.ndarray:
         """(n_nodes,) bool: the nodes that go on past layer `layer`. x (n_nodes, n_embd) is the
-        tree's hidden state after that layer."""
+        tree's hidden state after that layer. With a cost model, a pass where even pruning every
+        branch off the backbone would save less than twice what scoring costs is not scored."""
         if tree.n_nodes <= tree.n_given:
             return np.ones(tree.n_nodes, bool)
+        if self.cost is not None:
+            n_backbone = len(backbone(tree, children_of(tree)))
+            most_s = self.cost.verify_s(tree.n_nodes) - self.cost.verify_s(tree.n_nodes, n_backbone, self.layer)
+            if most_s < 2 * self.scoring_s:
+                return np.ones(tree.n_nodes, bool)
+        t0 = time.perf_counter()
         alive = prune_by_scores(tree, self.child_scores(tree, x), self.threshold, self.max_prune_share,
                                 self.cost, self.layer)
+        self.scoring_s = 0.8 * self.scoring_s + 0.2 * (time.perf_counter() - t0)
         self.n_scored += tree.n_nodes - tree.n_given
         self.n_pruned += int((~alive).sum())
         return alive

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -106,3 +107,25 @@ def test_cost_aware_pruning_prunes_only_what_pays():
     compute_bound = prune_by_scores(TREE, s, 0.3, 1.0, FakeCost(compute_bound=True))
     assert waiting_on_flash.all()  # saving compute nobody waits for is not worth a token
     assert not compute_bound[2] and not compute_bound[5] and compute_bound[[0, 1, 3, 4, 6]].all()
+
+
+def test_batched_scoring_equals_the_lens_node_by_node():
+    """child_scores gathers every candidate row once; the calibration records node by node."""
+    from pathlib import Path
+
+    from lever.model import Model
+    from lever.predictor import Predictor, lens_logits
+
+    m = Model(Path(__file__).resolve().parents[2] / "examples" / "models" / "stdlib-target-q4_0.gguf", load_layers=False)
+    tree = attrs.evolve(TREE, tokens=TREE.tokens + 100, drafts={0: (np.array([111, 112, 199]), None,
+                                                                    np.array([0.6, 0.3, 0.05]))})
+    x = np.random.default_rng(0).normal(size=(tree.n_nodes, m.spec.n_embd)).astype(np.float32)
+    corr = Correction(0.7, 0.9, -1.0)
+    p = Predictor(3, 0.1, corr, m.output_norm, m.spec.rms_eps, m.output)
+    got = p.child_scores(tree, x)
+    kids = children_of(tree)
+    for node in range(tree.n_nodes):
+        if kids[node]:
+            toks, q, n_kids = candidates(tree, kids, node)
+            want = scores(lens_logits(x[node], toks, m.output_norm, m.spec.rms_eps, m.output), q, corr)[:n_kids]
+            np.testing.assert_allclose(got[kids[node]], want, rtol=1e-5, atol=1e-7)
