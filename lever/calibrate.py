@@ -29,7 +29,7 @@ from lever.cost_model import cost_model_for
 from lever.errors import LeverError
 from lever.messages import TokenTree
 from lever.model import Model
-from lever.predictor import (Artifact, Correction, artifact_path, candidates, children_of, lens_logits,
+from lever.predictor import (Artifact, Correction, artifact_path, candidates, children_of, lens_by_node,
                              prune_by_scores, scores)
 from lever.run import run_pipeline
 from lever.tokenizer import Tokenizer
@@ -66,8 +66,8 @@ class Recorder:
         kids = children_of(tree)
         if layer in self.layers:
             m = self.model
-            self._pending[layer] = {n: lens_logits(x[n], candidates(tree, kids, n)[0], m.output_norm, m.spec.rms_eps,
-                                                   m.output) for n in range(tree.n_nodes) if kids[n]}
+            lens = lens_by_node(tree, kids, x, m.output_norm, m.spec.rms_eps, m.output)
+            self._pending[layer] = {n: z for n, (_, _, _, z) in lens.items()}
         if layer == self.model.spec.n_layer - 1:
             now = time.perf_counter()
             if self.trees and self._t_last:

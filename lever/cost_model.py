@@ -310,8 +310,7 @@ def cost_model_for(cfg) -> CostModel:
     profile of the configured target and draft), else the analytic fallback; with the
     verification unit emulated slower ([runtime] emulate_layer_ms_per_token), as slow."""
     model = _cost_model_for(cfg)
-    runtime = cfg.sections.get("runtime")
-    ms = getattr(runtime, "emulate_layer_ms_per_token", 0.0)
+    ms = cfg.runtime.emulate_layer_ms_per_token
     if ms > 0:
         model = attrs.evolve(model, layer_s=[max(s, n * ms / 1e3) for n, s in zip(model.tokens, model.layer_s)],
                              source=f"{model.source}, layers at least {ms} ms/token")

@@ -64,6 +64,14 @@ class TokenTree:
                          t.size if n_given is None else n_given, commit=commit)
 
 
+def children_of(tree: TokenTree) -> list[list[int]]:
+    """Each node's children, in node order (parents come before children)."""
+    kids: list[list[int]] = [[] for _ in range(tree.n_nodes)]
+    for i in range(1, tree.n_nodes):
+        kids[int(tree.parents[i])].append(i)
+    return kids
+
+
 @attrs.frozen
 class Verified:
     """The target's last-layer hidden states for every node of a tree (before the final norm)."""

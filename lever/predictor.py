@@ -28,7 +28,7 @@ import numpy as np
 from lever import native
 from lever.calibration import Calibration
 from lever.errors import LeverError
-from lever.messages import TokenTree
+from lever.messages import TokenTree, children_of
 
 ARTIFACT_SUFFIX = ".lever-predictor.msgpack"
 
@@ -95,6 +95,25 @@ def lens_logits(x: np.ndarray, tokens: np.ndarray, norm: np.ndarray, eps: float,
     return rows @ h  # (n_candidates,)
 
 
+def lens_by_node(tree: TokenTree, kids: list[list[int]], x: np.ndarray, norm: np.ndarray, eps: float,
+                 output) -> dict[int, tuple[np.ndarray, np.ndarray, int, np.ndarray]]:
+    """For every node with children (past the given chain): (candidate tokens, draft
+    probabilities, n children, lens logits). One norm over those nodes and one dequantization
+    of every candidate row, not one per node (`lens_logits` is the one-node form)."""
+    nodes = [n for n in range(tree.n_given - 1, tree.n_nodes) if kids[n]]
+    if not nodes:
+        return {}
+    cands = [candidates(tree, kids, n) for n in nodes]
+    vocab, where = np.unique(np.concatenate([c[0] for c in cands]), return_inverse=True)
+    h = native.rmsnorm(np.ascontiguousarray(x[nodes], np.float32), norm, eps)  # (n_scored, n_embd)
+    rows = native.dequantize(output.type_id, np.ascontiguousarray(output.data[vocab]), vocab.size, output.n_in)
+    out, start = {}, 0
+    for j, (node, (toks, q, n_kids)) in enumerate(zip(nodes, cands)):
+        out[node] = (toks, q, n_kids, rows[where[start : start + toks.size]] @ h[j])
+        start += toks.size
+    return out
+
+
 def scores(z: np.ndarray, q: np.ndarray, corr: Correction) -> np.ndarray:
     """Probabilities (n_candidates,) that each candidate is the target's token."""
     s = corr.scale * z + corr.draft_weight * np.log(np.maximum(q, 1e-9))
@@ -102,13 +121,6 @@ def scores(z: np.ndarray, q: np.ndarray, corr: Correction) -> np.ndarray:
     s -= s.max()
     e = np.exp(s)
     return (e / e.sum())[:-1]
-
-
-def children_of(tree: TokenTree) -> list[list[int]]:
-    kids: list[list[int]] = [[] for _ in range(tree.n_nodes)]
-    for i in range(1, tree.n_nodes):
-        kids[int(tree.parents[i])].append(i)
-    return kids
 
 
 @attrs.define
@@ -127,23 +139,11 @@ class Predictor:
     n_scored: int = 0  # children scored, over the run
     n_pruned: int = 0  # nodes pruned (subtrees included), over the run
 
-    def child_scores(self, tree: TokenTree, x: np.ndarray) -> np.ndarray:
-        """(n_nodes,) each node's score at its parent; 1 for the given nodes. One norm over the
-        scored nodes and one dequantization of every candidate row, not one per node."""
-        kids = children_of(tree)
+    def child_scores(self, tree: TokenTree, x: np.ndarray, kids: list[list[int]] | None = None) -> np.ndarray:
+        """(n_nodes,) each node's score at its parent; 1 for the given nodes."""
+        kids = kids if kids is not None else children_of(tree)
         out = np.ones(tree.n_nodes)
-        nodes = [n for n in range(tree.n_given - 1, tree.n_nodes) if kids[n]]
-        if not nodes:
-            return out
-        cands = [candidates(tree, kids, n) for n in nodes]
-        vocab, where = np.unique(np.concatenate([c[0] for c in cands]), return_inverse=True)
-        h = native.rmsnorm(np.ascontiguousarray(x[nodes], np.float32), self.norm, self.eps)  # (n_scored, n_embd)
-        out_w = self.output
-        rows = native.dequantize(out_w.type_id, np.ascontiguousarray(out_w.data[vocab]), vocab.size, out_w.n_in)
-        start = 0
-        for j, (node, (toks, q, n_kids)) in enumerate(zip(nodes, cands)):
-            z = rows[where[start : start + toks.size]] @ h[j]
-            start += toks.size
+        for node, (_, q, n_kids, z) in lens_by_node(tree, kids, x, self.norm, self.eps, self.output).items():
             out[kids[node]] = scores(z, q, self.correction)[:n_kids]
         return out
 
@@ -153,14 +153,15 @@ class Predictor:
         branch off the backbone would save less than twice what scoring costs is not scored."""
         if tree.n_nodes <= tree.n_given:
             return np.ones(tree.n_nodes, bool)
+        kids = children_of(tree)
         if self.cost is not None:
-            n_backbone = len(backbone(tree, children_of(tree)))
+            n_backbone = len(backbone(tree, kids))
             most_s = self.cost.verify_s(tree.n_nodes) - self.cost.verify_s(tree.n_nodes, n_backbone, self.layer)
             if most_s < 2 * self.scoring_s:
                 return np.ones(tree.n_nodes, bool)
         t0 = time.perf_counter()
-        alive = prune_by_scores(tree, self.child_scores(tree, x), self.threshold, self.max_prune_share,
-                                self.cost, self.layer)
+        alive = prune_by_scores(tree, self.child_scores(tree, x, kids), self.threshold, self.max_prune_share,
+                                self.cost, self.layer, kids)
         self.scoring_s = 0.8 * self.scoring_s + 0.2 * (time.perf_counter() - t0)
         self.n_scored += tree.n_nodes - tree.n_given
         self.n_pruned += int((~alive).sum())
@@ -168,7 +169,7 @@ class Predictor:
 
 
 def prune_by_scores(tree: TokenTree, s: np.ndarray, threshold: float, max_share: float,
-                    cost=None, layer: int = -1) -> np.ndarray:
+                    cost=None, layer: int = -1, kids: list[list[int]] | None = None) -> np.ndarray:
     """(n_nodes,) bool alive: children scored under the threshold go with their subtrees, the
     lowest first, never the backbone and never past max_share of the tree's nodes.
 
@@ -177,12 +178,13 @@ def prune_by_scores(tree: TokenTree, s: np.ndarray, threshold: float, max_share:
     its pruning saves (the pass after `layer` on fewer tokens). So a pass that waits on flash
     prunes next to nothing, and a compute-bound one prunes all the hopeless branches."""
     alive = np.ones(tree.n_nodes, bool)
-    kids = children_of(tree)
+    kids = kids if kids is not None else children_of(tree)
     keep = backbone(tree, kids)
     cap = int(max_share * tree.n_nodes)
     reach = reach_probabilities(tree, s) if cost is not None else None
     expected = float(reach[tree.n_given:].sum()) + 1 if reach is not None else 0.0
     cycle_s = (tree.cycle_s or cost.verify_s(tree.n_nodes)) if cost is not None else 0.0
+    pass_s = cost.verify_s(tree.n_nodes) if cost is not None else 0.0  # with what is pruned so far
     for node in np.argsort(s, kind="stable"):
         if s[node] >= threshold:
             break
@@ -193,10 +195,10 @@ def prune_by_scores(tree: TokenTree, s: np.ndarray, threshold: float, max_share:
         if tree.n_nodes - n_alive + len(sub) > cap:
             continue
         if cost is not None:
-            saved_s = (cost.verify_s(tree.n_nodes, n_alive, layer)
-                       - cost.verify_s(tree.n_nodes, n_alive - len(sub), layer))
-            if reach[sub].sum() / expected > saved_s / cycle_s:
+            pruned_s = cost.verify_s(tree.n_nodes, n_alive - len(sub), layer)
+            if reach[sub].sum() / expected > (pass_s - pruned_s) / cycle_s:
                 continue
+            pass_s = pruned_s
         alive[sub] = False
     return alive
 
@@ -277,13 +279,11 @@ class Artifact:
         return art
 
 
-def predictor_for(cfg: PredictorConfig, model, target_path: str | os.PathLike,
-                  artifact: Artifact | None = None, cost=None) -> Predictor:
-    """The configured predictor over the target `model` (lever.model.Model)."""
+def predictor_for(cfg: PredictorConfig, model, artifact: Artifact | None = None, cost=None) -> Predictor:
+    """The configured predictor over the target `model` (lever.model.Model); `artifact` (from
+    `lever calibrate`) gives the correction, and the layer and threshold the config leaves to it."""
     n_layer = model.spec.n_layer
     layer, threshold, corr = cfg.layer, cfg.threshold, Correction()
-    if artifact is None and (layer < 0 or threshold < 0):
-        artifact = Artifact.read(artifact_path(cfg.artifact, target_path), target_path)
     if artifact is not None:
         corr = artifact.correction
         layer = artifact.layer if layer < 0 else layer

@@ -62,7 +62,7 @@ class RunResult:
     lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead, of all decoding cycles
     placement: dict[str, str] = attrs.field(factory=dict)  # where each stage's work ran
     token_layers: int = 0  # nodes x layers the target computed, over the run
-    layer_tokens: list[int] = attrs.field(factory=list)  # nodes computed at each target layer, over the run
+    layer_tokens: list[int] = attrs.field(factory=list)  # nodes computed at each target layer, decoding passes only
     prune_layer: int = -1  # the pruning predictor's layer (-1: none)
     pruned_share: float = 0.0  # tree nodes (past the root) the predictor pruned
     temperature: float = 0.0  # 0: greedy, so the tokens must equal the target's own greedy decoding
@@ -148,7 +148,7 @@ def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None
     art = None
     if want_table or pc.layer < 0 or pc.threshold < 0:
         art = Artifact.read(artifact_path(str(cfg.resolve_path(pc.artifact)) if pc.artifact else "", path), path)
-    pred = predictor_for(pc, target.model, path, art, cost) if pc.enabled else None
+    pred = predictor_for(pc, target.model, art, cost) if pc.enabled else None
     return pred, copy.deepcopy(art.calibration) if want_table else None
 
 

@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 
 from lever.graph import Stage
-from lever.messages import Accepted, TokenTree, Verified
+from lever.messages import Accepted, TokenTree, Verified, children_of
 from lever.sampling import SamplingParams, distribution, rejection_sample, sample
 from lever.trace import Tracer
 
@@ -31,13 +31,6 @@ class AcceptConfig:
     eos_ids: frozenset[int] = frozenset()  # tokens that end the generation
     n_ctx: int = 4096  # the target's context: stop before it is full
     full_lm_head: bool = False  # run the output projection on every node (EdgeLLM-like), not only the path
-
-
-def children_of(tree: TokenTree) -> list[list[int]]:
-    kids: list[list[int]] = [[] for _ in range(tree.n_nodes)]
-    for i in range(1, tree.n_nodes):
-        kids[int(tree.parents[i])].append(i)
-    return kids
 
 
 def likely_path(tree: TokenTree, kids: list[list[int]], node: int, n: int) -> list[int]:
