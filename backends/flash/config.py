@@ -143,6 +143,11 @@ class FlashConfig:
     """Emulated latency added to every read (0 = none); reads in flight overlap theirs, as
     commands queued on a UFS device do."""
 
+    read_retries: int = 1
+    """Retries of a read that failed with EIO or EAGAIN, after a short backoff (0: none). One
+    gets past a transient fault (a link reset, a card reader's hiccup) and a persistent one
+    still ends the run within a second; see store.py for what is never retried."""
+
     dram_budget: int | float | str = 0
     """DRAM for layers kept resident (read once), outside the staging window: bytes (int or
     "512MiB"), a fraction of all layer bytes (0.25, "25%") or a layer count ("8L"). 0 streams
@@ -160,4 +165,6 @@ class FlashConfig:
                "bandwidth_cap_bytes_per_s", self.bandwidth_cap_bytes_per_s, "a number >= 0 (0 = no cap)")
         _check(_is_number(self.read_latency_ms) and self.read_latency_ms >= 0, "read_latency_ms",
                self.read_latency_ms, "a number >= 0")
+        _check(_is_int(self.read_retries) and 0 <= self.read_retries <= 10, "read_retries", self.read_retries,
+               "an integer from 0 to 10")
         parse_budget(self.dram_budget)

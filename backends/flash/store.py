@@ -19,11 +19,33 @@ Two ways to read, chosen by FlashConfig.mode:
   buffer protocol as direct mode, a page cache that never holds more than the chunks in
   flight, and no view that, used after its layer was released, silently faults the pages back
   in from flash.
+
+What is retried, and what ends the run (every error names the file, the layer and the offset):
+
+- EINTR: retried at once, by Python itself (PEP 475) - a signal is not a device fault.
+- EAGAIN and EIO: retried up to `read_retries` times (default 1) after a short backoff, at
+  the offset where the transfer stopped. EAGAIN says "try again"; an EIO from flash usually
+  means the controller already gave up after its own ECC retries, but a cable, a link reset
+  or a card reader can fail once and then read fine, and a read-only retry costs one read
+  and can corrupt nothing. A second failure ends the run.
+- A transfer of whole pages but fewer than asked: continued from where it stopped (legal
+  for any device). End-of-file or a transfer stopping mid-page where the file should have
+  data: a short read, an error (the file was truncated, or the device lies).
+- The file changed since open (size or mtime, checked after every read): an error, never
+  retried - the bytes may be from another model, and using them would be silent corruption.
+  A file renamed over the path is not a change: the descriptor keeps the file that was
+  opened and checked, and the run goes on reading it.
+- A slow read (latency spike) is waited for: there is no timeout, since a read cannot be
+  interrupted from user space (the thread would stay stuck in the kernel anyway), and a
+  Ctrl-C waits only for the reads in flight.
+
+Faults (faults.py) can be injected between the store and its file, for the tests.
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import sys
@@ -37,6 +59,7 @@ from lever.gguf_file import GGUFFile
 
 from .config import PAGE_BYTES, FlashConfig, plan_residency
 from .device import Counters, FlashStats, Throttle
+from .faults import Faults, active
 from .layout import LayerExtent, Read, layer_extents, plan_chunks, round_down, round_up
 from .pool import BufferPool, StagingBuffer
 
@@ -44,13 +67,19 @@ from .pool import BufferPool, StagingBuffer
 FOLIO_MAX_BYTES = 2 * 2**20
 # Python 3.11's mmap module lacks the name; 22 is its value on every Linux ABI we run on.
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None)
+RETRIED = frozenset({errno.EAGAIN, errno.EIO})
+# Long enough for a link reset or a controller's busy spell to pass, short enough that a
+# persistent error still ends the run well within a second.
+RETRY_BACKOFF_S = 0.02
 
 
 class FlashStore:
     """Streamed and resident layers of one GGUF file. Close it (or use `with`)."""
 
-    def __init__(self, path: str | os.PathLike, config: FlashConfig | None = None, *, file: GGUFFile | None = None):
+    def __init__(self, path: str | os.PathLike, config: FlashConfig | None = None, *, file: GGUFFile | None = None,
+                 faults: Faults | None = None):
         self.config = config = config or FlashConfig()
+        self.faults = faults if faults is not None else active()
         self.file = file or GGUFFile(path)
         self.path = self.file.path
         self.extents: list[LayerExtent] = layer_extents(self.file)
@@ -64,6 +93,7 @@ class FlashStore:
         self._map: mmap.mmap | None = None
         self._file_bytes: np.ndarray | None = None
         self._populate_read = MADV_POPULATE_READ
+        self._read_no = itertools.count()  # numbers reads for the faults; next() on it is atomic
         self.pool: BufferPool | None = None
         self._fd = -1
         self._fd = self._open_fd()
@@ -81,6 +111,8 @@ class FlashStore:
             self.close()
             raise
         self._counters.reset()
+        if self.faults is not None:
+            self.faults.attach(self)
 
     # -- opening and closing
 
@@ -167,48 +199,66 @@ class FlashStore:
         if r.buffer_offset + r.n_bytes > buffer.n_bytes:
             raise LeverError(f"{self.path}: layer {r.layer} needs {self.extents[r.layer].buffer_bytes} bytes, "
                              f"buffer {buffer.index} has {buffer.n_bytes}")
+        n = next(self._read_no)
+        if self.faults is not None:
+            self.faults.before_read(n, r, self.path)
         buffer.begin(r.layer, r.index)
         deadline = self._throttle.deadline(r.n_bytes) if self._throttle.active else 0.0
         t0 = time.perf_counter()
         if self._map is None:
-            self._pread(r, buffer)
+            self._pread(r, buffer, n)
         else:
-            self._copy_from_map(r, buffer)
-        self._check_unchanged(r)
+            self._copy_from_map(r, buffer, n)
+        self._check_unchanged(f"layer {r.layer}", r.file_offset)
         if deadline:
             Throttle.wait_until(deadline)
         self._counters.add(r.n_bytes, r.data_bytes, time.perf_counter() - t0)
         buffer.landed(r.layer, r.index)
 
-    def _pread(self, r: Read, buffer: StagingBuffer) -> None:
+    def _transfer(self, do, where: str, offset: int, n_bytes: int, n: int | None = None) -> int:
+        """One transfer (`do()`: the syscall, returning bytes moved) of read `n` (None: not
+        a layer's, no faults), retried on the errors worth retrying (see the module docstring)."""
+        for attempt in itertools.count(1):
+            try:
+                return self.faults.transfer(n, do) if self.faults is not None and n is not None else do()
+            except OSError as e:
+                if e.errno not in RETRIED or attempt > self.config.read_retries:
+                    tries = f" after {attempt} attempts" if attempt > 1 else ""
+                    raise LeverError(f"{self.path}: {where}, offset {offset}: read of {n_bytes} bytes failed "
+                                     f"({e.strerror or e}){tries}") from e
+            time.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
+
+    def _pread(self, r: Read, buffer: StagingBuffer, n: int) -> None:
         dest = buffer.array[r.buffer_offset : r.buffer_offset + r.n_bytes]
         got = 0
         while got < r.need_bytes:
-            try:
-                n = os.preadv(self._fd, [dest[got:]], r.file_offset + got)
-            except OSError as e:
-                raise self._error(r, f"read of {r.n_bytes - got} bytes failed ({e.strerror or e})",
-                                  r.file_offset + got) from e
-            got += max(n, 0)
+            at = r.file_offset + got
+            moved = self._transfer(lambda: os.preadv(self._fd, [dest[got:]], at), f"layer {r.layer}", at,
+                                   r.n_bytes - got, n)
+            got += max(moved, 0)
             # A transfer that is not a whole number of pages stopped at the end of the file;
             # O_DIRECT could not continue from there anyway.
-            if n <= 0 or got % PAGE_BYTES:
+            if moved <= 0 or got % PAGE_BYTES:
                 break
         if got < r.need_bytes:
             raise self._error(r, f"short read: {got} of {r.need_bytes} bytes{self._changed_note()}", r.file_offset)
 
-    def _copy_from_map(self, r: Read, buffer: StagingBuffer) -> None:
-        start, n = r.file_offset, r.need_bytes
-        if os.fstat(self._fd).st_size < start + n:  # touching pages past the end is SIGBUS
-            raise self._error(r, f"short read: file ends before {start + n}{self._changed_note()}", start)
-        span = round_up(n)
-        try:
+    def _copy_from_map(self, r: Read, buffer: StagingBuffer, n: int) -> None:
+        start, need = r.file_offset, r.need_bytes
+        if os.fstat(self._fd).st_size < start + need:  # touching pages past the end is SIGBUS
+            raise self._error(r, f"short read: file ends before {start + need}{self._changed_note()}", start)
+        span = round_up(need)
+
+        def fault_in() -> int:
             self._map.madvise(mmap.MADV_WILLNEED, start, span)
             if self._populate_read is not None:
                 self._populate(start, span)
-        except OSError as e:
-            raise self._error(r, f"read of {n} bytes failed ({e.strerror or e})", start) from e
-        buffer.array[r.buffer_offset : r.buffer_offset + n] = self._file_bytes[start : start + n]
+            return span
+
+        got = self._transfer(fault_in, f"layer {r.layer}", start, need, n)
+        if got < need:
+            raise self._error(r, f"short read: {got} of {need} bytes{self._changed_note()}", start)
+        buffer.array[r.buffer_offset : r.buffer_offset + need] = self._file_bytes[start : start + need]
         # The copy is what compute uses; holding the pages too would double the DRAM.
         self._drop_range(start, span)
 
@@ -245,6 +295,48 @@ class FlashStore:
         separately."""
         for run in self.extents[self._layer_index(layer)].runs:
             self._drop_range(run.file_start, run.n_bytes)
+
+    # -- tensors outside the layers
+
+    def tensor_rows(self, name: str, rows: np.ndarray | None = None) -> np.ndarray:
+        """Rows of a tensor outside the layers (the output head, embeddings) read through the
+        file descriptor into anonymous memory: (n, row_bytes) uint8, every row when None.
+
+        What a run touches while it streams must not be mapped from the file: a mapped page
+        of a file truncated under us kills the process (SIGBUS), where a read is an error to
+        report, and a read can be checked against a file changed since open."""
+        if self._fd < 0:
+            raise LeverError(f"{self.path}: flash store is closed")
+        info = self.file.tensor(name)
+        row_bytes = info.n_bytes // info.n_rows
+        if rows is None:
+            out = self._read_span(f"tensor {name}", info.offset, info.n_bytes).reshape(info.n_rows, row_bytes)
+        else:
+            out = np.empty((len(rows), row_bytes), np.uint8)
+            for j, i in enumerate(np.asarray(rows, np.int64)):
+                out[j] = self._read_span(f"tensor {name} row {i}", info.offset + int(i) * row_bytes, row_bytes)
+        self._check_unchanged(f"tensor {name}", info.offset)
+        return out
+
+    def _read_span(self, where: str, start: int, n_bytes: int) -> np.ndarray:
+        """[start, start + n_bytes) of the file, as a view into fresh page-aligned anonymous
+        memory (O_DIRECT's rule: aligned offsets, lengths and buffers)."""
+        first = round_down(start)
+        span = round_up(start + n_bytes) - first
+        dest = np.frombuffer(mmap.mmap(-1, span), np.uint8)
+        got = 0
+        while got < span:
+            at = first + got
+            moved = self._transfer(lambda: os.preadv(self._fd, [dest[got:]], at), where, at, span - got)
+            got += max(moved, 0)
+            if moved <= 0 or got % PAGE_BYTES:
+                break
+        if got < start - first + n_bytes:
+            raise LeverError(f"{self.path}: {where}, offset {start}: short read: {max(got - (start - first), 0)} "
+                             f"of {n_bytes} bytes{self._changed_note()}")
+        if self._map is not None:
+            self._drop_range(first, span)  # mmap mode's fd is buffered: keep the page cache clean
+        return dest[start - first : start - first + n_bytes]
 
     # -- resident layers
 
@@ -294,10 +386,10 @@ class FlashStore:
             self._map.madvise(mmap.MADV_DONTNEED, start, min(n_bytes, round_up(len(self._map)) - start))
         os.posix_fadvise(self._fd, start, n_bytes, os.POSIX_FADV_DONTNEED)
 
-    def _check_unchanged(self, r: Read) -> None:
+    def _check_unchanged(self, where: str, offset: int) -> None:
         st = os.fstat(self._fd)
         if (st.st_ino, st.st_size, st.st_mtime_ns) != self._identity:
-            raise self._error(r, f"file changed while open{self._changed_note()}", r.file_offset)
+            raise LeverError(f"{self.path}: {where}, offset {offset}: file changed while open{self._changed_note()}")
 
     def _changed_note(self) -> str:
         size = os.fstat(self._fd).st_size
