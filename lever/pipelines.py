@@ -16,6 +16,7 @@ import anyio
 import attrs
 import numpy as np
 
+from lever import native
 from lever.backends.flash import FlashConfig, FlashStore
 from lever.calibration import Calibration
 from lever.compute import ComputeSlot
@@ -52,6 +53,14 @@ class FlashTarget:
         store = FlashStore(path, flash, file=f)
         try:
             resident = {i: load_layer(f, model.spec, i, raws=store.resident_layer(i)) for i in sorted(store.resident)}
+            # The head is resident and read whole every cycle: a copy costs no more DRAM than
+            # its mapping, and a mapped page of a file truncated under the run would kill the
+            # process (SIGBUS) where a read through the store is an error naming the file.
+            tied = model.output is model.tok_embd
+            model.output = attrs.evolve(model.output, data=store.tensor_rows(
+                "token_embd.weight" if tied else "output.weight"))
+            if tied:
+                model.tok_embd = model.output
         except BaseException:
             store.close()
             raise
@@ -70,6 +79,18 @@ class FlashTarget:
     def window_bytes(self) -> int:
         pool = self.store.pool
         return pool.n_buffers * pool.buffer_bytes if pool and self.store.streamed else 0
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """Model.embed, with untied embeddings read row by row through the store rather than
+        from the mapping (see `open`)."""
+        m = self.model
+        if m.tok_embd is m.output:
+            return m.embed(tokens)
+        tokens = np.asarray(tokens, np.int64)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= m.spec.n_vocab):
+            raise LeverError(f"token id out of range [0, {m.spec.n_vocab}): {tokens.min()}..{tokens.max()}")
+        rows = self.store.tensor_rows("token_embd.weight", tokens)
+        return native.dequantize(m.tok_embd.type_id, rows, tokens.size, m.tok_embd.n_in)
 
     def warm_head(self) -> None:
         """Touch the output head once so the first pass does not count its read as streaming."""
@@ -104,7 +125,7 @@ def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: Samplin
                         calibration=calibration, ahead_beside=bool(compute.ahead_cores))
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
-    verify = PrunedVerify("verify", spec, target.model.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
+    verify = PrunedVerify("verify", spec, target.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
                           compute, predictor, tracer, observer, cfg.runtime.emulate_layer_ms_per_token / 1e3,
                           placement.verify_fn if placement is not None else layer_forward)
     accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.policy == "confidence"),
