@@ -14,7 +14,9 @@ Two ways to read, chosen by FlashConfig.mode:
 - mmap: the file is mapped, and each chunk is faulted in (MADV_WILLNEED to issue one large
   read, MADV_POPULATE_READ to wait for it and surface I/O errors as errno instead of SIGBUS),
   copied into the buffer, and dropped from the mapping and the page cache at once. The copy
-  costs a memcpy (several times faster than phone flash, and on a worker thread) but buys
+  is a pread from the page cache just filled, not a memcpy from the mapping: the same one
+  copy, but a file truncated meanwhile then gives a short read instead of SIGBUS. It costs
+  (several times faster than phone flash, and on a worker thread) but buys
   what zero-copy views of the mapping cannot give: the same bounded staging window and
   buffer protocol as direct mode, a page cache that never holds more than the chunks in
   flight, and no view that, used after its layer was released, silently faults the pages back
@@ -91,7 +93,6 @@ class FlashStore:
         self._resident_bufs: dict[int, StagingBuffer] = {}
         self._resident_lock = threading.Lock()
         self._map: mmap.mmap | None = None
-        self._file_bytes: np.ndarray | None = None
         self._populate_read = MADV_POPULATE_READ
         self._read_no = itertools.count()  # numbers reads for the faults; next() on it is atomic
         self.pool: BufferPool | None = None
@@ -133,7 +134,6 @@ class FlashStore:
         # No readahead on faults: each chunk asks for exactly its pages (MADV_WILLNEED), and
         # the kernel's guesses would pull in neighbours - often resident or not yet due.
         self._map.madvise(mmap.MADV_RANDOM)
-        self._file_bytes = np.frombuffer(self._map, np.uint8)
 
     def close(self) -> None:
         """Close the file and free the window and resident layers; views handed out keep
@@ -143,7 +143,6 @@ class FlashStore:
         for buf in self._resident_bufs.values():
             buf.close()
         self._resident_bufs = {}
-        self._file_bytes = None
         if self._map is not None:
             try:
                 self._map.close()
@@ -225,7 +224,7 @@ class FlashStore:
                 if e.errno not in RETRIED or attempt > self.config.read_retries:
                     tries = f" after {attempt} attempts" if attempt > 1 else ""
                     raise LeverError(f"{self.path}: {where}, offset {offset}: read of {n_bytes} bytes failed "
-                                     f"({e.strerror or e}){tries}") from e
+                                     f"({e.strerror or e}){tries}{self._changed_note()}") from e
             time.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
 
     def _pread(self, r: Read, buffer: StagingBuffer, n: int) -> None:
@@ -245,7 +244,7 @@ class FlashStore:
 
     def _copy_from_map(self, r: Read, buffer: StagingBuffer, n: int) -> None:
         start, need = r.file_offset, r.need_bytes
-        if os.fstat(self._fd).st_size < start + need:  # touching pages past the end is SIGBUS
+        if os.fstat(self._fd).st_size < start + need:  # say so before madvise fails with EFAULT
             raise self._error(r, f"short read: file ends before {start + need}{self._changed_note()}", start)
         span = round_up(need)
 
@@ -255,10 +254,16 @@ class FlashStore:
                 self._populate(start, span)
             return span
 
-        got = self._transfer(fault_in, f"layer {r.layer}", start, need, n)
+        where = f"layer {r.layer}"
+        got = self._transfer(fault_in, where, start, need, n)
+        if got >= need:  # the copy, from the pages just faulted in
+            dest, got, moved = buffer.array[r.buffer_offset : r.buffer_offset + need], 0, 1
+            while got < need and moved > 0:
+                moved = self._transfer(lambda: os.preadv(self._fd, [dest[got:]], start + got), where, start + got,
+                                       need - got)
+                got += moved
         if got < need:
             raise self._error(r, f"short read: {got} of {need} bytes{self._changed_note()}", start)
-        buffer.array[r.buffer_offset : r.buffer_offset + need] = self._file_bytes[start : start + need]
         # The copy is what compute uses; holding the pages too would double the DRAM.
         self._drop_range(start, span)
 
