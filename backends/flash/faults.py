@@ -39,7 +39,8 @@ class Faults:
     """This read's first transfer reports `short_bytes` moved, whatever it moved."""
     short_bytes: int = 0
     """0 is end-of-file where data should be; a multiple of 4096 is a partial transfer, which
-    a device may legally return and the store must continue from."""
+    a device may legally return and direct mode must continue from (mmap mode faults a chunk
+    in whole or not at all, so there any short count is an error)."""
     truncate_at: int | None = None
     """Before this read the file is truncated to `truncate_to` bytes (another process's doing)."""
     truncate_to: int = 0

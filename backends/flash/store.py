@@ -14,9 +14,9 @@ Two ways to read, chosen by FlashConfig.mode:
 - mmap: the file is mapped, and each chunk is faulted in (MADV_WILLNEED to issue one large
   read, MADV_POPULATE_READ to wait for it and surface I/O errors as errno instead of SIGBUS),
   copied into the buffer, and dropped from the mapping and the page cache at once. The copy
-  is a pread from the page cache just filled, not a memcpy from the mapping: the same one
-  copy, but a file truncated meanwhile then gives a short read instead of SIGBUS. It costs
-  (several times faster than phone flash, and on a worker thread) but buys
+  (several times faster than phone flash, and on a worker thread) is a pread from the pages
+  just faulted in rather than a memcpy from the mapping - the same one copy, but a file
+  truncated meanwhile gives a short read instead of SIGBUS - and buys
   what zero-copy views of the mapping cannot give: the same bounded staging window and
   buffer protocol as direct mode, a page cache that never holds more than the chunks in
   flight, and no view that, used after its layer was released, silently faults the pages back
@@ -53,6 +53,7 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 
 import numpy as np
 
@@ -232,7 +233,7 @@ class FlashStore:
         got = 0
         while got < r.need_bytes:
             at = r.file_offset + got
-            moved = self._transfer(lambda: os.preadv(self._fd, [dest[got:]], at), f"layer {r.layer}", at,
+            moved = self._transfer(partial(os.preadv, self._fd, [dest[got:]], at), f"layer {r.layer}", at,
                                    r.n_bytes - got, n)
             got += max(moved, 0)
             # A transfer that is not a whole number of pages stopped at the end of the file;
@@ -259,7 +260,7 @@ class FlashStore:
         if got >= need:  # the copy, from the pages just faulted in
             dest, got, moved = buffer.array[r.buffer_offset : r.buffer_offset + need], 0, 1
             while got < need and moved > 0:
-                moved = self._transfer(lambda: os.preadv(self._fd, [dest[got:]], start + got), where, start + got,
+                moved = self._transfer(partial(os.preadv, self._fd, [dest[got:]], start + got), where, start + got,
                                        need - got)
                 got += moved
         if got < need:
@@ -332,7 +333,7 @@ class FlashStore:
         got = 0
         while got < span:
             at = first + got
-            moved = self._transfer(lambda: os.preadv(self._fd, [dest[got:]], at), where, at, span - got)
+            moved = self._transfer(partial(os.preadv, self._fd, [dest[got:]], at), where, at, span - got)
             got += max(moved, 0)
             if moved <= 0 or got % PAGE_BYTES:
                 break
