@@ -202,8 +202,10 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
 from lever.profile import ProfileConfig  # noqa: E402  (the [profile] section; it imports register_section)
 from lever.predictor import PredictorConfig  # noqa: E402  (the [predictor] section)
 from lever.placement import PlacementConfig, QnnConfig  # noqa: E402  ([placement] and [qnn])
+from lever.memory import MemoryConfig  # noqa: E402  (the [memory] section)
 
 register_section("profile", ProfileConfig)
 register_section("predictor", PredictorConfig)
 register_section("placement", PlacementConfig)
 register_section("qnn", QnnConfig)
+register_section("memory", MemoryConfig)

@@ -47,8 +47,8 @@ class FlashTarget:
     resident: dict[int, LayerWeights]
 
     @classmethod
-    def open(cls, path, flash: FlashConfig) -> FlashTarget:
-        f = GGUFFile(path)
+    def open(cls, path, flash: FlashConfig, file: GGUFFile | None = None) -> FlashTarget:
+        f = file or GGUFFile(path)
         model = Model(file=f, load_layers=False)
         store = FlashStore(path, flash, file=f)
         try:

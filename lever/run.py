@@ -20,7 +20,11 @@ from lever.calibration import Calibration
 from lever.config import Config
 from lever.errors import LeverError
 from lever.cost_model import cost_model_for
+from lever.gguf_file import GGUFFile
+from lever.memory import MemoryPlan, check as check_memory, plan_memory
 from lever.model import Model
+from lever.model_spec import read_spec
+from lever.stages.tree_expand import TreeExpandConfig
 from lever.pipelines import FlashTarget, compose
 from lever.placement import placement_for
 from lever.predictor import Artifact, Predictor, artifact_path, predictor_for
@@ -61,6 +65,7 @@ class RunResult:
     draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
     lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead, of all decoding cycles
     placement: dict[str, str] = attrs.field(factory=dict)  # where each stage's work ran
+    memory: MemoryPlan | None = None  # what lever.memory planned before loading, checked against [memory] limit
     token_layers: int = 0  # nodes x layers the target computed, over the run
     layer_tokens: list[int] = attrs.field(factory=list)  # nodes computed at each target layer, decoding passes only
     prune_layer: int = -1  # the pruning predictor's layer (-1: none)
@@ -100,7 +105,8 @@ class RunResult:
     def as_json(self) -> dict:
         d = attrs.asdict(self, filter=lambda a, _: a.name != "baseline")
         d.update(decode_tps=self.decode_tps, ms_per_token=self.ms_per_token, flash_mb_per_token=self.flash_mb_per_token,
-                 pass_wall_ratio=self.pass_wall_ratio)
+                 pass_wall_ratio=self.pass_wall_ratio,
+                 rss_bound_bytes=self.memory.rss_bound_bytes if self.memory is not None else 0)
         if self.baseline is not None:
             d.update(baseline=self.baseline.as_json(), speedup=self.speedup, baseline_tokens_equal=self.baseline_tokens_equal)
         return d
@@ -124,9 +130,31 @@ def _run_kind(cfg: Config, kind: str, prompt: str, on_text, trace_path, observer
     if not cfg.model.target:
         raise LeverError(f"{cfg.path or 'config'}: [model] target: no target model given")
     flash = attrs.evolve(cfg.flash, dram_budget=1.0) if kind == "resident-ar" else cfg.flash
-    target = FlashTarget.open(cfg.resolve_path(cfg.model.target), flash)
+    # Headers, tokenizer and prompt first: the memory plan is checked before anything is loaded.
+    path = cfg.resolve_path(cfg.model.target)
+    f = GGUFFile(path)
+    spec = read_spec(f)
+    tok = Tokenizer.from_gguf(f)
+    n_ctx = min(cfg.model.n_ctx, spec.n_ctx_train)
+    prompt_ids = tok.encode(prompt)
+    if not prompt_ids:
+        raise LeverError("empty prompt")
+    if len(prompt_ids) >= n_ctx:
+        raise LeverError(f"prompt is {len(prompt_ids)} tokens, over the context of {n_ctx} ([model] n_ctx)")
+    draft_file = draft_spec = None
+    if kind == "speculative":
+        if not cfg.model.draft:
+            raise LeverError(f"{cfg.path or 'config'}: [model] draft: a speculative pipeline needs a draft model")
+        draft_file = GGUFFile(cfg.resolve_path(cfg.model.draft))
+        draft_spec = read_spec(draft_file)
+    tree_rows = cfg.tree_expand.max_nodes if kind == "speculative" else TreeExpandConfig(policy="none").max_nodes
+    plan = plan_memory(f, spec, flash, n_ctx, max(len(prompt_ids), tree_rows), tree_rows, draft_file, draft_spec,
+                       cfg.tree_expand.draft_rows if kind == "speculative" else 0)
+    check_memory(plan, cfg.memory, str(cfg.path or "config"))
+    target = FlashTarget.open(path, flash, file=f)
     try:
-        return _run(cfg, kind, target, prompt, on_text, trace_path, observer)
+        draft = Model(file=draft_file) if draft_file is not None else None
+        return _run(cfg, kind, target, tok, prompt_ids, n_ctx, plan, draft, on_text, trace_path, observer)
     finally:
         target.close()
 
@@ -152,18 +180,12 @@ def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None
     return pred, copy.deepcopy(art.calibration) if want_table else None
 
 
-def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trace_path, observer=None) -> RunResult:
+def _run(cfg: Config, kind: str, target: FlashTarget, tok: Tokenizer, prompt_ids: list[int], n_ctx: int,
+         plan: MemoryPlan, draft: Model | None, on_text, trace_path, observer=None) -> RunResult:
     spec = target.model.spec
-    tok = Tokenizer.from_gguf(target.model.file)
-    prompt_ids = tok.encode(prompt)
-    n_ctx = min(cfg.model.n_ctx, spec.n_ctx_train)
-    if not prompt_ids:
-        raise LeverError("empty prompt")
-    if len(prompt_ids) >= n_ctx:
-        raise LeverError(f"prompt is {len(prompt_ids)} tokens, over the context of {n_ctx} ([model] n_ctx)")
     g = cfg.generate
     params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed)
-    tracer = Tracer()
+    tracer = Tracer(keep_spans=bool(trace_path))
     stream = StreamDecoder(tok, at_start=False)
     t_first: list[float] = []
 
@@ -173,11 +195,7 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         if on_text:
             on_text("".join(stream.push(t) for t in ts))
 
-    draft, tree = None, None
-    if kind == "speculative":
-        if not cfg.model.draft:
-            raise LeverError(f"{cfg.path or 'config'}: [model] draft: a speculative pipeline needs a draft model")
-        draft, tree = Model(cfg.resolve_path(cfg.model.draft)), cfg.tree_expand
+    tree = cfg.tree_expand if kind == "speculative" else None
     cost = cost_model_for(cfg) if kind == "speculative" else None
     predictor, calibration = _predictor(cfg, target, cost) if kind == "speculative" else (None, None)
     place = placement_for(cfg, spec, draft.spec if draft is not None else None, n_ctx)
@@ -214,7 +232,7 @@ def _run(cfg: Config, kind: str, target: FlashTarget, prompt: str, on_text, trac
         accepted_per_pass=sum(out.accepted_per_pass[1:]) / decode_passes if n_passes > 1 else 0.0,
         mean_tree_nodes=sum(h.expand.tree_sizes) / len(h.expand.tree_sizes) if h.expand.tree_sizes else 1.0,
         dram_budget_bytes=target.resident_bytes + target.head_bytes + target.window_bytes + kv_bytes + draft_bytes,
-        draft_bytes=draft_bytes,
+        draft_bytes=draft_bytes, memory=plan,
         resident_layer_bytes=target.resident_bytes, head_bytes=target.head_bytes, window_bytes=target.window_bytes, kv_cache_bytes=kv_bytes,
         streamed_bytes_per_pass=per_pass_bytes,
         flash_read_bytes=max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,

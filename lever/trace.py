@@ -29,16 +29,36 @@ class Span:
     thread: int = 0
 
 
+FOLD_SPANS = 4096  # spans held before the finished part is folded into totals (bounds memory on long runs)
+
+
 class Tracer:
-    def __init__(self, enabled: bool = True):
+    """Records spans. The summary's totals are folded in as the run goes: spans that ended
+    before every span still open (and so before any span yet to start) can no longer change
+    a union or an overlap, so they become seconds and are dropped; a run of hours holds at
+    most FOLD_SPANS spans. Only `keep_spans` (for a `--trace` file) keeps every span."""
+
+    def __init__(self, enabled: bool = True, keep_spans: bool = False):
         self.enabled = enabled
+        self.keep_spans = keep_spans
         self.t0 = time.perf_counter()
-        self._spans: list[Span] = []
+        self._spans: list[Span] = []  # every span (keep_spans), or those not folded yet
+        self._pending: list[Span] = []
+        self._open: dict[int, float] = {}  # id of a span under way -> its start
+        self._folded = _Totals()
+        self._read_bytes = 0
+        self._first_s, self._last_s = float("inf"), float("-inf")
         self._lock = threading.Lock()
 
     @contextmanager
     def span(self, stage: str, what: str, kind: str = "compute", n_bytes: int = 0, batch: int = 0):
-        start = time.perf_counter()
+        key = object()
+        if self.enabled:
+            with self._lock:  # the start is taken under the lock: no span can start before a fold's horizon
+                start = time.perf_counter()
+                self._open[id(key)] = start - self.t0
+        else:
+            start = time.perf_counter()
         try:
             yield
         finally:
@@ -46,14 +66,31 @@ class Tracer:
                 s = Span(stage, what, start - self.t0, time.perf_counter() - self.t0, kind, n_bytes, batch,
                          threading.get_ident())
                 with self._lock:
-                    self._spans.append(s)
+                    del self._open[id(key)]
+                    self._add(s)
+
+    def _add(self, s: Span) -> None:
+        if self.keep_spans:
+            self._spans.append(s)
+        self._pending.append(s)
+        if s.kind == "io":
+            self._read_bytes += s.n_bytes
+        self._first_s, self._last_s = min(self._first_s, s.start_s), max(self._last_s, s.end_s)
+        if len(self._pending) >= FOLD_SPANS:
+            horizon = min(self._open.values(), default=s.end_s)
+            self._folded = self._folded + _measure(self._pending, horizon)
+            self._pending = [attrs.evolve(p, start_s=max(p.start_s, horizon)) for p in self._pending
+                             if p.end_s > horizon]
 
     @property
     def spans(self) -> list[Span]:
+        """Every span of the run (keep_spans), else those not yet folded into the totals."""
         with self._lock:
-            return list(self._spans)
+            return list(self._spans if self.keep_spans else self._pending)
 
     def write_chrome(self, path) -> None:
+        if not self.keep_spans:
+            raise ValueError("write_chrome: this tracer folds its spans; make it with keep_spans=True")
         tids: dict[int, int] = {}
         events = []
         for s in self.spans:
@@ -67,7 +104,46 @@ class Tracer:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
     def summary(self) -> TraceSummary:
-        return summarize(self.spans)
+        with self._lock:
+            t = self._folded + _measure(self._pending, float("inf"))
+            wall = self._last_s - self._first_s if self._pending or self._folded.stage_s else 0.0
+            return TraceSummary(t.stage_s, t.io_s, t.compute_s, t.overlap_s, self._read_bytes, max(wall, 0.0),
+                                t.pass_s, t.hidden_s)
+
+
+@attrs.frozen
+class _Totals:
+    """Seconds measured on spans up to some time: unions per stage, and their overlaps."""
+
+    stage_s: dict[str, float] = attrs.field(factory=dict)
+    pass_s: dict[str, float] = attrs.field(factory=dict)
+    hidden_s: dict[tuple[str, str], float] = attrs.field(factory=dict)
+    io_s: float = 0.0
+    compute_s: float = 0.0
+    overlap_s: float = 0.0
+
+    def __add__(self, o: _Totals) -> _Totals:
+        def add(a: dict, b: dict) -> dict:
+            return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
+
+        return _Totals(add(self.stage_s, o.stage_s), add(self.pass_s, o.pass_s), add(self.hidden_s, o.hidden_s),
+                       self.io_s + o.io_s, self.compute_s + o.compute_s, self.overlap_s + o.overlap_s)
+
+
+def _measure(spans: list[Span], upto: float) -> _Totals:
+    """The totals of `spans` restricted to times before `upto`."""
+    by_stage: dict[str, list] = defaultdict(list)
+    passes: dict[str, list] = defaultdict(list)
+    for s in spans:  # a "pass" span is a stage's whole unit of work, waits included: not busy time
+        (passes if s.kind == "pass" else by_stage)[s.stage].append((s.start_s, s.end_s))
+    busy = {k: _clip(_union(v), upto) for k, v in by_stage.items()}
+    whole = {k: _clip(_union(v), upto) for k, v in passes.items()}
+    io = _clip(_union([(s.start_s, s.end_s) for s in spans if s.kind == "io"]), upto)
+    comp = _clip(_union([(s.start_s, s.end_s) for s in spans if s.kind == "compute"]), upto)
+    return _Totals(
+        {k: _length(v) for k, v in busy.items()}, {k: _length(v) for k, v in whole.items()},
+        {(a, b): _length(_intersect(x, y)) for a, x in busy.items() for b, y in whole.items()},
+        _length(io), _length(comp), _length(_intersect(io, comp)))
 
 
 @attrs.frozen
@@ -78,18 +154,17 @@ class TraceSummary:
     overlap_s: float  # wall seconds with both
     read_bytes: int
     wall_s: float
-    stage_intervals: dict[str, list] = attrs.field(factory=dict, repr=False)  # stage -> union of its busy spans
-    pass_intervals: dict[str, list] = attrs.field(factory=dict, repr=False)  # stage -> union of its "pass" spans
+    pass_stage_s: dict[str, float] = attrs.field(factory=dict)  # stage -> seconds inside its "pass" spans
+    hidden_s: dict[tuple[str, str], float] = attrs.field(factory=dict, repr=False)  # (stage, under) -> busy inside under's passes
 
     def pass_s(self, stage: str) -> float:
-        return _length(self.pass_intervals.get(stage, []))
+        return self.pass_stage_s.get(stage, 0.0)
 
     def hidden_share(self, stage: str, under: str) -> float:
         """Share of `stage`'s busy time that fell inside `under`'s passes: for the draft under
         verify, drafting done while the target verified, off the cycle's critical path."""
-        own = self.stage_intervals.get(stage, [])
-        busy = _length(own)
-        return _length(_intersect(own, self.pass_intervals.get(under, []))) / busy if busy else 0.0
+        busy = self.stage_s.get(stage, 0.0)
+        return self.hidden_s.get((stage, under), 0.0) / busy if busy else 0.0
 
     @property
     def flash_gbps(self) -> float:
@@ -99,6 +174,10 @@ class TraceSummary:
     def overlap_share(self) -> float:
         """Share of I/O time hidden under compute."""
         return self.overlap_s / self.io_s if self.io_s else 0.0
+
+
+def _clip(intervals: list[tuple[float, float]], upto: float) -> list[tuple[float, float]]:
+    return [(a, min(b, upto)) for a, b in intervals if a < upto]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -126,20 +205,3 @@ def _intersect(xs, ys) -> list[tuple[float, float]]:
         else:
             j += 1
     return out
-
-
-def summarize(spans: list[Span]) -> TraceSummary:
-    by_stage: dict[str, list] = defaultdict(list)
-    passes: dict[str, list] = defaultdict(list)
-    for s in spans:  # a "pass" span is a stage's whole unit of work, waits included: not busy time
-        (passes if s.kind == "pass" else by_stage)[s.stage].append((s.start_s, s.end_s))
-    io = _union([(s.start_s, s.end_s) for s in spans if s.kind == "io"])
-    comp = _union([(s.start_s, s.end_s) for s in spans if s.kind == "compute"])
-    wall = (max(s.end_s for s in spans) - min(s.start_s for s in spans)) if spans else 0.0
-    busy = {k: _union(v) for k, v in by_stage.items()}
-    return TraceSummary(
-        stage_s={k: _length(v) for k, v in busy.items()},
-        io_s=_length(io), compute_s=_length(comp), overlap_s=_length(_intersect(io, comp)),
-        read_bytes=sum(s.n_bytes for s in spans if s.kind == "io"), wall_s=wall,
-        stage_intervals=busy, pass_intervals={k: _union(v) for k, v in passes.items()},
-    )

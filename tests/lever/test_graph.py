@@ -177,7 +177,7 @@ class SlowSink(Stage):
 
 
 def test_bounded_channel_overlaps_io_with_compute(tmp_path):
-    tracer = Tracer()
+    tracer = Tracer(keep_spans=True)
     p = Pipeline().connect(SlowSource("read", tracer, 8), "out", SlowSink("comp", tracer), "inp", capacity=2)
     anyio.run(p.run)
     s = tracer.summary()
