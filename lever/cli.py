@@ -225,7 +225,28 @@ def cmd_bench(args) -> int:
         bench_pipelines(str(args.config), prompts, args.n_gen, _floats(args.budgets, "--budgets"),
                         tuple(int(k) for k in _floats(args.chain_ks, "--chain-ks")), args.set or [], args.json,
                         args.plot, pruning=args.pruning)
+    elif args.what == "fuzz":
+        _bench_fuzz(args)
     return 0
+
+
+def _bench_fuzz(args) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from lever.fuzz import run_fuzz
+
+    n = args.n or 100_000
+    columns = (TextColumn("fuzzing"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task("fuzz", total=n, status="")
+
+        def progress(r) -> None:
+            if r.n % 50 == 0 or r.n == n:
+                bar.update(task, completed=r.n, status=f"{r.rate:.0f}/s, {sum(r.findings.values())} findings")
+
+        report = run_fuzz(n, args.seed or 0, args.corpus, args.timeout, progress=progress)
+    print("\n".join(report.lines()))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -288,10 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     cv.set_defaults(func=cmd_convert)
 
     b = sub.add_parser("bench", help="benchmarks printed as ratios measured side by side")
-    b.add_argument("what", choices=["model", "flash", "pipelines"],
+    b.add_argument("what", choices=["model", "flash", "pipelines", "fuzz"],
                    help="model: tg/pp tokens/s of one model in DRAM, vs llama-bench; "
                         "flash: Flash-AR at DRAM budgets 0-100%%, with overlap figures; "
-                        "pipelines: Flash-AR, Chain-SD, EdgeLLM-like and Lever side by side")
+                        "pipelines: Flash-AR, Chain-SD, EdgeLLM-like and Lever side by side; "
+                        "fuzz: crafted and mutated GGUFs through the loader and the tokenizer")
     b.add_argument("-m", "--model", type=Path)
     b.add_argument("-c", "--config", type=Path)
     b.add_argument("-p", "--prompt", default="def quicksort(arr):")
@@ -309,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--n-gen", type=int, default=32)
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--llama-bench", default=None, help="llama-bench binary to compare with (or $LLAMA_BENCH)")
+    b.add_argument("--n", type=int, default=None, help="fuzz: inputs to run (default 100000)")
+    b.add_argument("--seed", type=int, default=None, help="fuzz: random seed (default 0)")
+    b.add_argument("--corpus", type=Path, default=None, help="fuzz: write each finding's input here, named by hash")
+    b.add_argument("--timeout", type=float, default=5.0, help="fuzz: seconds an input may take before it is a hang")
     _add_common(b)
     b.set_defaults(func=cmd_bench)
 

@@ -6,12 +6,15 @@ type tables, rather than by gguf-py's reader: that reader makes two numpy arrays
 string, ~490 MiB of peak RSS for a 151k-token vocabulary, more than a phone can spare for
 metadata. Here a string array becomes a list of str and a numeric array a zero-copy view of the
 mapped file. Every count, length and offset is checked against the file's size before it is
-used, so a corrupt or truncated file gives one line naming the file and the field, never a
-huge allocation or a crash. Tensor data is never read here: it stays mapped until used.
+used, and no two tensors may share bytes, so a corrupt or truncated file gives one line naming
+the file and the field, never a huge allocation or a crash. What the values mean (sizes, shapes,
+the vocabulary) is checked where they are used: model_spec, model and tokenizer. Tensor data
+is never read here: it stays mapped until used.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ import attrs
 import numpy as np
 from gguf import GGUFValueType as VT
 
-from lever.errors import LeverError
+from lever.errors import LeverError, shown
 from lever.quants import TypeTraits, traits
 
 DEFAULT_ALIGNMENT = 32  # GGUF's alignment when general.alignment is absent
@@ -136,19 +139,19 @@ class GGUFFile:
         for i in range(n_kv):
             c.where = f"metadata entry {i}"
             key = c.string()
-            c.where = f"metadata key {key}"
+            c.where = f"metadata key {shown(key)}"
             if key in self.metadata:
                 raise c.fail("duplicate key")
             self.metadata[key] = c.value(c.value_type())
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
             c.where = "metadata key general.alignment"
-            raise c.fail(f"{alignment!r} is not a power of two")
+            raise c.fail(f"{shown(repr(alignment))} is not a power of two")
         raw = []
         for i in range(n_tensors):
             c.where = f"tensor info {i}"
             name = c.string()
-            c.where = f"tensor {name}"
+            c.where = f"tensor {shown(name)}"
             n_dims = c.u32()
             if not 1 <= n_dims <= MAX_DIMS:
                 raise c.fail(f"{n_dims} dimensions")
@@ -158,6 +161,15 @@ class GGUFFile:
         for name, dims, type_id, rel, where in raw:
             c.where = where
             self._add_tensor(c, name, dims, type_id, data_start + rel, alignment)
+        self._check_overlaps()
+
+    def _check_overlaps(self) -> None:
+        # two tensors sharing bytes: a crafted file's way to alias weights, never a converter's
+        spans = sorted((t.offset, t.offset + t.n_bytes, t.name) for t in self.tensors.values())
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+            if start < end:
+                raise LeverError(f"{self.path}: corrupt GGUF: tensor {shown(b)}: data at offset {start} overlaps "
+                                 f"tensor {shown(a)}, which ends at {end}")
 
     def _add_tensor(self, c: _Cursor, name: str, dims: list[int], type_id: int, offset: int, alignment: int) -> None:
         tt = traits(type_id)
@@ -168,7 +180,7 @@ class GGUFFile:
                 tname = GGMLQuantizationType(type_id).name
             except ValueError:
                 tname = f"#{type_id}"
-            raise LeverError(f"{self.path}: tensor {name}: unsupported tensor type {tname}")
+            raise LeverError(f"{self.path}: tensor {shown(name)}: unsupported tensor type {tname}")
         n_elems = 1
         for d in dims:
             if d <= 0 or d > c.size * tt.block_elems:

@@ -9,11 +9,13 @@ may hand in a layer read from flash instead of one mapped from the file.
 
 from __future__ import annotations
 
+import re
+
 import attrs
 import numpy as np
 
 from lever import native
-from lever.errors import LeverError
+from lever.errors import LeverError, shown
 from lever.gguf_file import GGUFFile
 from lever.kv_cache import KVCache
 from lever.model_spec import ModelSpec, read_spec
@@ -54,6 +56,9 @@ LAYER_TENSORS: dict[str, tuple[str, bool]] = {
     "w_down": ("ffn_down.weight", True),
 }
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# Per-layer tensors an architecture cannot run without, beyond the required ones above.
+ARCH_TENSORS: dict[str, tuple[str, ...]] = {"qwen2": ("bq", "bk", "bv"), "qwen3": ("q_norm", "k_norm")}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.")
 
 
 @attrs.frozen
@@ -96,6 +101,41 @@ def layer_tensor_names(f: GGUFFile, layer: int) -> dict[str, str]:
         elif required:
             raise LeverError(f"{f.path}: missing tensor {name}")
     return names
+
+
+def check_tensors(f: GGUFFile, spec: ModelSpec) -> None:
+    """Every tensor the architecture needs is present with the shape the hyperparameters imply,
+    and no layer tensor lies beyond block_count, checked when the model opens: a streamed layer
+    must not turn out broken halfway through a run."""
+    def expect(name: str, shape: tuple[int, ...]) -> None:
+        info = f.tensor(name)
+        if info.shape != shape:
+            raise LeverError(f"{f.path}: tensor {name} has shape {info.shape}, expected {shape}")
+
+    expect("output_norm.weight", (spec.n_embd,))
+    if "output.weight" in f.tensors:
+        expect("output.weight", (spec.n_vocab, spec.n_embd))
+    shapes = expected_shapes(spec)
+    needed = ARCH_TENSORS.get(spec.arch, ())
+    for layer in range(spec.n_layer):
+        names = layer_tensor_names(f, layer)
+        for field in needed:
+            if field not in names:
+                raise LeverError(f"{f.path}: missing tensor blk.{layer}.{LAYER_TENSORS[field][0]} ({spec.arch} needs it)")
+        for field, name in names.items():
+            expect(name, shapes[field])
+    for name in f.tensors:
+        m = _LAYER_NAME.match(name)
+        if m and (len(m[1]) > 9 or int(m[1]) >= spec.n_layer):
+            raise LeverError(f"{f.path}: tensor {shown(name)} is beyond the {spec.n_layer} layers of {spec.arch}.block_count")
+
+
+def check_vocab(f: GGUFFile, spec: ModelSpec) -> None:
+    """The tokenizer's token list, when the file has one, has a row for every token and no more."""
+    tokens = f.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) != spec.n_vocab:
+        raise LeverError(f"{f.path}: tokenizer.ggml.tokens has {len(tokens)} tokens but token_embd.weight has "
+                         f"{spec.n_vocab} rows")
 
 
 def weight_from(f: GGUFFile, name: str, raw: np.ndarray | None = None) -> Weight:
@@ -165,6 +205,8 @@ class Model:
     def __init__(self, path=None, *, file: GGUFFile | None = None, load_layers: bool = True):
         self.file = f = file or GGUFFile(path)
         self.spec = spec = read_spec(f)
+        check_tensors(f, spec)
+        check_vocab(f, spec)
         self.inv_freq = spec.inv_freq()
         self.tok_embd = weight_from(f, "token_embd.weight")
         if self.tok_embd.n_in != spec.n_embd:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,7 +23,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from lever.errors import LeverError
+from lever.errors import LeverError, shown
 from lever.gguf_file import GGUFFile
 
 # GGUF token_type values (llama.cpp's llama_token_type).
@@ -72,7 +73,7 @@ _EOG_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id", "fim_pad_token_id",
 
 @dataclass(frozen=True)
 class _Vocab:
-    """The tokenizer metadata of one GGUF file, read once."""
+    """The tokenizer metadata of one GGUF file, read once and checked (see _read_vocab)."""
 
     path: str
     model: str
@@ -81,37 +82,107 @@ class _Vocab:
     types: np.ndarray
     scores: np.ndarray | None
     merges: list[str] | None
-    scalars: dict[str, object]  # the non-array tokenizer.ggml.* values, keyed without the prefix
+    ids: dict[str, int | None]  # the special-token ids Lever uses, keyed without the prefix
+    flags: dict[str, bool]  # the add_* flags the file sets
 
     def token_id(self, key: str) -> int | None:
-        # llama.cpp writes "no such token" as -1 stored in a uint32 field
-        value = self.scalars.get(key)
-        return value if isinstance(value, int) and 0 <= value < len(self.tokens) else None
+        return self.ids.get(key)
 
     def flag(self, key: str, default: bool) -> bool:
-        value = self.scalars.get(key)
-        return default if value is None else bool(value)
+        return self.flags.get(key, default)
+
+    def fail(self, key: str, why: str) -> LeverError:
+        return LeverError(f"{self.path}: tokenizer.ggml.{key} {why}")
+
+
+MAX_TOKEN_CHARS = 1024  # past any real vocabulary's longest token; SentencePiece merges cost its square
+_ID_KEYS = tuple(dict.fromkeys(("unknown_token_id", "bos_token_id", *_EOG_KEYS)))
+_NO_TOKEN = (-1, 2**32 - 1, 2**64 - 1)  # llama.cpp writes "no such token" as -1, often in a uint32
+_FLAGS = ("add_bos_token", "add_eos_token", "add_space_prefix")
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def _kind(value) -> str:
+    if isinstance(value, str):
+        return f"the string {shown(value, 40)!r}"
+    if isinstance(value, (list, np.ndarray)):
+        return f"an array of {len(value)}"
+    return f"{type(value).__name__} {value!r}"
 
 
 def _read_vocab(f: GGUFFile) -> _Vocab:
+    """The tokenizer metadata, every value checked for type, length and range first: token,
+    score and type arrays of one length, known token types, byte tokens that name a byte,
+    special ids inside the vocabulary (or -1, none)."""
     path = str(f.path)
     meta = {k[len("tokenizer.ggml.") :]: v for k, v in f.metadata.items() if k.startswith("tokenizer.ggml.")}
     if "model" not in meta or "tokens" not in meta:
         raise LeverError(f"{path}: no tokenizer in the metadata (tokenizer.ggml.model/tokens missing)")
+
+    def fail(key: str, why: str) -> LeverError:
+        return LeverError(f"{path}: tokenizer.ggml.{key} {why}")
+
+    for key in ("model", "pre"):
+        if key in meta and not isinstance(meta[key], str):
+            raise fail(key, f"is {_kind(meta[key])}, expected a string")
     for key in ("tokens", "merges"):
-        if key in meta and not (isinstance(meta[key], list) and all(isinstance(t, str) for t in meta[key][:1])):
-            raise LeverError(f"{path}: tokenizer.ggml.{key} is not an array of strings")
+        if key in meta and not isinstance(meta[key], list):  # string arrays are lists, numeric ones numpy
+            raise fail(key, f"is {_kind(meta[key])}, expected an array of strings")
+    if not meta["tokens"]:
+        raise fail("tokens", "is empty")
     tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(meta["tokens"])]
     n = len(tokens)
-    types = np.asarray(meta["token_type"], np.int32) if "token_type" in meta else np.full(n, NORMAL, np.int32)
-    scores = np.asarray(meta["scores"], np.float32) if "scores" in meta else None
-    for key, arr in (("token_type", types), ("scores", scores)):
-        if arr is not None and len(arr) < n:
-            raise LeverError(f"{path}: tokenizer.ggml.{key} has {len(arr)} entries for {n} tokens")
-    merges = meta.get("merges")
-    scalars = {k: v for k, v in meta.items() if not isinstance(v, (list, np.ndarray))}
-    pre = scalars.get("pre")
-    return _Vocab(path, str(scalars["model"]), pre and str(pre), tokens, types[:n], None if scores is None else scores[:n], merges, scalars)
+    if max(map(len, tokens)) > MAX_TOKEN_CHARS:
+        i = next(i for i, t in enumerate(tokens) if len(t) > MAX_TOKEN_CHARS)
+        raise fail(f"tokens[{i}]", f"is {len(tokens[i])} characters long (at most {MAX_TOKEN_CHARS})")
+
+    def array(key: str, kinds: str) -> np.ndarray | None:
+        arr = meta.get(key)
+        if arr is None:
+            return None
+        if not isinstance(arr, np.ndarray) or arr.dtype.kind not in kinds:
+            raise fail(key, f"is {_kind(arr)}, expected an array of numbers")
+        if len(arr) != n:
+            raise fail(key, f"has {len(arr)} entries for {n} tokens")
+        return arr
+
+    types = array("token_type", "iu")
+    if types is None:
+        types = np.full(n, NORMAL, np.int32)
+    elif (bad := np.flatnonzero((types < 0) | (types > BYTE))).size:
+        raise fail(f"token_type[{bad[0]}]", f"= {types[bad[0]]} is not a token type (0-{BYTE})")
+    types = types.astype(np.int32)
+    scores = array("scores", "fiu")
+    if scores is not None:
+        scores = scores.astype(np.float64)
+        if (bad := np.flatnonzero(~(np.abs(scores) <= 1e30))).size:  # NaN too
+            raise fail(f"scores[{bad[0]}]", f"= {scores[bad[0]]} is not a usable score")
+        scores = scores.astype(np.float32)
+    if meta["model"] == "llama":
+        for i in np.flatnonzero(types == BYTE).tolist():
+            if not _BYTE_TOKEN.fullmatch(tokens[i]):
+                raise fail(f"tokens[{i}]", f"{shown(tokens[i], 40)!r} is a byte token but not named <0xHH>")
+
+    ids: dict[str, int | None] = {}
+    for key in _ID_KEYS:
+        value = meta.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise fail(key, f"is {_kind(value)}, expected a token id")
+        if value not in _NO_TOKEN and not 0 <= value < n:
+            raise fail(key, f"= {value} is out of range for {n} tokens")
+        ids[key] = value if 0 <= value < n else None
+    flags: dict[str, bool] = {}
+    for key in _FLAGS:
+        value = meta.get(key)
+        if value is None:
+            continue
+        if not (isinstance(value, int) and value in (0, 1)):
+            raise fail(key, f"is {_kind(value)}, expected true or false")
+        flags[key] = bool(value)
+    return _Vocab(path, meta["model"], meta.get("pre"), tokens, types, scores, meta.get("merges"), ids, flags)
 
 
 # --- building the `tokenizers` object -------------------------------------------------------
@@ -161,7 +232,7 @@ def _build_spm(v: _Vocab) -> HFTokenizer:
 def _pre_tokenizer(v: _Vocab) -> _PreTokenizer:
     name = v.pre or "default"  # llama.cpp's fallback for files converted before `pre` existed
     if name not in _PRE_TOKENIZERS:
-        raise LeverError(f"{v.path}: unsupported tokenizer.ggml.pre '{name}' (supported: {', '.join(_PRE_TOKENIZERS)})")
+        raise v.fail("pre", f"{shown(name, 40)!r} is not supported (supported: {', '.join(_PRE_TOKENIZERS)})")
     return _PRE_TOKENIZERS[name]
 
 
@@ -169,16 +240,30 @@ def _build_bpe(v: _Vocab) -> HFTokenizer:
     pre = _pre_tokenizer(v)
     if v.merges is None:
         raise LeverError(f"{v.path}: tokenizer.ggml.model is 'gpt2' but tokenizer.ggml.merges is missing")
-    merges = [tuple(m.split(" ", 1)) for m in v.merges]
+    vocab = _vocab_dict(v.tokens)
+    merges = [_merge_pair(v, vocab, i, m) for i, m in enumerate(v.merges)]
     try:
-        model = models.BPE(vocab=_vocab_dict(v.tokens), merges=merges, ignore_merges=pre.ignore_merges)
-    except Exception as e:  # tokenizers raises plain Exception for a merge naming an unknown token
-        raise LeverError(f"{v.path}: bad tokenizer.ggml.merges: {e}") from None
+        model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges)
+    except Exception as e:  # tokenizers raises plain Exception; the checks above should leave nothing for it
+        raise v.fail("merges", f"rejected by tokenizers: {shown(' '.join(str(e).split()), 200)}") from None
     hf = HFTokenizer(model)
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
     hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     hf.decoder = decoders.ByteLevel()
     return hf
+
+
+def _merge_pair(v: _Vocab, vocab: dict[str, int], i: int, merge: str) -> tuple[str, str]:
+    """"a b" as ("a", "b"), cut at the first space after the first character as llama.cpp does;
+    both halves and their join must be tokens, or the merge could make an id that is none."""
+    cut = merge.find(" ", 1)
+    left, right = (merge[:cut], merge[cut + 1 :]) if cut > 0 else (merge, "")
+    if not right:
+        raise v.fail(f"merges[{i}]", f"{shown(merge, 40)!r} is not two tokens separated by a space")
+    for part in (left, right, left + right):
+        if part not in vocab:
+            raise v.fail(f"merges[{i}]", f"{shown(merge, 40)!r}: {shown(part, 40)!r} is not a token")
+    return left, right
 
 
 def _vocab_dict(tokens: Sequence[str]) -> dict[str, int]:
@@ -209,7 +294,7 @@ def _byte_level_table() -> dict[str, int]:
 
 
 def _spm_piece(text: str, kind: int) -> bytes:
-    if kind == BYTE and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+    if kind == BYTE and _BYTE_TOKEN.fullmatch(text):
         return bytes([int(text[3:5], 16)])
     if kind == NORMAL:
         return text.replace(SPACE_MARK, " ").encode()
@@ -254,13 +339,14 @@ class Tokenizer:
         elif vocab.model == "gpt2":
             hf = _build_bpe(vocab)
         else:
-            raise LeverError(f"{vocab.path}: unsupported tokenizer.ggml.model '{vocab.model}' (supported: llama, gpt2)")
+            raise vocab.fail("model", f"{shown(vocab.model, 40)!r} is not supported (supported: llama, gpt2)")
         _add_special_tokens(hf, vocab)
         return cls(vocab, hf)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special-token text such as `<|im_start|>` becomes its one id."""
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        # a lone surrogate (undecodable bytes in a command line) cannot be tokenized: it stands for U+FFFD
+        ids = self._hf.encode(_SURROGATES.sub("\ufffd", text), add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if self.add_eos and self.eos_id is not None:
@@ -269,6 +355,9 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """The text of `ids`; control tokens (BOS, EOS, chat markers) and <unk> contribute nothing."""
+        ids = list(ids)
+        if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):
+            self.check_id(next(i for i in ids if not 0 <= i < self.vocab_size))
         data = b"".join(self._pieces[i] for i in ids)
         if self._strips_leading_space and data[:1] == b" ":
             data = data[1:]
@@ -276,7 +365,12 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for; a control token gives its own name."""
+        self.check_id(token_id)
         return self._bytes[token_id]
+
+    def check_id(self, token_id: int) -> None:
+        if not 0 <= token_id < self.vocab_size:
+            raise LeverError(f"{self._vocab.path}: token id {token_id} is out of range [0, {self.vocab_size})")
 
     @cached_property
     def _bytes(self) -> list[bytes]:
@@ -306,11 +400,14 @@ class StreamDecoder:
 
     def __init__(self, tokenizer: Tokenizer, *, at_start: bool = True) -> None:
         self._pieces = tokenizer._pieces
+        self._check_id = tokenizer.check_id
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._strip = at_start and tokenizer._strips_leading_space
 
     def push(self, token_id: int) -> str:
         """The text completed by this token, possibly empty."""
+        if not 0 <= token_id < len(self._pieces):
+            self._check_id(token_id)
         data = self._pieces[token_id]
         if self._strip and data:
             self._strip = False

@@ -3,6 +3,7 @@ errors for corrupt headers (checked before anything is allocated from their coun
 
 from __future__ import annotations
 
+import random
 import struct
 
 import gguf
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 
 from lever.errors import LeverError
+from lever.fuzz_inputs import BOOL, KV, STR, U32, RandomChooser, serialize
+from lever.fuzz_models import model_desc
 from lever.gguf_file import GGUFFile
 from tests.conftest import MODELS, QWEN_DRAFT
 
@@ -77,3 +80,49 @@ def test_tensor_past_end_of_file(tmp_path, stories):
     p.write_bytes(data[:-1000])
     with pytest.raises(LeverError, match="tensor output.weight|tensor blk.4.ffn_norm.weight|extends past the end"):
         GGUFFile(p)
+
+
+def write_desc(tmp_path, d):
+    p = tmp_path / "bad.gguf"
+    serialize(d).write(p)
+    return p
+
+
+def one_line_error(p, *needles):
+    with pytest.raises(LeverError) as info:
+        GGUFFile(p)
+    msg = str(info.value)
+    assert msg.startswith(f"{p}: ") and "\n" not in msg, msg
+    for needle in needles:
+        assert needle in msg, msg
+
+
+def tiny_desc():
+    return model_desc(RandomChooser(random.Random(0)), "llama", "gpt2")
+
+
+def test_overlapping_tensor_data(tmp_path):
+    d = tiny_desc()
+    d.tensors[1].offset = 0  # output_norm placed over token_embd's first bytes
+    one_line_error(write_desc(tmp_path, d), "corrupt GGUF: tensor token_embd.weight: data at offset",
+                   "overlaps tensor output_norm.weight, which ends at")
+
+
+def test_names_from_the_file_are_escaped_in_errors(tmp_path):
+    d = tiny_desc()
+    d.kvs += [KV("bad\nkey", U32, 1), KV("bad\nkey", STR, "again")]
+    one_line_error(write_desc(tmp_path, d), "metadata key 'bad\\nkey': duplicate key")
+    d = tiny_desc()
+    d.tensors[0].name = "evil\nname"
+    d.tensors[0].dims = [0, 5]
+    one_line_error(write_desc(tmp_path, d), "tensor 'evil\\nname': dimension 0 out of range")
+    d = tiny_desc()
+    d.kvs.append(KV("", U32, 1))
+    d.kvs.append(KV("", U32, 1))
+    one_line_error(write_desc(tmp_path, d), "metadata key '': duplicate key")
+
+
+def test_boolean_alignment_is_refused(tmp_path):
+    d = tiny_desc()
+    d.set("general.alignment", BOOL, 1)
+    one_line_error(write_desc(tmp_path, d), "general.alignment: True is not a power of two")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+import random
 import struct
 import sysconfig
 from pathlib import Path
@@ -20,6 +21,8 @@ import gguf
 import pytest
 
 from lever.errors import LeverError
+from lever.fuzz_inputs import ARR, F32, I32, STR, U32, RandomChooser, serialize
+from lever.fuzz_models import model_desc
 from lever.tokenizer import StreamDecoder, Tokenizer
 from tests.conftest import MODELS, QWEN_DRAFT, SHARED, require
 
@@ -398,3 +401,91 @@ def measure_agreement() -> None:
 
 if __name__ == "__main__":
     measure_agreement()
+
+
+# --- metadata checks: a crafted vocabulary is refused with one line ---------------------------
+
+
+def crafted(tmp_path, change, vocab: str = "gpt2") -> Path:
+    d = model_desc(RandomChooser(random.Random(0)), "llama", vocab)
+    change(d)
+    path = tmp_path / "tok.gguf"
+    serialize(d).write(path)
+    return path
+
+
+def refused_tok(path: Path, needle: str) -> None:
+    with pytest.raises(LeverError) as e:
+        Tokenizer.from_gguf(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: ") and "\n" not in msg and needle in msg, msg
+
+
+def _set(key, vtype, value, elem=0):
+    return lambda d: d.set(f"tokenizer.ggml.{key}", vtype, value, elem)
+
+
+def _edit(key, fn):
+    def change(d):
+        kv = d.find(f"tokenizer.ggml.{key}")
+        kv.value = fn(list(kv.value))
+    return change
+
+
+N_GPT2 = 256 + 8 + 3  # the crafted byte-level vocabulary: bytes, merged pieces, three specials
+
+
+@pytest.mark.parametrize("change,needle", [
+    (_edit("token_type", lambda t: t + [1]), f"tokenizer.ggml.token_type has {N_GPT2 + 1} entries for {N_GPT2} tokens"),
+    (_edit("token_type", lambda t: t[:-5]), f"tokenizer.ggml.token_type has {N_GPT2 - 5} entries"),
+    (_edit("token_type", lambda t: t[:3] + [9] + t[4:]), "tokenizer.ggml.token_type[3] = 9 is not a token type (0-6)"),
+    (_set("token_type", ARR, ["1"] * N_GPT2, STR), "tokenizer.ggml.token_type is an array of 267, expected an array of numbers"),
+    (_set("token_type", I32, 1), "tokenizer.ggml.token_type is int 1, expected an array of numbers"),
+    (_set("tokens", ARR, [1, 2, 3], I32), "tokenizer.ggml.tokens is an array of 3, expected an array of strings"),
+    (_set("tokens", ARR, [], STR), "tokenizer.ggml.tokens is empty"),
+    (_edit("tokens", lambda t: t[:100] + ["x" * 2000] + t[101:]), "tokenizer.ggml.tokens[100] is 2000 characters long"),
+    (_set("model", ARR, ["gpt2"], STR), "tokenizer.ggml.model is an array of 1, expected a string"),
+    (_set("pre", U32, 5), "tokenizer.ggml.pre is int 5, expected a string"),
+    (_edit("merges", lambda m: m + ["abc"]), "tokenizer.ggml.merges[8] 'abc' is not two tokens separated by a space"),
+    (_edit("merges", lambda m: m + ["zz qq"]), "tokenizer.ggml.merges[8] 'zz qq': 'zz' is not a token"),
+    (_edit("merges", lambda m: ["a b"] + m), "tokenizer.ggml.merges[0] 'a b': 'ab' is not a token"),
+    (_set("merges", ARR, [0.5], F32), "tokenizer.ggml.merges is an array of 1, expected an array of strings"),
+    (_set("bos_token_id", U32, N_GPT2), f"tokenizer.ggml.bos_token_id = {N_GPT2} is out of range for {N_GPT2} tokens"),
+    (_set("eot_token_id", I32, -7), "tokenizer.ggml.eot_token_id = -7 is out of range"),
+    (_set("eos_token_id", STR, "2"), "tokenizer.ggml.eos_token_id is the string '2', expected a token id"),
+    (_set("add_bos_token", STR, "false"), "tokenizer.ggml.add_bos_token is the string 'false', expected true or false"),
+    (_set("add_bos_token", U32, 2), "tokenizer.ggml.add_bos_token is int 2, expected true or false"),
+])
+def test_bad_vocabulary_metadata(tmp_path, change, needle):
+    refused_tok(crafted(tmp_path, change), needle)
+
+
+def test_bad_spm_metadata(tmp_path):
+    n = 3 + 256 + 11  # <unk> <s> </s>, the byte tokens, the pieces
+    refused_tok(crafted(tmp_path, _edit("scores", lambda s: s[:-1]), "llama"), f"tokenizer.ggml.scores has {n - 1} entries for {n} tokens")
+    refused_tok(crafted(tmp_path, _edit("scores", lambda s: [float("nan")] + s[1:]), "llama"), "tokenizer.ggml.scores[0] = nan is not a usable score")
+    refused_tok(crafted(tmp_path, _edit("tokens", lambda t: t[:3] + ["<0xZZ>"] + t[4:]), "llama"),
+                "tokenizer.ggml.tokens[3] '<0xZZ>' is a byte token but not named <0xHH>")
+
+
+def test_no_token_ids_are_accepted(tmp_path):
+    for vtype, value in ((U32, 2**32 - 1), (I32, -1)):
+        tok = Tokenizer.from_gguf(crafted(tmp_path, _set("bos_token_id", vtype, value)))
+        assert tok.bos_id is None and tok.encode("the", add_bos=True) == tok.encode("the", add_bos=False)
+
+
+def test_ids_out_of_range_are_one_line_errors(tmp_path):
+    path = crafted(tmp_path, lambda d: None)
+    tok = Tokenizer.from_gguf(path)
+    n = tok.vocab_size
+    for bad in (n, -1, 2**63):
+        for call in (lambda b=bad: tok.decode([5, b]), lambda b=bad: tok.token_bytes(b),
+                     lambda b=bad: StreamDecoder(tok).push(b)):
+            with pytest.raises(LeverError) as e:
+                call()
+            assert str(e.value) == f"{path}: token id {bad} is out of range [0, {n})"
+    assert tok.decode([n - 1]) == "" and tok.decode([]) == ""
+
+
+def test_lone_surrogates_encode_as_replacement_characters(stories_tok):
+    assert stories_tok.encode("a\udcff b") == stories_tok.encode("a\ufffd b")
