@@ -40,17 +40,25 @@ class KVCache:
     def keep(self, rows: np.ndarray) -> None:
         """Keep only `rows` (ascending), moved down to be contiguous in that order."""
         rows = np.asarray(rows, np.int64)
-        if rows.size and (np.any(np.diff(rows) <= 0) or rows[-1] >= self.n_rows):
+        n_fixed = int(np.argmax(rows != np.arange(rows.size))) if rows.size and rows[-1] != rows.size - 1 else rows.size
+        self.keep_after(n_fixed, rows[n_fixed:] - n_fixed)
+
+    def keep_after(self, base: int, rows: np.ndarray) -> None:
+        """Keep rows [0, base) and then rows base + `rows` (ascending), moved down after them:
+        a tree's accepted path after the committed prefix. Only arrays the size of the tree are
+        made, never the size of the context: a long run must not allocate more as it goes."""
+        rows = np.asarray(rows, np.int64)
+        if rows.size and (np.any(np.diff(rows) <= 0) or rows[0] < 0 or base + rows[-1] >= self.n_rows):
             raise ValueError("keep: rows must be ascending and in use")
-        # Rows already in place (the committed prefix, every pass) are not moved: only the tail
-        # from the first row that shifts is copied, so a commit costs the tree, not the context.
+        # Rows already in place are not moved: only the tail from the first row that shifts.
         moved = np.flatnonzero(rows != np.arange(rows.size))
         if moved.size:
             start = int(moved[0])
+            src = base + rows[start:]
             for arrays in (self.k, self.v):
                 for a in arrays:
-                    a[start : rows.size] = a[rows[start:]]
-        self.n_rows = rows.size
+                    a[base + start : base + rows.size] = a[src]
+        self.n_rows = base + rows.size
 
 
 def causal_mask(n_past: int, n_tok: int) -> np.ndarray:

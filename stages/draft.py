@@ -61,8 +61,7 @@ class DraftModel:
         the kept path and their own ancestors, which is what they see from now on too."""
         new_index = {old: i for i, old in enumerate(carry)}
         parents = [new_index.get(self.pending_parents[old], -1) for old in carry]
-        pending = self.n_committed + np.asarray([*keep, *carry], np.int64)
-        self.cache.keep(np.concatenate([np.arange(self.n_committed), pending]))
+        self.cache.keep_after(self.n_committed, np.asarray([*keep, *carry], np.int64))
         self.n_committed += len(keep)
         self.pending_parents = parents
 

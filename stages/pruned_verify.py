@@ -69,6 +69,7 @@ class PrunedVerify(Stage):
     layer_tokens: np.ndarray = attrs.field(init=False)  # (n_layer,) nodes computed at each layer in decoding passes
     _last_n_nodes: int = 0  # nodes of the previous pass, whose rows the next commit selects from
     inv_freq: np.ndarray = attrs.field(init=False)
+    _mask_buf: np.ndarray | None = attrs.field(init=False, default=None)  # (max n_tok seen, n_ctx) bool
 
     def __attrs_post_init__(self):
         self.inv_freq = self.spec.inv_freq()
@@ -78,15 +79,22 @@ class PrunedVerify(Stage):
         """Commits the previous pass's kept rows, then lays out this tree's rows and mask."""
         if tree.commit is not None:
             base = self.cache.n_rows - self._last_n_nodes
-            self.cache.keep(np.concatenate([np.arange(base), base + np.asarray(tree.commit, np.int64)]))
+            self.cache.keep_after(base, np.asarray(tree.commit, np.int64))
         n_past = self.cache.n_rows
         rows = self.cache.reserve(tree.n_nodes)
-        mask = np.zeros((tree.n_nodes, n_past + tree.n_nodes), bool)
+        mask = self._mask(tree.n_nodes, n_past + tree.n_nodes)
         mask[:, :n_past] = True
         mask[:, n_past:] = tree.ancestor_mask()
         self._last_n_nodes = tree.n_nodes
         pos = (n_past + tree.depths()).astype(np.int32)
         return PassState(tree, self.embed(tree.tokens), pos, mask, rows)
+
+    def _mask(self, n_tok: int, n_rows: int) -> np.ndarray:
+        """A (n_tok, n_rows) mask in one buffer kept across passes: a new array per pass, one
+        row longer each time, made the allocator's heap creep up over a long run."""
+        if self._mask_buf is None or self._mask_buf.shape[0] < n_tok:
+            self._mask_buf = np.empty((n_tok, self.cache.n_ctx), bool)
+        return self._mask_buf.reshape(-1)[: n_tok * n_rows].reshape(n_tok, n_rows)
 
     def layer(self, st: PassState, i: int, weights: LayerWeights) -> None:
         if st.alive is not None:  # the pruned rows of this layer: finite, masked, never committed

@@ -114,8 +114,10 @@ def test_long_run_does_not_grow(tiny_model):
     assert proc.returncode == 0, err
     r = json.loads(out)
     assert len(r["tokens"]) == n and r["peak_rss_bytes"] <= r["rss_bound_bytes"]
-    # The decode phase: from a quarter of the run's samples to the end.
+    # Decoding, without the start (imports, prefill) and the end (the result and its text): RSS
+    # over the last stretch against the first, each a median of samples so one spike is not growth.
     rss = [b for _, b in samples]
-    assert len(rss) >= 8, "the run was too short to sample"
-    early, late = rss[len(rss) // 4], max(rss[len(rss) // 4 :])
+    assert len(rss) >= 40, "the run was too short to sample"
+    k = len(rss) // 10
+    early, late = sorted(rss[2 * k : 3 * k])[k // 2], sorted(rss[8 * k : 9 * k])[k // 2]
     assert late - early <= r["memory"]["kv_cache_bytes"] + GROWTH_SLACK_BYTES, (early >> 20, late >> 20)
