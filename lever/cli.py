@@ -153,9 +153,9 @@ def print_summary(res, file) -> None:
         p(f"  cycle       verify pass {res.verify_pass_s / n * 1e3:.0f} ms, accept {res.stage_s.get('accept', 0) / n * 1e3:.0f} ms, "
           f"draft {res.draft_s / n * 1e3:.0f} ms of which {100 * res.draft_hidden_share:.0f}% ran during verification; "
           f"{100 * res.lookahead_hit_share:.0f}% of cycles started from rows drafted ahead")
-    p(f"  memory      peak RSS {res.peak_rss_bytes / mib:.0f} MiB for {res.dram_budget_bytes / mib:.0f} MiB accounted: "
-      f"resident layers {res.resident_layer_bytes / mib:.0f}, head {res.head_bytes / mib:.0f}, "
-      f"window {res.window_bytes / mib:.0f}, KV cache {res.kv_cache_bytes / mib:.0f}, draft {res.draft_bytes / mib:.0f}")
+    if res.memory is not None:
+        p(f"  memory      peak RSS {res.peak_rss_bytes / mib:.0f} MiB, planned before loading {res.memory.describe()}; "
+          f"bound with margin {res.memory.rss_bound_bytes / mib:.0f} MiB")
     p("  stages      " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(res.stage_s.items())))
     if res.placement:
         p("  placement   " + ", ".join(f"{k}: {v}" for k, v in res.placement.items()))
