@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import os
 import random
+import shutil
 import tempfile
 import time
 import traceback
@@ -205,23 +206,14 @@ def read_corpus_file(path: Path) -> bytes:
 # --- the worker: inputs run in a child so a hang or a crash is seen, not suffered ----------------
 
 
-def _worker(conn, stage, mem_limit: int, fn) -> None:
+def _worker(conn, stage, mem_limit: int, fn, workdir: Path) -> None:
     import resource
 
     if mem_limit:  # a huge allocation fails here (MemoryError, a finding) instead of taking the machine
         resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    workdir = Path(tempfile.mkdtemp(prefix="lever-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    try:
-        while True:
-            msg = conn.recv()
-            if msg is None:
-                return
-            conn.send(fn(Blob(*msg), workdir, stage))
-    finally:
-        for p in workdir.iterdir():
-            p.unlink()
-        workdir.rmdir()
+    while (msg := conn.recv()) is not None:
+        conn.send(fn(Blob(*msg), workdir, stage))
 
 
 class Worker:
@@ -233,19 +225,22 @@ class Worker:
 
         self.ctx, self.mem_limit, self.fn = mp.get_context("spawn"), mem_limit, fn
         self.proc = None
+        # in memory where there is a tmpfs; the parent removes what a crashed child left
+        self.workdir = Path(tempfile.mkdtemp(prefix="lever-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
 
     def start(self) -> None:
         self.conn, child = self.ctx.Pipe()
         self.stage = self.ctx.Value("i", 0, lock=False)
-        self.proc = self.ctx.Process(target=_worker, args=(child, self.stage, self.mem_limit, self.fn), daemon=True)
+        self.proc = self.ctx.Process(target=_worker, args=(child, self.stage, self.mem_limit, self.fn, self.workdir),
+                                     daemon=True)
         self.proc.start()
         child.close()
 
     def run(self, blob: Blob, timeout: float) -> list[Outcome]:
         if self.proc is None:
             self.start()
-        self.conn.send((blob.prefix, blob.size))
         try:
+            self.conn.send((blob.prefix, blob.size))
             if self.conn.poll(timeout):
                 return self.conn.recv()
             what = "hang", f"no answer within {timeout:g} s"
@@ -255,6 +250,10 @@ class Worker:
         target = TARGETS[self.stage.value] if 0 <= self.stage.value < len(TARGETS) else "loader"
         self.stop()
         return [Outcome(target, "finding", f"{target}: {what[0]}", what[1])]
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -320,7 +319,7 @@ def run_fuzz(n: int, seed: int = 0, corpus: Path | None = None, timeout: float =
             if progress is not None:
                 progress(report)
     finally:
-        worker.stop()
+        worker.close()
         report.seconds = time.perf_counter() - t0
     return report
 

@@ -179,6 +179,8 @@ def _fault_tensor(ch, d):
     r = ch.int(0, 9)
     if r == 0:
         del d.tensors[i]
+    elif r <= 3 and not t.dims:
+        t.dims = [choice(ch, [1, 32, 2**32])]
     elif r <= 3:
         j = ch.int(0, len(t.dims) - 1)
         t.dims = list(t.dims)

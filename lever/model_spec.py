@@ -186,7 +186,8 @@ def _rope_factors(f: GGUFFile, n_rot: int) -> np.ndarray | None:
     if info.shape != (n_rot // 2,):
         raise LeverError(f"{f.path}: tensor rope_freqs.weight has shape {info.shape}, expected ({n_rot // 2},)")
     factors = f.floats("rope_freqs.weight").reshape(-1)
-    bad = ~((factors > 1e-6) & (factors <= 1e6))  # NaN too
+    with np.errstate(invalid="ignore"):  # a NaN may set the invalid flag in a comparison; it is refused all the same
+        bad = ~((factors > 1e-6) & (factors <= 1e6))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise LeverError(f"{f.path}: tensor rope_freqs.weight[{i}] = {factors[i]} is out of range (1e-06, 1e+06]")

@@ -155,8 +155,10 @@ def _read_vocab(f: GGUFFile) -> _Vocab:
     types = types.astype(np.int32)
     scores = array("scores", "fiu")
     if scores is not None:
-        scores = scores.astype(np.float64)
-        if (bad := np.flatnonzero(~(np.abs(scores) <= 1e30))).size:  # NaN too
+        with np.errstate(invalid="ignore"):  # a signalling NaN warns as it is widened; it is refused just below
+            scores = scores.astype(np.float64)
+            bad = np.flatnonzero(~(np.abs(scores) <= 1e30))  # NaN too
+        if bad.size:
             raise fail(f"scores[{bad[0]}]", f"= {scores[bad[0]]} is not a usable score")
         scores = scores.astype(np.float32)
     if meta["model"] == "llama":

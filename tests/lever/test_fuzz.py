@@ -148,7 +148,8 @@ def test_worker_reports_hangs_and_crashes_and_carries_on():
         assert crash.status == "finding" and crash.signature == "loader: crash" and str(-signal.SIGSEGV) in crash.detail
         assert w.run(Blob(b"fine", 4), 30)[0].status == "ok"
     finally:
-        w.stop()
+        w.close()
+    assert not w.workdir.exists()
 
 
 def test_short_run_counts_every_input(tmp_path):

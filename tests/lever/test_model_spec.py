@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import struct
+import warnings
 
 import numpy as np
 import pytest
@@ -181,3 +182,12 @@ def test_rope_freqs_length_and_values(tmp_path):
     path = tmp_path / "ok.gguf"
     serialize(d).write(path)
     assert np.allclose(read_spec(GGUFFile(path)).rope_freq_factors, 2.0)
+
+
+def test_signalling_nan_rope_freqs_are_refused_without_a_warning(tmp_path):
+    half = hp(desc(), "rope.dimension_count") // 2
+    d = desc()
+    d.tensors.insert(0, TensorDesc("rope_freqs.weight", [half], 0, content=struct.pack("<I", 0x7F800001) * half))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        refused(tmp_path, d, "tensor rope_freqs.weight[0] = nan is out of range")
