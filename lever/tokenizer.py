@@ -243,7 +243,14 @@ def _build_bpe(v: _Vocab) -> HFTokenizer:
     if v.merges is None:
         raise LeverError(f"{v.path}: tokenizer.ggml.model is 'gpt2' but tokenizer.ggml.merges is missing")
     vocab = _vocab_dict(v.tokens)
-    merges = [_merge_pair(v, vocab, i, m) for i, m in enumerate(v.merges)]
+    cuts = [m.find(" ", 1) for m in v.merges]
+    merges = [(m[:c], m[c + 1 :]) for m, c in zip(v.merges, cuts)]
+    # checked here, not left to tokenizers: for some vocabularies it panics (a BaseException)
+    # on a merge whose join is not a token instead of raising
+    bad = next((i for i, ((a, b), c) in enumerate(zip(merges, cuts))
+                if c < 1 or not b or a not in vocab or b not in vocab or a + b not in vocab), None)
+    if bad is not None:
+        _bad_merge(v, vocab, bad, v.merges[bad])
     try:
         model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges)
     except Exception as e:  # tokenizers raises plain Exception; the checks above should leave nothing for it
@@ -255,9 +262,9 @@ def _build_bpe(v: _Vocab) -> HFTokenizer:
     return hf
 
 
-def _merge_pair(v: _Vocab, vocab: dict[str, int], i: int, merge: str) -> tuple[str, str]:
-    """"a b" as ("a", "b"), cut at the first space after the first character as llama.cpp does;
-    both halves and their join must be tokens, or the merge could make an id that is none."""
+def _bad_merge(v: _Vocab, vocab: dict[str, int], i: int, merge: str) -> None:
+    """Why merge i is not "a b" (cut at the first space after the first character, as llama.cpp
+    does) with both halves and their join tokens: else the merge could make an id that is none."""
     cut = merge.find(" ", 1)
     left, right = (merge[:cut], merge[cut + 1 :]) if cut > 0 else (merge, "")
     if not right:
@@ -265,7 +272,6 @@ def _merge_pair(v: _Vocab, vocab: dict[str, int], i: int, merge: str) -> tuple[s
     for part in (left, right, left + right):
         if part not in vocab:
             raise v.fail(f"merges[{i}]", f"{shown(merge, 40)!r}: {shown(part, 40)!r} is not a token")
-    return left, right
 
 
 def _vocab_dict(tokens: Sequence[str]) -> dict[str, int]:
