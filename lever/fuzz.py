@@ -315,7 +315,7 @@ def run_fuzz(n: int, seed: int = 0, corpus: Path | None = None, timeout: float =
                     report.findings[o.signature] += 1
                     if corpus is not None and report.findings[o.signature] <= per_signature:
                         report.saved.append(save_finding(corpus, blob, o))
-            report.n = i + 1
+            report.n, report.seconds = i + 1, time.perf_counter() - t0
             if progress is not None:
                 progress(report)
     finally:
