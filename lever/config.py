@@ -9,6 +9,7 @@ an unknown or mistyped key or a bad value is one LeverError naming the file, sec
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 import types
@@ -78,6 +79,15 @@ class GenerateConfig:
     seed: int = -1  # -1: a fresh seed each run
     prompt: str = ""  # the prompt when none is given on the command line
 
+    def __attrs_post_init__(self):
+        for name, ok, what in (("n_predict", self.n_predict >= 0, ">= 0"), ("temperature", self.temperature >= 0, ">= 0"),
+                               ("top_k", self.top_k >= 0, ">= 0 (0: off)"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]")):
+            if not ok:
+                raise LeverError(f"[generate] {name}: must be {what}, got {getattr(self, name)!r}")
+
+
+MAX_EMULATED_MS = 1000.0  # a slower emulated unit is a mistake, and a run that would never end
+
 
 @attrs.frozen
 class RuntimeConfig:
@@ -92,8 +102,9 @@ class RuntimeConfig:
     def __attrs_post_init__(self):
         if self.ahead_cores < 0:
             raise LeverError(f"[runtime] ahead_cores: must be >= 0, got {self.ahead_cores}")
-        if self.emulate_layer_ms_per_token < 0:
-            raise LeverError(f"[runtime] emulate_layer_ms_per_token: must be >= 0, got {self.emulate_layer_ms_per_token}")
+        if not 0 <= self.emulate_layer_ms_per_token <= MAX_EMULATED_MS:
+            raise LeverError(f"[runtime] emulate_layer_ms_per_token: must be in [0, {MAX_EMULATED_MS}], "
+                             f"got {self.emulate_layer_ms_per_token}")
 
 
 SECTIONS: dict[str, type] = {
@@ -141,8 +152,14 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
             except LeverError:
                 pass
         raise LeverError(f"{where}: {value!r} is not a {hint}")
+    if origin is tuple:  # tuple[int, ...]: a TOML array of that type
+        if not isinstance(value, list):
+            raise LeverError(f"{where}: expected an array, got {type(value).__name__} {value!r}")
+        return tuple(_check_type(f"{where}[{i}]", v, typing.get_args(hint)[0]) for i, v in enumerate(value))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise LeverError(f"{where}: must be a finite number, got {value!r}")
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise LeverError(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
     return value

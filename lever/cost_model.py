@@ -332,7 +332,10 @@ def _cost_model_for(cfg) -> CostModel:
             except LeverError:
                 pass  # a profile of other models: the fallback, as with none
         return CostModel.default(target, cfg.flash, draft)
-    return _from_profile_file(cfg.resolve_path(section.path), target, draft, cfg)
+    try:
+        return _from_profile_file(cfg.resolve_path(section.path), target, draft, cfg)
+    except LeverError as e:  # a profile the config names: say which key named it
+        raise LeverError(f"[profile] path: {e}") from None
 
 
 def _from_profile_file(path: Path, target: Path, draft: Path | None, cfg) -> CostModel:

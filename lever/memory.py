@@ -126,18 +126,30 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, n_ctx: in
                       acts, process_bytes)
 
 
+# The keys that size each part of a plan: what to lower when it does not fit.
+KEYS = {"resident_layer_bytes": "[flash] dram_budget", "head_bytes": "[model] target",
+        "window_bytes": "[flash] window_layers", "kv_cache_bytes": "[model] n_ctx or [tree_expand] max_nodes",
+        "draft_bytes": "[model] draft or [model] n_ctx", "activation_bytes": "the prompt or [tree_expand] max_nodes",
+        "process_bytes": "the process itself", "slack_bytes": "the runtime's slack"}
+
+
+def largest(plan: MemoryPlan) -> str:
+    name = max(KEYS, key=lambda k: getattr(plan, k))
+    return f"the largest part is set by {KEYS[name]}"
+
+
 def check(plan: MemoryPlan, cfg: MemoryConfig, where: str = "config") -> None:
     """Refuse, with the figures, a plan over the configured limit or the machine's memory."""
     limit = cfg.limit_bytes
     if limit is not None and plan.total_bytes > limit:
-        raise LeverError(f"{where}: [memory] limit: this run needs {plan.describe()}, over the limit of {mib(limit)}"
-                         " (lower [flash] dram_budget, [model] n_ctx or the window, or raise the limit)")
+        raise LeverError(f"{where}: [memory] limit: this run needs {plan.describe()}, over the limit of {mib(limit)}; "
+                         f"{largest(plan)}")
     # The process is already resident; what it still needs must come from what is available.
     more = plan.total_bytes - plan.process_bytes
     available = psutil.virtual_memory().available
     if more > available:
         raise LeverError(f"{where}: this run needs {plan.describe()}; {mib(more)} more than now, but the machine "
-                         f"has {mib(available)} available (lower [flash] dram_budget or [model] n_ctx)")
+                         f"has {mib(available)} available; {largest(plan)}")
 
 
 def peak_within(peak_rss_bytes: int, plan: MemoryPlan) -> bool:

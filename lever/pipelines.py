@@ -145,6 +145,8 @@ def compose(target: FlashTarget, prompt: list[int], cfg: Config, params: Samplin
             raise LeverError(f"[tree_expand] policy {tree.policy!r} needs a draft model ([model] draft)")
         if draft_model.spec.n_vocab != spec.n_vocab:
             raise LeverError(f"[model] draft: vocabulary of {draft_model.spec.n_vocab} tokens, the target has {spec.n_vocab}")
+        if tree.top_k > spec.n_vocab:
+            raise LeverError(f"[tree_expand] top_k: {tree.top_k} children per node, but the vocabulary has {spec.n_vocab} tokens")
         core = DraftModel(draft_model, draft_model.new_cache(n_ctx + tree.draft_rows), sampling=params,
                           rng=np.random.default_rng(None if params.seed is None else [params.seed, 1]),
                           batch_layer_fn=placement.draft_batch_fn if placement is not None else None)

@@ -37,6 +37,7 @@ from lever.messages import Accepted, ExpandRequest, Expansion, TokenTree
 from lever.trace import Tracer
 
 POLICIES = ("none", "chain", "kary", "confidence", "gain-cost")
+MAX_TREE_SIZE = 1024  # bound on a tree's nodes, depth and fan-out: one pass verifies it, one draft forward expands a round
 
 
 @attrs.frozen
@@ -58,12 +59,12 @@ class TreeExpandConfig:
         if self.policy not in POLICIES:
             raise LeverError(f"[tree_expand] policy: unknown policy {self.policy!r} (known: {', '.join(POLICIES)})")
         for name in ("max_nodes", "max_depth", "top_k", "round_nodes", "chain_length", "kary_depth"):
-            if getattr(self, name) < 1:
-                raise LeverError(f"[tree_expand] {name}: must be >= 1, got {getattr(self, name)}")
+            if not 1 <= getattr(self, name) <= MAX_TREE_SIZE:
+                raise LeverError(f"[tree_expand] {name}: must be in [1, {MAX_TREE_SIZE}], got {getattr(self, name)}")
         if self.calibration not in ("online", "identity", "calibrated"):
             raise LeverError(f"[tree_expand] calibration: {self.calibration!r} is not 'online', 'identity' or 'calibrated'")
-        if self.lookahead_nodes < 0:
-            raise LeverError(f"[tree_expand] lookahead_nodes: must be >= 0, got {self.lookahead_nodes}")
+        if not 0 <= self.lookahead_nodes <= MAX_TREE_SIZE:
+            raise LeverError(f"[tree_expand] lookahead_nodes: must be in [0, {MAX_TREE_SIZE}], got {self.lookahead_nodes}")
 
     @property
     def draft_rows(self) -> int:

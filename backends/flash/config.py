@@ -14,6 +14,9 @@ import attrs
 
 from lever.errors import LeverError
 
+# Emulation bounds: beyond them a run would seem to hang, never a device worth emulating.
+MIN_CAP_BYTES_PER_S = 1e6
+MAX_LATENCY_MS = 10_000.0
 PAGE_BYTES = 4096  # O_DIRECT alignment: a multiple of every logical block size we meet (512, 4096)
 MODES = ("direct", "mmap")
 
@@ -161,10 +164,11 @@ class FlashConfig:
                "chunk_bytes", self.chunk_bytes, f"a positive multiple of {PAGE_BYTES}")
         _check(_is_int(self.window_layers) and self.window_layers >= 1, "window_layers", self.window_layers,
                "an integer >= 1")
-        _check(_is_number(self.bandwidth_cap_bytes_per_s) and self.bandwidth_cap_bytes_per_s >= 0,
-               "bandwidth_cap_bytes_per_s", self.bandwidth_cap_bytes_per_s, "a number >= 0 (0 = no cap)")
-        _check(_is_number(self.read_latency_ms) and self.read_latency_ms >= 0, "read_latency_ms",
-               self.read_latency_ms, "a number >= 0")
+        _check(_is_number(self.bandwidth_cap_bytes_per_s) and (self.bandwidth_cap_bytes_per_s == 0 or
+               MIN_CAP_BYTES_PER_S <= self.bandwidth_cap_bytes_per_s < math.inf), "bandwidth_cap_bytes_per_s",
+               self.bandwidth_cap_bytes_per_s, f"0 (no cap) or at least {MIN_CAP_BYTES_PER_S:.0e}")
+        _check(_is_number(self.read_latency_ms) and 0 <= self.read_latency_ms <= MAX_LATENCY_MS, "read_latency_ms",
+               self.read_latency_ms, f"a number in [0, {MAX_LATENCY_MS:.0f}]")
         _check(_is_int(self.read_retries) and 0 <= self.read_retries <= 10, "read_retries", self.read_retries,
                "an integer from 0 to 10")
         parse_budget(self.dram_budget)

@@ -71,3 +71,50 @@ def test_examples_load_and_every_line_says_why(path):
     for line in path.read_text().splitlines():
         if "=" in line and not line.lstrip().startswith("#"):
             assert "#" in line, f"{path.name}: no comment on {line!r}"
+
+
+# Values that are wrong for most keys of their type: each key must refuse them with one line
+# naming it, or run with them to the end; never another exception, never a hang.
+ABSURD = {int: [-1, 0, 10**12], float: [-1.0, 0.0, 1e12, "nan", "inf"], str: ['""', '"nonsense"'],
+          tuple: ["3", "[]", '["a"]', "[0]"]}
+SWEEP_TIMEOUT_S = 30
+
+
+def _sweep_cases():
+    import typing
+
+    import attrs
+
+    from lever.config import SECTIONS
+
+    for name, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in attrs.fields(cls):
+            if (name, f.name) in {("model", "target"), ("model", "draft")}:
+                continue
+            arms = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is not tuple else (tuple,)
+            for arm in arms or (hints[f.name],):
+                for v in ABSURD.get(typing.get_origin(arm) or arm, []):
+                    yield f"{name}.{f.name}={v}"
+
+
+@pytest.mark.parametrize("item", list(_sweep_cases()))
+def test_every_key_refuses_or_runs_with_an_absurd_value(item):
+    import signal
+
+    from lever.run import run_pipeline
+
+    def hang(*_):
+        raise TimeoutError(f"{item}: no end within {SWEEP_TIMEOUT_S} s")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(SWEEP_TIMEOUT_S)
+    try:
+        cfg = load_config(ROOT / "examples" / "default.toml",
+                          ["generate.n_predict=3", "model.n_ctx=96", 'pipeline.baseline=""', item])
+        run_pipeline(cfg, "def f(x):")
+    except LeverError as e:
+        assert "\n" not in str(e) and item.split("=")[0].split(".")[1] in str(e), str(e)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
