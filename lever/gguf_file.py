@@ -199,6 +199,20 @@ class GGUFFile:
             raise c.fail("duplicate tensor name")
         self.tensors[name] = TensorInfo(name, tt, tuple(reversed(dims)), offset, n_bytes)
 
+    def load_into_memory(self) -> None:
+        """Copy the whole file into DRAM: a model that is resident by design (the draft). Read
+        with read(), not faulted in through the mapping, so a file truncated or replaced
+        meanwhile is an error here rather than a SIGBUS whenever a weight is next touched."""
+        buf = np.empty(self.data.size, np.uint8)
+        try:
+            with open(self.path, "rb") as f:
+                n = f.readinto(memoryview(buf))
+        except OSError as e:
+            raise LeverError(f"{self.path}: cannot read: {e.strerror or e}") from None
+        if n != buf.size:
+            raise LeverError(f"{self.path}: read {n} of {buf.size} bytes: truncated or replaced since it was opened")
+        self.data = buf
+
     @property
     def arch(self) -> str:
         return self.get_str("general.architecture")

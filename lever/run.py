@@ -113,6 +113,15 @@ class RunResult:
 
 
 def _peak_rss_bytes() -> int:
+    """This process's peak RSS. VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over
+    execve, so a `lever run` started from a big process (a test runner) reported that one's peak."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -153,6 +162,8 @@ def _run_kind(cfg: Config, kind: str, prompt: str, on_text, trace_path, observer
     check_memory(plan, cfg.memory, str(cfg.path or "config"))
     target = FlashTarget.open(path, flash, file=f)
     try:
+        if draft_file is not None:
+            draft_file.load_into_memory()  # resident: its file may change under a long run without harm
         draft = Model(file=draft_file) if draft_file is not None else None
         return _run(cfg, kind, target, tok, prompt_ids, n_ctx, plan, draft, on_text, trace_path, observer)
     finally:

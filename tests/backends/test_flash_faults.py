@@ -218,6 +218,23 @@ def test_replaced_by_rename_goes_on_with_the_file_opened(target, reference):
     assert [f[0] for f in faults.fired] == ["replace"] and res.tokens == reference["speculative"]
 
 
+def test_draft_file_truncated_mid_run_does_not_matter(pair_dir, reference, tmp_path):
+    """The draft is resident: read into DRAM at load, not mapped, so its file truncated under a
+    run (which, mapped, was a SIGBUS at the next draft forward) changes nothing."""
+    draft = pair_dir / "draft-truncated.gguf"
+    shutil.copyfile(pair_dir / DRAFT, draft)
+    cfg = load_config(ROOT / "examples" / "default.toml", [
+        f'model.target="{pair_dir / TARGET}"', f'model.draft="{draft}"', 'pipeline.baseline=""',
+        "generate.n_predict=12", "flash.chunk_bytes=262144"])
+    faults = Faults(on_read=lambda i, r: i == DECODE_READ and draft.write_bytes(b""))
+    try:
+        with inject(faults):
+            res = run_pipeline(cfg, PROMPT)
+        assert draft.stat().st_size == 0 and res.tokens == reference["speculative"]
+    finally:
+        draft.unlink(missing_ok=True)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_latency_spikes_are_waited_for(target, reference, kind):
     faults = Faults(slow_every=90, slow_s=0.3)
