@@ -126,16 +126,18 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, n_ctx: in
                       acts, process_bytes)
 
 
-# The keys that size each part of a plan: what to lower when it does not fit.
-KEYS = {"resident_layer_bytes": "[flash] dram_budget", "head_bytes": "[model] target",
-        "window_bytes": "[flash] window_layers", "kv_cache_bytes": "[model] n_ctx or [tree_expand] max_nodes",
-        "draft_bytes": "[model] draft or [model] n_ctx", "activation_bytes": "the prompt or [tree_expand] max_nodes",
-        "process_bytes": "the process itself", "slack_bytes": "the runtime's slack"}
+# The parts a configuration sizes, and the keys that size them: what to lower when it does not fit.
+KEYS = {"resident_layer_bytes": ("resident layers", "[flash] dram_budget"), "head_bytes": ("head", "[model] target"),
+        "window_bytes": ("window", "[flash] window_layers"),
+        "kv_cache_bytes": ("KV cache", "[model] n_ctx or [tree_expand] max_nodes"),
+        "draft_bytes": ("draft", "[model] draft or [model] n_ctx"),
+        "activation_bytes": ("activations", "the prompt or [tree_expand] max_nodes")}
 
 
 def largest(plan: MemoryPlan) -> str:
     name = max(KEYS, key=lambda k: getattr(plan, k))
-    return f"the largest part is set by {KEYS[name]}"
+    label, keys = KEYS[name]
+    return f"the largest part a config sets is {label}, {mib(getattr(plan, name))}, by {keys}"
 
 
 def check(plan: MemoryPlan, cfg: MemoryConfig, where: str = "config") -> None:
