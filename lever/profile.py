@@ -282,7 +282,7 @@ def measure_flash(path: str | os.PathLike, flash: FlashConfig, passes: int = 3, 
             pass_bytes = store.streamed_bytes
             small = _single_reads(store, SMALL_READ_BYTES, n_reads)
             chunk = _single_reads(store, cfg.chunk_bytes, max(n_reads // 4, 3), seed=1)
-        pass_s = statistics.median(read_pass_s(str(path), cfg, n_passes=1) for _ in range(passes))
+        pass_s = read_pass_s(str(path), cfg, n_passes=passes + 1)  # median of `passes` steady-state passes
         return pass_bytes / pass_s, small, chunk, pass_bytes
 
     streamed = attrs.evolve(flash, dram_budget=0)
@@ -470,7 +470,7 @@ def measure(cfg, rounds: int = 5, passes: int = 3, n_reads: int = 32,
     dft = measure_draft(draft, rounds, out=out) if draft else None
     method = (
         f"flash: median of {passes} whole passes at dram_budget 0 read through Prefetch with no compute "
-        f"(lever.bench.read_pass_s), and of {n_reads} single {SMALL_READ_BYTES}-byte reads (and chunk reads) at "
+        f"(lever.bench.read_pass_s: end of one pass to the end of the next, after a first), and of {n_reads} single {SMALL_READ_BYTES}-byte reads (and chunk reads) at "
         f"random streamed offsets, one in flight; compute: median of {rounds} interleaved rounds after a warm-up, "
         f"every pass after {KV_ROWS} committed KV rows of random values; target per layer by layer_forward on "
         f"layers {list(tgt.layers_timed)} (a few of each tensor-type mix) copied to DRAM, run in sequence and "
