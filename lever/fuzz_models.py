@@ -17,22 +17,14 @@ from typing import Any
 from lever.fuzz_inputs import (ARR, BOOL, F32, F64, FLOATS, I8, I16, I32, I64, INTS, KV, STR, U8, U16, U32, U64, Blob,
                                Chooser, Desc, TensorDesc, chance, choice, serialize)
 from lever.quants import TYPES
+from lever.tokenizer import byte_level_chars
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
-def _byte_chars() -> list[str]:
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {b: b for b in printable}, 256
-    for b in range(256):
-        if b not in chars:
-            chars[b], extra = extra, extra + 1
-    return [chr(chars[b]) for b in range(256)]
-
-
 def _gpt2_vocab(ch: Chooser, d: Desc) -> int:
     merges = ["t h", "th e", "Ġ t", "i n", "h e", "Ġt he", "Ġ a", "1 2"]
-    tokens = _byte_chars() + ["".join(m.split(" ")) for m in merges] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = byte_level_chars() + ["".join(m.split(" ")) for m in merges] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     types = [NORMAL] * (len(tokens) - 3) + [CONTROL] * 3
     d.set("tokenizer.ggml.model", STR, "gpt2")
     d.set("tokenizer.ggml.pre", STR, choice(ch, ["default", "gpt2", "qwen2", "llama-bpe"]))

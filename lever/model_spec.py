@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from lever.errors import LeverError
+from lever.errors import LeverError, kind_of
 from lever.gguf_file import GGUFFile
 
 
@@ -87,7 +87,7 @@ class _Keys:
     def int(self, name: str, default=None, lo: int = 1, hi: int = MAX_WIDTH) -> int:
         value = self.raw(name, default)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(name, f"is {_kind(value)}, expected an integer")
+            raise self.fail(name, f"is {kind_of(value)}, expected an integer")
         if not lo <= value <= hi:
             raise self.fail(name, f"= {value} is out of range [{lo}, {hi}]")
         return value
@@ -96,18 +96,10 @@ class _Keys:
         """A finite number in (lo, hi]."""
         value = self.raw(name, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(name, f"is {_kind(value)}, expected a number")
+            raise self.fail(name, f"is {kind_of(value)}, expected a number")
         if not lo < value <= hi:  # NaN fails this too
             raise self.fail(name, f"= {value} is out of range ({lo:g}, {hi:g}]")
         return float(value)
-
-
-def _kind(value) -> str:
-    if isinstance(value, str):
-        return f"the string {value[:40]!r}"
-    if isinstance(value, (list, np.ndarray)):
-        return f"an array of {len(value)}"
-    return f"{type(value).__name__} {value!r}"
 
 
 def read_spec(f: GGUFFile) -> ModelSpec:
@@ -143,7 +135,7 @@ def read_spec(f: GGUFFile) -> ModelSpec:
     scaling = k.raw("rope.scaling.type", "none")
     freq_scale = 1.0
     if not isinstance(scaling, str):
-        raise k.fail("rope.scaling.type", f"is {_kind(scaling)}, expected a string")
+        raise k.fail("rope.scaling.type", f"is {kind_of(scaling)}, expected a string")
     if scaling == "linear":
         freq_scale = 1.0 / k.float("rope.scaling.factor", lo=1e-6, hi=1e6)
     elif scaling not in ("none", ""):

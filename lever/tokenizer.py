@@ -23,7 +23,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from lever.errors import LeverError, shown
+from lever.errors import LeverError, kind_of, shown
 from lever.gguf_file import GGUFFile
 
 # GGUF token_type values (llama.cpp's llama_token_type).
@@ -103,14 +103,6 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
-def _kind(value) -> str:
-    if isinstance(value, str):
-        return f"the string {shown(value, 40)!r}"
-    if isinstance(value, (list, np.ndarray)):
-        return f"an array of {len(value)}"
-    return f"{type(value).__name__} {value!r}"
-
-
 def _read_vocab(f: GGUFFile) -> _Vocab:
     """The tokenizer metadata, every value checked for type, length and range first: token,
     score and type arrays of one length, known token types, byte tokens that name a byte,
@@ -125,10 +117,10 @@ def _read_vocab(f: GGUFFile) -> _Vocab:
 
     for key in ("model", "pre"):
         if key in meta and not isinstance(meta[key], str):
-            raise fail(key, f"is {_kind(meta[key])}, expected a string")
+            raise fail(key, f"is {kind_of(meta[key])}, expected a string")
     for key in ("tokens", "merges"):
         if key in meta and not isinstance(meta[key], list):  # string arrays are lists, numeric ones numpy
-            raise fail(key, f"is {_kind(meta[key])}, expected an array of strings")
+            raise fail(key, f"is {kind_of(meta[key])}, expected an array of strings")
     if not meta["tokens"]:
         raise fail("tokens", "is empty")
     tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(meta["tokens"])]
@@ -142,7 +134,7 @@ def _read_vocab(f: GGUFFile) -> _Vocab:
         if arr is None:
             return None
         if not isinstance(arr, np.ndarray) or arr.dtype.kind not in kinds:
-            raise fail(key, f"is {_kind(arr)}, expected an array of numbers")
+            raise fail(key, f"is {kind_of(arr)}, expected an array of numbers")
         if len(arr) != n:
             raise fail(key, f"has {len(arr)} entries for {n} tokens")
         return arr
@@ -172,7 +164,7 @@ def _read_vocab(f: GGUFFile) -> _Vocab:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise fail(key, f"is {_kind(value)}, expected a token id")
+            raise fail(key, f"is {kind_of(value)}, expected a token id")
         if value not in _NO_TOKEN and not 0 <= value < n:
             raise fail(key, f"= {value} is out of range for {n} tokens")
         ids[key] = value if 0 <= value < n else None
@@ -182,7 +174,7 @@ def _read_vocab(f: GGUFFile) -> _Vocab:
         if value is None:
             continue
         if not (isinstance(value, int) and value in (0, 1)):
-            raise fail(key, f"is {_kind(value)}, expected true or false")
+            raise fail(key, f"is {kind_of(value)}, expected true or false")
         flags[key] = bool(value)
     return _Vocab(path, meta["model"], meta.get("pre"), tokens, types, scores, meta.get("merges"), ids, flags)
 
@@ -289,16 +281,20 @@ def _add_special_tokens(hf: HFTokenizer, v: _Vocab) -> None:
 # --- token bytes ----------------------------------------------------------------------------
 
 
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's map from the printable stand-in characters back to the bytes they encode."""
+def byte_level_chars() -> list[str]:
+    """GPT-2's printable stand-in character for each byte 0..255 (byte-level BPE vocabularies
+    spell their tokens with these)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = {b: b for b in printable}
-    extra = 256
+    chars, extra = {b: b for b in printable}, 256
     for b in range(256):
         if b not in chars:
-            chars[b] = extra
-            extra += 1
-    return {chr(c): b for b, c in chars.items()}
+            chars[b], extra = extra, extra + 1
+    return [chr(chars[b]) for b in range(256)]
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's map from the printable stand-in characters back to the bytes they encode."""
+    return {c: b for b, c in enumerate(byte_level_chars())}
 
 
 def _spm_piece(text: str, kind: int) -> bytes:

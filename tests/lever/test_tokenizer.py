@@ -23,7 +23,7 @@ import pytest
 from lever.errors import LeverError
 from lever.fuzz_inputs import ARR, F32, I32, STR, U32, RandomChooser, serialize
 from lever.fuzz_models import model_desc
-from lever.tokenizer import StreamDecoder, Tokenizer
+from lever.tokenizer import StreamDecoder, Tokenizer, byte_level_chars
 from tests.conftest import MODELS, QWEN_DRAFT, SHARED, require
 
 STORIES = MODELS / "stories260K.gguf"
@@ -89,15 +89,6 @@ def reference(llama_cpp, path: Path):
 # --- tiny byte-level GGUFs ------------------------------------------------------------------
 
 
-def _byte_chars() -> list[str]:
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {b: b for b in printable}, 256
-    for b in range(256):
-        if b not in chars:
-            chars[b], extra = extra, extra + 1
-    return [chr(chars[b]) for b in range(256)]
-
-
 # Ranked so that where the pre-tokenizer cuts changes the result: "3 4" outranks "1 2", and
 # "n '" would glue a contraction to its word if the regex did not cut before the apostrophe.
 TINY_MERGES = ["3 4", "1 2", "12 3", "4 5", "45 6", "d o", "do n", "n '", "' t", "' L", "'L L", "Ġ t", "Ġt h", "Ġth e"]
@@ -105,7 +96,7 @@ TINY_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 
 
 def write_tiny_bpe(path: Path, pre: str, model: str = "gpt2") -> Path:
-    tokens = _byte_chars() + ["".join(m.split(" ")) for m in TINY_MERGES] + ["xyz"] + TINY_SPECIALS
+    tokens = byte_level_chars() + ["".join(m.split(" ")) for m in TINY_MERGES] + ["xyz"] + TINY_SPECIALS
     types = [1] * (len(tokens) - len(TINY_SPECIALS)) + [3] * len(TINY_SPECIALS)
     w = gguf.GGUFWriter(str(path), "llama")
     # the few hyperparameters llama.cpp reads even for a vocab-only load
