@@ -15,7 +15,14 @@ from lever.model_spec import ModelSpec
 
 
 class KVCache:
-    def __init__(self, spec: ModelSpec, n_ctx: int, dtype=np.float16):
+    DTYPE = np.float16
+
+    @classmethod
+    def bytes_for(cls, spec: ModelSpec, n_ctx: int) -> int:
+        """What a cache of n_ctx rows allocates (the memory plan asks before making one)."""
+        return 2 * spec.n_layer * n_ctx * spec.n_head_kv * spec.head_dim * np.dtype(cls.DTYPE).itemsize
+
+    def __init__(self, spec: ModelSpec, n_ctx: int, dtype=DTYPE):
         self.n_ctx = n_ctx
         shape = (n_ctx, spec.n_head_kv, spec.head_dim)
         self.k = [np.zeros(shape, dtype) for _ in range(spec.n_layer)]  # per layer (n_ctx, n_kv_head, head_dim)

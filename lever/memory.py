@@ -15,13 +15,13 @@ import attrs
 import psutil
 
 from lever.backends.flash import FlashConfig
-from lever.backends.flash.config import _BYTES_RE, _UNITS, plan_residency
+from lever.backends.flash.config import parse_bytes, plan_residency
 from lever.backends.flash.layout import layer_extents
 from lever.errors import LeverError
 from lever.gguf_file import GGUFFile
+from lever.kv_cache import KVCache
 from lever.model_spec import ModelSpec
 
-KV_ITEM_BYTES = 2  # KV rows are float16 (lever.kv_cache)
 F32 = 4
 # Allocator slack, thread stacks, numpy temporaries the activation estimate does not name:
 # measured peak RSS minus the named parts stayed under 40 MiB on every configuration tried
@@ -45,9 +45,8 @@ class MemoryConfig:
     def limit_bytes(self) -> int | None:
         if self.limit == "auto":
             return None
-        m = _BYTES_RE.match(self.limit) if isinstance(self.limit, str) else None
-        n = int(m[1]) * _UNITS[(m[2] or "").lower()] if m else self.limit
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        n = parse_bytes(self.limit)
+        if n is None or n <= 0:
             raise LeverError(f"[memory] limit: must be \"auto\" or a positive size in bytes (e.g. 6GiB), got {self.limit!r}")
         return n
 
@@ -86,10 +85,6 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
-def kv_bytes(spec: ModelSpec, n_rows: int) -> int:
-    return 2 * spec.n_layer * n_rows * spec.n_head_kv * spec.head_dim * KV_ITEM_BYTES
-
-
 def activation_bytes(spec: ModelSpec, n_tok: int, n_rows: int, n_logit_rows: int) -> int:
     """One layer's live arrays for n_tok tokens (residual, norm, q/k/v, attention, the FFN's
     gate/up/product), the attention mask over n_rows, and n_logit_rows rows of vocabulary logits."""
@@ -118,11 +113,11 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, n_ctx: in
     acts = activation_bytes(spec, n_pass_tokens, n_rows, max(tree_rows, 1))
     draft_total = 0
     if draft is not None and draft_spec is not None:
-        draft_total = sum(t.n_bytes for t in draft.tensors.values()) + kv_bytes(draft_spec, n_ctx + draft_rows)
+        draft_total = sum(t.n_bytes for t in draft.tensors.values()) + KVCache.bytes_for(draft_spec, n_ctx + draft_rows)
         acts += activation_bytes(draft_spec, max(n_pass_tokens, draft_rows), n_ctx + draft_rows, draft_rows)
     if process_bytes is None:
         process_bytes = psutil.Process().memory_info().rss
-    return MemoryPlan(sum(layer_bytes[i] for i in resident), head, window, kv_bytes(spec, n_rows), draft_total,
+    return MemoryPlan(sum(layer_bytes[i] for i in resident), head, window, KVCache.bytes_for(spec, n_rows), draft_total,
                       acts, process_bytes)
 
 

@@ -35,6 +35,16 @@ class Budget:
     amount: float
 
 
+def parse_bytes(value) -> int | None:
+    """A size in bytes: an int, or digits with an optional unit, decimal (`500MB`) or binary
+    (`256MiB`); None for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and (m := _BYTES_RE.match(value)):
+        return int(m[1]) * _UNITS[(m[2] or "").lower()]
+    return None
+
+
 def parse_budget(value: int | float | str | Budget, key: str = "dram_budget") -> Budget:
     """The budget syntax, one of:
 
@@ -57,8 +67,8 @@ def parse_budget(value: int | float | str | Budget, key: str = "dram_budget") ->
     if isinstance(value, float):
         return _fraction(value, key, value)
     if isinstance(value, str):
-        if m := _BYTES_RE.match(value):
-            return Budget("bytes", int(m[1]) * _UNITS[(m[2] or "").lower()])
+        if (n := parse_bytes(value)) is not None:
+            return Budget("bytes", n)
         if m := _LAYERS_RE.match(value):
             return Budget("layers", int(m[1]))
         if m := _PERCENT_RE.match(value):

@@ -318,18 +318,22 @@ class FlashStore:
         if rows is None:
             out = self._read_span(f"tensor {name}", info.offset, info.n_bytes).reshape(info.n_rows, row_bytes)
         else:
+            # One page-aligned scratch for every row (each may straddle a page more than its size).
+            slot = round_up(row_bytes) + PAGE_BYTES
+            scratch = np.frombuffer(mmap.mmap(-1, max(len(rows), 1) * slot), np.uint8)
             out = np.empty((len(rows), row_bytes), np.uint8)
             for j, i in enumerate(np.asarray(rows, np.int64)):
-                out[j] = self._read_span(f"tensor {name} row {i}", info.offset + int(i) * row_bytes, row_bytes)
+                out[j] = self._read_span(f"tensor {name} row {i}", info.offset + int(i) * row_bytes, row_bytes,
+                                         scratch[j * slot : (j + 1) * slot])
         self._check_unchanged(f"tensor {name}", info.offset)
         return out
 
-    def _read_span(self, where: str, start: int, n_bytes: int) -> np.ndarray:
-        """[start, start + n_bytes) of the file, as a view into fresh page-aligned anonymous
-        memory (O_DIRECT's rule: aligned offsets, lengths and buffers)."""
+    def _read_span(self, where: str, start: int, n_bytes: int, dest: np.ndarray | None = None) -> np.ndarray:
+        """[start, start + n_bytes) of the file, as a view into `dest` (page-aligned, large
+        enough) or fresh anonymous memory (O_DIRECT's rule: aligned offsets, lengths, buffers)."""
         first = round_down(start)
         span = round_up(start + n_bytes) - first
-        dest = np.frombuffer(mmap.mmap(-1, span), np.uint8)
+        dest = np.frombuffer(mmap.mmap(-1, span), np.uint8) if dest is None else dest[:span]
         got = 0
         while got < span:
             at = first + got
