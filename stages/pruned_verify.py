@@ -90,8 +90,8 @@ class PrunedVerify(Stage):
         return PassState(tree, self.embed(tree.tokens), pos, mask, rows)
 
     def _mask(self, n_tok: int, n_rows: int) -> np.ndarray:
-        """A (n_tok, n_rows) mask in one buffer kept across passes: a new array per pass, one
-        row longer each time, made the allocator's heap creep up over a long run."""
+        """A (n_tok, n_rows) mask in one buffer kept across passes, rather than a new array
+        the size of the context on every pass (the widest pass, the prompt's, sizes it)."""
         if self._mask_buf is None or self._mask_buf.shape[0] < n_tok:
             self._mask_buf = np.empty((n_tok, self.cache.n_ctx), bool)
         return self._mask_buf.reshape(-1)[: n_tok * n_rows].reshape(n_tok, n_rows)
