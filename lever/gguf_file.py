@@ -199,20 +199,6 @@ class GGUFFile:
             raise c.fail("duplicate tensor name")
         self.tensors[name] = TensorInfo(name, tt, tuple(reversed(dims)), offset, n_bytes)
 
-    def load_into_memory(self) -> None:
-        """Copy the whole file into DRAM: a model that is resident by design (the draft). Read
-        with read(), not faulted in through the mapping, so a file truncated or replaced
-        meanwhile is an error here rather than a SIGBUS whenever a weight is next touched."""
-        buf = np.empty(self.data.size, np.uint8)
-        try:
-            with open(self.path, "rb") as f:
-                n = f.readinto(memoryview(buf))
-        except OSError as e:
-            raise LeverError(f"{self.path}: cannot read: {e.strerror or e}") from None
-        if n != buf.size:
-            raise LeverError(f"{self.path}: read {n} of {buf.size} bytes: truncated or replaced since it was opened")
-        self.data = buf
-
     @property
     def arch(self) -> str:
         return self.get_str("general.architecture")
@@ -235,6 +221,30 @@ class GGUFFile:
         info = self.tensor(name)
         flat = self.data[info.offset : info.offset + info.n_bytes]
         return flat.reshape(info.n_rows, info.n_bytes // info.n_rows)
+
+    def read_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) of a tensor read from the file with pread, not faulted in through the
+        mapping: (r1 - r0, row_bytes) uint8 in anonymous memory. A model made resident is read
+        this way, so a file truncated or replaced meanwhile is an error here, not a SIGBUS when
+        a weight is next touched, and its pages do not stay in this process's RSS."""
+        info = self.tensor(name)
+        row_bytes = info.n_bytes // info.n_rows
+        out = np.empty((r1 - r0, row_bytes), np.uint8)
+        start, want, got = info.offset + r0 * row_bytes, out.nbytes, 0
+        buf = memoryview(out.reshape(-1))
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                while got < want:  # a regular file returns less only at its end
+                    n = os.preadv(f.fileno(), [buf[got:]], start + got)
+                    if n <= 0:
+                        break
+                    got += n
+        except OSError as e:
+            raise LeverError(f"{self.path}: cannot read tensor {name}: {e.strerror or e}") from None
+        if got != want:
+            raise LeverError(f"{self.path}: tensor {name}: read {got} of {want} bytes at offset {start}: "
+                             f"truncated or replaced since it was opened")
+        return out
 
     def tensor(self, name: str) -> TensorInfo:
         info = self.tensors.get(name)

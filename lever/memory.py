@@ -20,6 +20,7 @@ from lever.backends.flash.layout import layer_extents
 from lever.errors import LeverError
 from lever.gguf_file import GGUFFile
 from lever.kv_cache import KVCache
+from lever.model import Model, resident_layer_bytes, tiled_bytes
 from lever.model_spec import ModelSpec
 
 F32 = 4
@@ -55,11 +56,11 @@ class MemoryConfig:
 class MemoryPlan:
     """Bytes a run needs, by part; `total_bytes` is what `check` holds against the limit."""
 
-    resident_layer_bytes: int  # target layers read once and kept
-    head_bytes: int  # the target's output projection (and embeddings when tied), resident
+    resident_layer_bytes: int  # target layers read once and kept (matrices in the tile layout)
+    head_bytes: int  # the target's output projection (and embeddings when tied), resident, tiled
     window_bytes: int  # the staging window streamed layers pass through (+ mmap chunks in flight)
     kv_cache_bytes: int  # the target's KV cache for the context and one tree
-    draft_bytes: int  # the draft's weights and its KV cache
+    draft_bytes: int  # the draft's weights (Model.resident_bytes) and its KV cache
     activation_bytes: int  # the largest pass's activations and logits, both models
     process_bytes: int  # the process before loading: interpreter, libraries, tokenizer
     slack_bytes: int = RUNTIME_SLACK_BYTES
@@ -92,10 +93,6 @@ def activation_bytes(spec: ModelSpec, n_tok: int, n_rows: int, n_logit_rows: int
     return n_tok * per_tok * F32 + n_tok * n_rows + n_logit_rows * spec.n_vocab * F32
 
 
-def tensor_bytes(f: GGUFFile, names) -> int:
-    return sum(f.tensors[n].n_bytes for n in names if n in f.tensors)
-
-
 def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, n_ctx: int, n_pass_tokens: int,
                 tree_rows: int = 1, draft: GGUFFile | None = None, draft_spec: ModelSpec | None = None,
                 draft_rows: int = 0, process_bytes: int | None = None) -> MemoryPlan:
@@ -108,16 +105,16 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, n_ctx: in
     window = flash.window_layers * max(streamed, default=0)
     if flash.mode == "mmap" and streamed:
         window += flash.queue_depth * flash.chunk_bytes  # mapped pages of the chunks being copied
-    head = tensor_bytes(target, ("output.weight",)) or tensor_bytes(target, ("token_embd.weight",))
+    head = tiled_bytes(target, "output.weight" if "output.weight" in target.tensors else "token_embd.weight")
     n_rows = n_ctx + tree_rows
     acts = activation_bytes(spec, n_pass_tokens, n_rows, max(tree_rows, 1))
     draft_total = 0
     if draft is not None and draft_spec is not None:
-        draft_total = sum(t.n_bytes for t in draft.tensors.values()) + KVCache.bytes_for(draft_spec, n_ctx + draft_rows)
+        draft_total = Model.resident_bytes(draft, draft_spec) + KVCache.bytes_for(draft_spec, n_ctx + draft_rows)
         acts += activation_bytes(draft_spec, max(n_pass_tokens, draft_rows), n_ctx + draft_rows, draft_rows)
     if process_bytes is None:
         process_bytes = psutil.Process().memory_info().rss
-    return MemoryPlan(sum(layer_bytes[i] for i in resident), head, window, KVCache.bytes_for(spec, n_rows), draft_total,
+    return MemoryPlan(sum(resident_layer_bytes(target, spec, i) for i in resident), head, window, KVCache.bytes_for(spec, n_rows), draft_total,
                       acts, process_bytes)
 
 

@@ -21,21 +21,65 @@ from lever.kv_cache import KVCache
 from lever.model_spec import ModelSpec, read_spec
 
 
+# Rows read and packed at a time when a matrix is made resident (a multiple of the tile
+# height): bounds the extra memory of loading to one chunk, 8 MiB for the Qwen heads.
+LOAD_CHUNK_ROWS = 4096
+
+
 @attrs.frozen
 class Weight:
-    """A matrix of n_out rows by n_in columns in a GGUF tensor type."""
+    """A matrix of n_out rows by n_in columns in a GGUF tensor type, in the row layout (GGUF's,
+    as flash streams it) or the tile layout (native.pack's: what stays resident, since the
+    kernels stream it at close to the memory's bandwidth; native/lever_kernels.h)."""
 
     type_id: int
     n_out: int
     n_in: int
-    data: np.ndarray = attrs.field(eq=False)  # (n_out, row_bytes) uint8, or a float view
+    data: np.ndarray = attrs.field(eq=False)  # rows: (n_out, row_bytes) uint8; tiles: flat uint8
+    layout: int = native.ROWS
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return native.matmul(self.type_id, self.data, self.n_out, self.n_in, x)  # (n_tok, n_out)
+        return native.matmul(self.type_id, self.data, self.n_out, self.n_in, x, layout=self.layout)  # (n_tok, n_out)
 
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids` in the row layout: (len(ids), row_bytes) uint8."""
+        ids = np.asarray(ids, np.int64)
+        if self.layout == native.TILES:
+            return native.unpack_rows(self.type_id, self.data, self.n_out, self.n_in, ids)
+        return np.ascontiguousarray(self.data[ids])
+
+    def dequantize(self, ids: np.ndarray | None = None) -> np.ndarray:
+        """Rows `ids` (every row when None) as float32: (n, n_in)."""
+        ids = np.arange(self.n_out) if ids is None else np.asarray(ids, np.int64)
+        return native.dequantize(self.type_id, self.rows(ids), ids.size, self.n_in)
+
+    def tiled(self) -> Weight:
+        """This matrix in the tile layout (itself if it is already)."""
+        if self.layout == native.TILES:
+            return self
+        return attrs.evolve(self, data=native.pack(self.type_id, self.data, self.n_out, self.n_in), layout=native.TILES)
+
+
+def tiled_weight(type_id: int, n_out: int, n_in: int, read_rows) -> Weight:
+    """A matrix in the tile layout, its rows fetched by read_rows(r0, r1) -> (r1 - r0, row_bytes)
+    a chunk at a time and packed into place, so loading holds one chunk beside the result."""
+    data = np.empty(native.tiled_bytes(type_id, n_out, n_in), np.uint8)
+    row_bytes = data.size // max(-(-n_out // native.TILE_ROWS) * native.TILE_ROWS, 1)
+    for r0 in range(0, n_out, LOAD_CHUNK_ROWS):
+        r1 = min(r0 + LOAD_CHUNK_ROWS, n_out)
+        dst = data[r0 * row_bytes : r0 * row_bytes + native.tiled_bytes(type_id, r1 - r0, n_in)]
+        native.pack(type_id, read_rows(r0, r1), r1 - r0, n_in, out=dst)
+    return Weight(type_id, n_out, n_in, data, native.TILES)
+
+
+def tiled_bytes(f: GGUFFile, name: str) -> int:
+    """What tiled_weight allocates for the matrix `name`: the memory plan asks before loading."""
+    info = f.tensor(name)
+    return native.tiled_bytes(info.type.ggml_id, info.n_rows, info.n_cols)
 
 
 # Per-layer tensors: field name -> (GGUF name suffix, required).
@@ -138,18 +182,25 @@ def check_vocab(f: GGUFFile, spec: ModelSpec) -> None:
                          f"{spec.n_vocab} rows")
 
 
-def weight_from(f: GGUFFile, name: str, raw: np.ndarray | None = None) -> Weight:
+def weight_from(f: GGUFFile, name: str, raw: np.ndarray | None = None, tiles: bool = False) -> Weight:
+    """The matrix `name`: in the row layout from `raw` (bytes already read) or the mapping, or
+    with tiles=True read from the file (GGUFFile.read_rows) into the tile layout."""
     info = f.tensor(name)
     if len(info.shape) != 2:
         raise LeverError(f"{f.path}: tensor {name} has shape {info.shape}, expected a matrix")
     n_out, n_in = info.shape
     if n_in % info.type.block_elems:
         raise LeverError(f"{f.path}: tensor {name}: {n_in} columns is not a multiple of {info.type.name}'s block")
+    if tiles:
+        return tiled_weight(info.type.ggml_id, n_out, n_in, lambda r0, r1: f.read_rows(name, r0, r1))
     return Weight(info.type.ggml_id, n_out, n_in, f.raw(name) if raw is None else raw)
 
 
-def load_layer(f: GGUFFile, spec: ModelSpec, layer: int, raws: dict[str, np.ndarray] | None = None) -> LayerWeights:
-    """A layer's weights, from the mapping or from `raws` (tensor name -> bytes already read)."""
+def load_layer(f: GGUFFile, spec: ModelSpec, layer: int, raws: dict[str, np.ndarray] | None = None,
+               tiles: bool = False) -> LayerWeights:
+    """A layer's weights: from `raws` (tensor name -> bytes already read), else read from the
+    file; matrices in the row layout, or in the tile layout with tiles=True (a layer that
+    stays resident: packed from raws, or read and packed chunk by chunk)."""
     shapes = expected_shapes(spec)
     fields = {}
     for field, name in layer_tensor_names(f, layer).items():
@@ -158,12 +209,33 @@ def load_layer(f: GGUFFile, spec: ModelSpec, layer: int, raws: dict[str, np.ndar
             raise LeverError(f"{f.path}: tensor {name} has shape {info.shape}, expected {shapes[field]}")
         raw = None if raws is None else raws.get(name)
         if field in MATRICES:
-            fields[field] = weight_from(f, name, raw)
+            w = weight_from(f, name, raw, tiles=tiles and raw is None)
+            fields[field] = w.tiled() if tiles else w
         elif raw is None:
             fields[field] = f.floats(name).reshape(-1)
         else:  # norms and biases from the bytes read, not from the file's mapping
             fields[field] = native.dequantize(info.type.ggml_id, raw, info.n_rows, info.n_cols).reshape(-1)
     return LayerWeights(**fields)
+
+
+def held_bytes(a: np.ndarray | Weight | None) -> int:
+    """DRAM an array (or a Weight's data) holds of its own: a view of a file's mapping holds none."""
+    a = a.data if isinstance(a, Weight) else a
+    return 0 if a is None or isinstance(a, np.memmap) else a.nbytes
+
+
+def layer_nbytes(lw: LayerWeights) -> int:
+    """The DRAM a loaded layer holds: its matrices and its float32 norms and biases."""
+    return sum(held_bytes(getattr(lw, a.name)) for a in attrs.fields(LayerWeights))
+
+
+def resident_layer_bytes(f: GGUFFile, spec: ModelSpec, layer: int) -> int:
+    """What load_layer(..., tiles=True) holds for `layer`, from the header alone."""
+    n = 0
+    for field, name in layer_tensor_names(f, layer).items():
+        info = f.tensor(name)
+        n += tiled_bytes(f, name) if field in MATRICES else 4 * info.n_rows * info.n_cols
+    return n
 
 
 def layer_forward(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
@@ -198,23 +270,44 @@ def layer_forward(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndar
 
 
 class Model:
-    """A GGUF model whose weights are mapped from the file (memory-resident). With
-    load_layers=False only the embeddings and the output head are set up: the layers then
-    come from elsewhere (the flash backend)."""
+    """A GGUF model held in DRAM. With tiles=True (the default) its weights are read from the
+    file, not mapped, and its matrices packed into the tile layout, the form the kernels stream
+    fastest (untied embeddings, looked up a row at a time, stay in the row layout); a file
+    truncated or replaced afterwards changes nothing. With tiles=False they are views of the
+    file's mapping, in the row layout. With load_layers=False only the embeddings and the
+    output head are set up: the layers then come from elsewhere (the flash backend)."""
 
-    def __init__(self, path=None, *, file: GGUFFile | None = None, load_layers: bool = True):
+    def __init__(self, path=None, *, file: GGUFFile | None = None, load_layers: bool = True, tiles: bool = True):
         self.file = f = file or GGUFFile(path)
         self.spec = spec = read_spec(f)
         check_tensors(f, spec)
         check_vocab(f, spec)
         self.inv_freq = spec.inv_freq()
-        self.tok_embd = weight_from(f, "token_embd.weight")
+        tied = "output.weight" not in f.tensors
+        if tiles and not tied:
+            info = f.tensor("token_embd.weight")
+            self.tok_embd = weight_from(f, info.name, raw=f.read_rows(info.name, 0, info.n_rows))
+        else:
+            self.tok_embd = weight_from(f, "token_embd.weight", tiles=tiles)
         if self.tok_embd.n_in != spec.n_embd:
             raise LeverError(f"{f.path}: token_embd.weight has {self.tok_embd.n_in} columns, expected {spec.n_embd}")
         self.output_norm = f.floats("output_norm.weight").reshape(-1)
         # Tied embeddings: without output.weight the projection reuses token_embd.
-        self.output = weight_from(f, "output.weight") if "output.weight" in f.tensors else self.tok_embd
-        self.layers = [load_layer(f, spec, i) for i in range(spec.n_layer)] if load_layers else []
+        self.output = self.tok_embd if tied else weight_from(f, "output.weight", tiles=tiles)
+        self.layers = [load_layer(f, spec, i, tiles=tiles) for i in range(spec.n_layer)] if load_layers else []
+
+    @property
+    def nbytes(self) -> int:
+        """The weights this model holds in DRAM, read from its file (tiles=True)."""
+        embd = held_bytes(self.tok_embd) if self.tok_embd is not self.output else 0
+        return held_bytes(self.output) + embd + 4 * self.output_norm.size + sum(layer_nbytes(lw) for lw in self.layers)
+
+    @staticmethod
+    def resident_bytes(f: GGUFFile, spec: ModelSpec) -> int:
+        """What Model(file=f) holds (its nbytes), from the header alone: the memory plan's figure."""
+        mats = tiled_bytes(f, "output.weight") + f.tensor("token_embd.weight").n_bytes if "output.weight" in f.tensors \
+            else tiled_bytes(f, "token_embd.weight")
+        return mats + 4 * spec.n_embd + sum(resident_layer_bytes(f, spec, i) for i in range(spec.n_layer))
 
     def new_cache(self, n_ctx: int) -> KVCache:
         return KVCache(self.spec, n_ctx)
@@ -223,8 +316,7 @@ class Model:
         tokens = np.asarray(tokens, np.int64)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.spec.n_vocab):
             raise LeverError(f"token id out of range [0, {self.spec.n_vocab}): {tokens.min()}..{tokens.max()}")
-        e = self.tok_embd
-        return native.dequantize(e.type_id, np.ascontiguousarray(e.data[tokens]), tokens.size, e.n_in)
+        return self.tok_embd.dequantize(tokens)
 
     def forward(self, tokens: np.ndarray, pos: np.ndarray, mask: np.ndarray, cache: KVCache,
                 layer_fn=None) -> np.ndarray:

@@ -20,6 +20,9 @@ import numpy as np
 from lever.errors import LeverError
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "neon"}
+# Weight layouts (enum lever_layout): GGUF's rows, or Lever's tiles of TILE_ROWS interleaved rows.
+ROWS, TILES = 0, 1
+TILE_ROWS = 16
 _ERRORS = {-1: "unsupported tensor type", -2: "bad shape", -3: "out of memory"}
 _LIB_NAMES = ("liblever_kernels.so", "liblever_kernels.dylib")
 
@@ -53,7 +56,11 @@ def _load() -> ctypes.CDLL:
         "lever_get_isa": ([], _int),
         "lever_set_isa": ([_int], _int),
         "lever_dequantize": ([_int, _vp, _i64, _i64, _vp], _int),
-        "lever_matmul": ([_int, _vp, _i64, _i64, _vp, _i64, _vp, _int], _int),
+        "lever_matmul": ([_int, _int, _vp, _i64, _i64, _vp, _i64, _vp, _int], _int),
+        "lever_tiled_bytes": ([_int, _i64, _i64], _i64),
+        "lever_pack": ([_int, _vp, _i64, _i64, _vp, _int], _int),
+        "lever_unpack_rows": ([_int, _vp, _i64, _i64, _vp, _i64, _vp], _int),
+        "lever_type_layout": ([_int, _vp, _vp, _vp], _int),
         "lever_rmsnorm": ([_vp, _vp, _i64, _i64, ctypes.c_float, _vp], None),
         "lever_rope": ([_vp, _vp, _i64, _i64, _i64, _i64, _vp, _int, ctypes.c_float], None),
         "lever_attention": ([_vp, _i64, _i64, _i64, _vp, _vp, _int, _i64, _i64, _vp, ctypes.c_float, _vp, _int], _int),
@@ -134,9 +141,48 @@ def dequantize(type_id: int, data, n_rows: int, n_cols: int) -> np.ndarray:
     return out
 
 
+def tiled_bytes(type_id: int, n_out: int, n_in: int) -> int:
+    """Bytes of an (n_out, n_in) matrix in the tile layout (whole tiles, zero rows padding)."""
+    n = _lib.lever_tiled_bytes(type_id, n_out, n_in)
+    if n <= 0 and n_out > 0:
+        raise LeverError(f"native tiled_bytes failed: unsupported type {type_id} or shape ({n_out}, {n_in})")
+    return n
+
+
+def pack(type_id: int, w, n_out: int, n_in: int, out: np.ndarray | None = None,
+         n_threads: int | None = None) -> np.ndarray:
+    """The row-layout matrix w in the tile layout: a flat uint8 array of tiled_bytes(...)."""
+    size = tiled_bytes(type_id, n_out, n_in)
+    if out is None:
+        out = np.empty(size, np.uint8)
+    if out.nbytes != size or not out.flags.c_contiguous:
+        raise ValueError(f"pack: output of {out.nbytes} bytes for a tiled matrix of {size}")
+    _check(_lib.lever_pack(type_id, _ptr(w), n_out, n_in, _ptr(out), _threads(n_threads)), "pack")
+    return out
+
+
+def unpack_rows(type_id: int, tiled, n_out: int, n_in: int, rows: np.ndarray) -> np.ndarray:
+    """Rows (ids < n_out) of a tiled matrix, back in the row layout: (len(rows), row_bytes) uint8."""
+    rows = np.ascontiguousarray(rows, np.int64)
+    row_bytes = tiled_bytes(type_id, 1, n_in) // TILE_ROWS
+    out = np.empty((rows.size, row_bytes), np.uint8)
+    _check(_lib.lever_unpack_rows(type_id, _ptr(tiled), n_out, n_in, _addr(rows, np.int64), rows.size,
+                                  _addr(out, np.uint8)), "unpack_rows")
+    return out
+
+
+def type_layout(type_id: int) -> tuple[int, int, tuple[tuple[int, int, int], ...]]:
+    """The C type table's row: (block, block_bytes, tile segments as (offset, bytes, width))."""
+    block, nbytes, seg = ctypes.c_int(), ctypes.c_int(), (ctypes.c_int * 9)()
+    n = _lib.lever_type_layout(type_id, ctypes.byref(block), ctypes.byref(nbytes), seg)
+    _check(min(n, 0), "type_layout")
+    return block.value, nbytes.value, tuple(tuple(seg[3 * i: 3 * i + 3]) for i in range(n))
+
+
 def matmul(type_id: int, w, n_out: int, n_in: int, x: np.ndarray, out: np.ndarray | None = None,
-           n_threads: int | None = None) -> np.ndarray:
-    """x @ W.T for a weight matrix W stored as n_out rows of n_in in type `type_id`."""
+           n_threads: int | None = None, layout: int = ROWS) -> np.ndarray:
+    """x @ W.T for a weight matrix W stored as n_out rows of n_in in type `type_id`, in the row
+    layout or (layout=TILES) as pack() made it."""
     x = _f32(x)
     n_tok = x.size // n_in
     if x.size != n_tok * n_in:
@@ -144,7 +190,7 @@ def matmul(type_id: int, w, n_out: int, n_in: int, x: np.ndarray, out: np.ndarra
     if out is None:
         out = np.empty((n_tok, n_out), np.float32)
     nt = _threads(n_threads)
-    _check(_lib.lever_matmul(type_id, _ptr(w), n_out, n_in, _addr(x, np.float32), n_tok, _addr(out, np.float32), nt),
+    _check(_lib.lever_matmul(type_id, layout, _ptr(w), n_out, n_in, _addr(x, np.float32), n_tok, _addr(out, np.float32), nt),
            "matmul")
     return out
 

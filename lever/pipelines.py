@@ -25,7 +25,7 @@ from lever.errors import LeverError
 from lever.gguf_file import GGUFFile
 from lever.graph import Pipeline
 from lever.kv_cache import KVCache
-from lever.model import LayerWeights, Model, layer_forward, load_layer
+from lever.model import LayerWeights, Model, layer_forward, layer_nbytes, load_layer, tiled_weight
 from lever.placement import Placement
 from lever.predictor import Predictor
 from lever.sampling import SamplingParams
@@ -49,16 +49,23 @@ class FlashTarget:
     @classmethod
     def open(cls, path, flash: FlashConfig, file: GGUFFile | None = None) -> FlashTarget:
         f = file or GGUFFile(path)
-        model = Model(file=f, load_layers=False)
+        model = Model(file=f, load_layers=False, tiles=False)
         store = FlashStore(path, flash, file=f)
         try:
-            resident = {i: load_layer(f, model.spec, i, raws=store.resident_layer(i)) for i in sorted(store.resident)}
+            # Resident layers are read once through the store and packed into the tile layout
+            # (the kernels' fastest form); their read buffer goes back once packed.
+            resident = {}
+            for i in sorted(store.resident):
+                resident[i] = load_layer(f, model.spec, i, raws=store.resident_layer(i), tiles=True)
+                store.drop_resident(i)
             # The head is resident and read whole every cycle: a copy costs no more DRAM than
             # its mapping, and a mapped page of a file truncated under the run would kill the
             # process (SIGBUS) where a read through the store is an error naming the file.
             tied = model.output is model.tok_embd
-            model.output = attrs.evolve(model.output, data=store.tensor_rows(
-                "token_embd.weight" if tied else "output.weight"))
+            name = "token_embd.weight" if tied else "output.weight"
+            head = model.output
+            model.output = tiled_weight(head.type_id, head.n_out, head.n_in,
+                                        lambda r0, r1: store.tensor_span(name, r0, r1))
             if tied:
                 model.tok_embd = model.output
         except BaseException:
@@ -68,7 +75,7 @@ class FlashTarget:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(self.store.layer_bytes[i] for i in self.resident)
+        return sum(layer_nbytes(lw) for lw in self.resident.values())
 
     @property
     def head_bytes(self) -> int:

@@ -91,7 +91,7 @@ def lens_logits(x: np.ndarray, tokens: np.ndarray, norm: np.ndarray, eps: float,
     """Logit-lens logits of `tokens` at hidden state x (n_embd,): final norm, then those rows of
     the output projection only."""
     h = native.rmsnorm(x[None, :].astype(np.float32), norm, eps)[0]
-    rows = native.dequantize(output.type_id, np.ascontiguousarray(output.data[tokens]), tokens.size, output.n_in)
+    rows = output.dequantize(tokens)
     return rows @ h  # (n_candidates,)
 
 
@@ -106,7 +106,7 @@ def lens_by_node(tree: TokenTree, kids: list[list[int]], x: np.ndarray, norm: np
     cands = [candidates(tree, kids, n) for n in nodes]
     vocab, where = np.unique(np.concatenate([c[0] for c in cands]), return_inverse=True)
     h = native.rmsnorm(np.ascontiguousarray(x[nodes], np.float32), norm, eps)  # (n_scored, n_embd)
-    rows = native.dequantize(output.type_id, np.ascontiguousarray(output.data[vocab]), vocab.size, output.n_in)
+    rows = output.dequantize(vocab)
     out, start = {}, 0
     for j, (node, (toks, q, n_kids)) in enumerate(zip(nodes, cands)):
         out[node] = (toks, q, n_kids, rows[where[start : start + toks.size]] @ h[j])

@@ -162,8 +162,7 @@ def _run_kind(cfg: Config, kind: str, prompt: str, on_text, trace_path, observer
     check_memory(plan, cfg.memory, str(cfg.path or "config"))
     target = FlashTarget.open(path, flash, file=f)
     try:
-        if draft_file is not None:
-            draft_file.load_into_memory()  # resident: its file may change under a long run without harm
+        # resident: read (not mapped) and packed, so its file may change under a long run without harm
         draft = Model(file=draft_file) if draft_file is not None else None
         return _run(cfg, kind, target, tok, prompt_ids, n_ctx, plan, draft, on_text, trace_path, observer)
     finally:
@@ -227,8 +226,7 @@ def _run(cfg: Config, kind: str, target: FlashTarget, tok: Tokenizer, prompt_ids
     kv_bytes = h.verify.cache.nbytes
     draft_bytes = 0
     if h.draft is not None:
-        dm = h.draft.core.model
-        draft_bytes = sum(t.n_bytes for t in dm.file.tensors.values()) + h.draft.core.cache.nbytes
+        draft_bytes = h.draft.core.model.nbytes + h.draft.core.cache.nbytes
     # The prefill pass reads the layers once too; decoding is the passes after it.
     decode_passes = max(n_passes - 1, 1)
     per_pass_bytes = target.store.streamed_bytes

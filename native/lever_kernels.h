@@ -43,6 +43,20 @@ enum lever_isa {
     LEVER_ISA_NEON = 3,   /* arm64 NEON (+dotprod) */
 };
 
+/* Weight layouts. Row layout is GGUF's: n_out rows of blocks, as the file stores them and
+ * flash streams them. Tile layout regroups them for the kernels: every LEVER_TILE_ROWS rows
+ * form a tile, and inside a tile each block's bytes are interleaved so that one SIMD load
+ * gives the same bytes of every row (what the row-layout kernels get by transposing
+ * registers, once per block, and by reading LEVER_TILE_ROWS interleaved streams, which the
+ * hardware prefetchers follow badly). The bytes are the same, only their order changes, plus
+ * zero rows that pad the last tile; results are bit-identical in either layout. */
+enum lever_layout {
+    LEVER_LAYOUT_ROWS = 0,
+    LEVER_LAYOUT_TILES = 1,
+};
+
+#define LEVER_TILE_ROWS 16
+
 enum lever_err {
     LEVER_OK = 0,
     LEVER_EUNSUPPORTED_TYPE = -1,
@@ -69,8 +83,25 @@ int lever_dequantize(int type, const void *src, int64_t n_rows, int64_t n_cols, 
  * activations. n_threads <= 0 means all cores. Batch-invariant (see above); moreover every
  * ISA reduces in the same order (exact integer block sums, then one fused multiply-add per
  * block; native/quants_internal.h), so results are bit-identical across ISAs as well. */
-int lever_matmul(int type, const void *w, int64_t n_out, int64_t n_in,
+int lever_matmul(int type, int layout, const void *w, int64_t n_out, int64_t n_in,
                  const float *x, int64_t n_tok, float *y, int n_threads);
+
+/* Bytes of an (n_out, n_in) matrix of `type` in tile layout: whole tiles, the last padded
+ * with zero rows (0 for an unsupported type or a bad shape). */
+int64_t lever_tiled_bytes(int type, int64_t n_out, int64_t n_in);
+
+/* Row layout -> tile layout: src (n_out rows), dst lever_tiled_bytes(...) bytes. */
+int lever_pack(int type, const void *src, int64_t n_out, int64_t n_in, void *dst, int n_threads);
+
+/* Tile layout -> row layout for the n rows listed (each < n_out), e.g. the embedding rows of
+ * a prompt from a tied output matrix: dst gets n rows of the row layout, in list order. */
+int lever_unpack_rows(int type, const void *tiled, int64_t n_out, int64_t n_in, const int64_t *rows,
+                      int64_t n, void *dst);
+
+/* The type table (for the test that ties lever/quants.py to it): block size, block bytes and
+ * the tile layout's segments as (offset, bytes, width) triples into seg (room for 3). Returns
+ * the number of segments, or LEVER_EUNSUPPORTED_TYPE. */
+int lever_type_layout(int type, int *block, int *block_bytes, int *seg);
 
 /* out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w[:]     # x, out: (n_rows, n) */
 void lever_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps,

@@ -13,19 +13,39 @@
 #include "quants_internal.h"
 
 #define ROWS 8
+#define TILE LEVER_TILE_ROWS /* a packed tile is two slices of ROWS rows */
 
+/* Where a tile's rows come from. Row layout: ROWS row pointers into the matrix (rows past the
+ * end repeat the last row) and the next tile's bytes, prefetched as we go. Tile layout: slice
+ * `sub` of a packed tile, whose bytes sit at 4 * ROWS * sub in each 64-byte group and at
+ * 2 * ROWS * sub in each 32-byte run of fp16 scales. */
 typedef struct {
-    const uint8_t *p[ROWS]; /* row starts; rows past the end repeat the last row */
-    __m256i mask;           /* all ones in lanes that are real rows */
-} tile_rows;
+    const uint8_t *p[ROWS];
+    const uint8_t *tile;
+    const uint8_t *next;
+    int64_t next_bytes;
+    int sub;
+    __m256i mask; /* all ones in lanes that are real rows */
+} tile_src;
 
-static inline void rows_init(tile_rows *tr, const uint8_t *w, int64_t stride, int n_rows) {
+static inline void set_mask(tile_src *s, int n_rows) {
     int32_t mask[ROWS];
-    for (int i = 0; i < ROWS; i++) {
-        tr->p[i] = w + (i < n_rows ? i : n_rows - 1) * stride;
-        mask[i] = i < n_rows ? -1 : 0;
-    }
-    tr->mask = _mm256_loadu_si256((const __m256i *)mask);
+    for (int i = 0; i < ROWS; i++) mask[i] = i < n_rows ? -1 : 0;
+    s->mask = _mm256_loadu_si256((const __m256i *)mask);
+}
+
+static inline void src_rows(tile_src *s, const uint8_t *w, int64_t stride, int n_rows) {
+    for (int i = 0; i < ROWS; i++) s->p[i] = w + (i < n_rows ? i : n_rows - 1) * stride;
+    s->tile = NULL;
+    s->next = w + ROWS * stride;
+    s->next_bytes = ROWS * stride;
+    set_mask(s, n_rows);
+}
+
+static inline void src_tile(tile_src *s, const uint8_t *tile, int sub, int n_rows) {
+    s->tile = tile;
+    s->sub = sub;
+    set_mask(s, n_rows);
 }
 
 /* ---- loads and transpositions --------------------------------------------------------- */
@@ -43,7 +63,7 @@ static inline int u16_at(const uint8_t *p) {
 }
 
 /* The fp16 at byte `off` of each row, as float (inserts beat a gather here). */
-static inline __m256 fp16_rows(const tile_rows *tr, int64_t off) {
+static inline __m256 fp16_rows(const tile_src *tr, int64_t off) {
     __m128i h = _mm_cvtsi32_si128(u16_at(tr->p[0] + off));
     h = _mm_insert_epi16(h, u16_at(tr->p[1] + off), 1);
     h = _mm_insert_epi16(h, u16_at(tr->p[2] + off), 2);
@@ -81,14 +101,14 @@ static inline void transpose_8x8(__m256i r[8]) {
 }
 
 /* The 32 bytes at `off` of each row: lane i of out[k] = bytes 4k..4k+3 of row i. */
-static inline void transpose_32B(const tile_rows *tr, int64_t off, __m256i out[8]) {
+static inline void transpose_32B(const tile_src *tr, int64_t off, __m256i out[8]) {
     for (int i = 0; i < ROWS; i++) out[i] = _mm256_loadu_si256((const __m256i *)(tr->p[i] + off));
     transpose_8x8(out);
 }
 
 /* The 16 bytes at `off` of each row: 128-bit lane c of r[q] holds row 4c + q, so 4x4
  * transposes inside lanes leave out[k] in row order. */
-static inline void transpose_16B(const tile_rows *tr, int64_t off, __m256i out[4]) {
+static inline void transpose_16B(const tile_src *tr, int64_t off, __m256i out[4]) {
     __m256i r[4];
     for (int q = 0; q < 4; q++)
         r[q] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(tr->p[q] + off))),
@@ -99,6 +119,35 @@ static inline void transpose_16B(const tile_rows *tr, int64_t off, __m256i out[4
     out[1] = _mm256_unpackhi_epi64(t0, t2);
     out[2] = _mm256_unpacklo_epi64(t1, t3);
     out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* n (4 or 8) groups of four bytes from byte `off` of every row: lane i of out[k] = bytes
+ * off + 4k .. off + 4k + 3 of row i. In the tile layout they are already there. */
+static inline __attribute__((always_inline)) void groups(const tile_src *s, int packed, int64_t off, int n,
+                                                         __m256i *out) {
+    if (packed) {
+        const uint8_t *p = s->tile + TILE * off + 4 * ROWS * s->sub;
+        for (int k = 0; k < n; k++) out[k] = _mm256_loadu_si256((const __m256i *)(p + 64 * k));
+    } else if (n == 8) {
+        transpose_32B(s, off, out);
+    } else {
+        transpose_16B(s, off, out);
+    }
+}
+
+/* The fp16 at byte `off` of every row, as float. */
+static inline __attribute__((always_inline)) __m256 halves(const tile_src *s, int packed, int64_t off) {
+    if (packed) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s->tile + TILE * off + 2 * ROWS * s->sub)));
+    return fp16_rows(s, off);
+}
+
+/* Block b of nb, `bytes` long in a row, asks for bytes ahead (quants_internal.h): in the
+ * row layout its share of the next tile, in the tile layout what lies PREFETCH_AHEAD on. */
+static inline void prefetch(const tile_src *s, int packed, int64_t b, int64_t nb, int64_t bytes) {
+    if (packed)
+        lever_prefetch_ahead(s->tile + TILE * b * bytes, TILE * bytes);
+    else
+        lever_prefetch_share(s->next, s->next_bytes, b, nb);
 }
 
 /* vpshufb control that fills byte k of every dword with byte src[k] of the same dword
@@ -240,51 +289,52 @@ static inline void acc_zero(float (*acc)[ROWS], int n_tok, float *y, int64_t ldy
     }
 }
 
-static inline void acc_store(float (*acc)[ROWS], int n_tok, const tile_rows *tr, float *y, int64_t ldy) {
+static inline void acc_store(float (*acc)[ROWS], int n_tok, const tile_src *tr, float *y, int64_t ldy) {
     for (int t = 0; t < n_tok; t++) _mm256_maskstore_ps(y + t * ldy, tr->mask, _mm256_load_ps(acc[t]));
 }
 
 /* ---- float weights --------------------------------------------------------------------- */
 
+/* Float types, element k of row r: row layout at row + k * size, tile layout at
+ * tile + TILE * size * k + size * r (a block is one element). */
+enum { F32, F16, BF16 };
+
 /* Up to 8 weights of a row from k0, as floats (kn < 8: the rest zero, nothing read past). */
-static inline __m256 load_f32(const uint8_t *row, int64_t k0, int kn) {
-    const float *p = (const float *)row + k0;
-    if (kn == 8) return _mm256_loadu_ps(p);
-    float tmp[8] = {0};
-    memcpy(tmp, p, (size_t)kn * sizeof(float));
-    return _mm256_loadu_ps(tmp);
-}
-
-static inline __m256 load_f16(const uint8_t *row, int64_t k0, int kn) {
-    const uint16_t *p = (const uint16_t *)row + k0;
-    if (kn == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    uint16_t tmp[8] = {0};
-    memcpy(tmp, p, (size_t)kn * sizeof(uint16_t));
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tmp));
-}
-
-static inline __m256 load_bf16(const uint8_t *row, int64_t k0, int kn) {
-    const uint16_t *p = (const uint16_t *)row + k0;
-    uint16_t tmp[8] = {0};
+static inline __m256 load_row(int kind, const uint8_t *row, int64_t k0, int kn) {
+    const size_t size = kind == F32 ? 4 : 2;
+    uint8_t tmp[32] = {0};
+    const uint8_t *p = row + size * k0;
     if (kn < 8) {
-        memcpy(tmp, p, (size_t)kn * sizeof(uint16_t));
+        memcpy(tmp, p, size * (size_t)kn);
         p = tmp;
     }
-    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    if (kind == F32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (kind == F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-typedef __m256 (*load_fn)(const uint8_t *, int64_t, int);
+/* Element k of the slice's ROWS rows of a packed tile. */
+static inline __m256 load_tiled(int kind, const tile_src *s, int64_t k) {
+    if (kind == F32) return _mm256_loadu_ps((const float *)s->tile + TILE * k + ROWS * s->sub);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)s->tile + TILE * k + ROWS * s->sub));
+    if (kind == F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 
 /* Weights k0..k0+kn-1 of all rows against every token: acc = fma(w[k], x[k], acc) in k
  * order. Called with kn = 8 for whole chunks, so the loop unrolls and w stays in registers. */
-static inline __attribute__((always_inline)) void float_chunk(const tile_rows *tr, load_fn load,
+static inline __attribute__((always_inline)) void float_chunk(const tile_src *s, int packed, int kind,
                                                               int64_t k0, int kn, const uint8_t *x,
                                                               int64_t x_stride, int n_tok,
                                                               float (*acc)[ROWS]) {
     __m256 w[8];
-    for (int i = 0; i < ROWS; i++) w[i] = load(tr->p[i], k0, kn);
-    transpose_8x8((__m256i *)w);
+    if (packed) {
+        for (int k = 0; k < kn; k++) w[k] = load_tiled(kind, s, k0 + k);
+    } else {
+        for (int i = 0; i < ROWS; i++) w[i] = load_row(kind, s->p[i], k0, kn);
+        transpose_8x8((__m256i *)w);
+    }
     for (int t = 0; t < n_tok; t++) {
         const float *xt = (const float *)(x + t * x_stride) + k0;
         __m256 a = _mm256_load_ps(acc[t]);
@@ -293,63 +343,43 @@ static inline __attribute__((always_inline)) void float_chunk(const tile_rows *t
     }
 }
 
-static inline __attribute__((always_inline)) void tile_float(load_fn load, const uint8_t *w,
-                                                             int64_t w_stride, int n_rows,
-                                                             int64_t n_in, const uint8_t *x,
-                                                             int64_t x_stride, int n_tok,
-                                                             float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void float_body(const tile_src *s, int packed, int kind,
+                                                             int64_t n_in, const uint8_t *x, int64_t x_stride,
+                                                             int n_tok, float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     acc_zero(acc, n_tok, y, ldy);
     const int64_t n_chunks = (n_in + 7) / 8;
     for (int64_t c = 0; c < n_chunks; c++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, c, n_chunks);
+        prefetch(s, packed, c, n_chunks, 8 * (kind == F32 ? 4 : 2));
         const int64_t k0 = 8 * c;
         if (k0 + 8 <= n_in)
-            float_chunk(&tr, load, k0, 8, x, x_stride, n_tok, acc);
+            float_chunk(s, packed, kind, k0, 8, x, x_stride, n_tok, acc);
         else
-            float_chunk(&tr, load, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
+            float_chunk(s, packed, kind, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
-}
-
-static void tile_f32_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                          const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_float(load_f32, w, w_stride, n_rows, n_in, x, x_stride, n_tok, y, ldy);
-}
-
-static void tile_f16_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                          const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_float(load_f16, w, w_stride, n_rows, n_in, x, x_stride, n_tok, y, ldy);
-}
-
-static void tile_bf16_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_float(load_bf16, w, w_stride, n_rows, n_in, x, x_stride, n_tok, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
 /* ---- 32-weight blocks against Q8_0 activations ---------------------------------------- */
 
-static void tile_q8_0_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q8_0_body(const tile_src *s, int packed, int64_t n_in,
+                                                           const uint8_t *x, int64_t x_stride, int n_tok,
+                                                           float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     acc_zero(acc, n_tok, y, ldy);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
+        prefetch(s, packed, b, n_in / QK8_0, sizeof(block_q8_0));
         const int64_t off = b * (int64_t)sizeof(block_q8_0);
         __m256i q[8], q_abs[8];
-        transpose_32B(&tr, off + 2, q);
+        groups(s, packed, off + 2, 8, q);
         for (int k = 0; k < 8; k++) q_abs[k] = _mm256_abs_epi8(q[k]);
-        const __m256 dw = fp16_rows(&tr, off);
+        const __m256 dw = halves(s, packed, off);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             acc_update(acc[t], dot_groups_signed(q, q_abs, a->qs), dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
 /* Q4_0 and Q5_0: groups 0..3 are low nibbles, 4..7 high nibbles of the same 16 bytes. */
@@ -361,31 +391,29 @@ static inline void split_nibbles(const __m256i p[4], __m256i q[8]) {
     }
 }
 
-static void tile_q4_0_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q4_0_body(const tile_src *s, int packed, int64_t n_in,
+                                                           const uint8_t *x, int64_t x_stride, int n_tok,
+                                                           float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     acc_zero(acc, n_tok, y, ldy);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
+        prefetch(s, packed, b, n_in / QK8_0, sizeof(block_q4_0));
         const int64_t off = b * (int64_t)sizeof(block_q4_0);
         __m256i p[4], q[8];
-        transpose_16B(&tr, off + 2, p);
+        groups(s, packed, off + 2, 4, p);
         split_nibbles(p, q);
-        const __m256 dw = fp16_rows(&tr, off);
+        const __m256 dw = halves(s, packed, off);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             acc_update(acc[t], dot_groups(q, 8, a->qs, _mm256_set1_epi32(-8 * a->sum)), dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
-static void tile_q5_0_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q5_0_body(const tile_src *s, int packed, int64_t n_in,
+                                                           const uint8_t *x, int64_t x_stride, int n_tok,
+                                                           float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     acc_zero(acc, n_tok, y, ldy);
     /* Group k (elements 4k..4k+3) takes its fifth bits from qh byte k / 2, bits 4(k % 2) + j. */
@@ -394,34 +422,40 @@ static void tile_q5_0_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     const __m256i bit_lo = _mm256_set1_epi32(0x08040201), bit_hi = _mm256_set1_epi32((int)0x80402010);
     const __m256i sixteen = _mm256_set1_epi8(16);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
+        prefetch(s, packed, b, n_in / QK8_0, sizeof(block_q5_0));
         const int64_t off = b * (int64_t)sizeof(block_q5_0);
         __m256i p[4], q[8];
-        transpose_16B(&tr, off + 6, p);
+        groups(s, packed, off + 6, 4, p);
         split_nibbles(p, q);
-        __m256i hd[4]; /* d | qh[0..1], qh[2..3] | qs[0..1], ... */
-        transpose_16B(&tr, off, hd);
-        const __m256i qh = _mm256_or_si256(_mm256_srli_epi32(hd[0], 16), _mm256_slli_epi32(hd[1], 16));
+        __m256i qh;
+        __m256 dw;
+        if (packed) {
+            qh = _mm256_loadu_si256((const __m256i *)(s->tile + TILE * (off + 2) + 4 * ROWS * s->sub));
+            dw = halves(s, packed, off);
+        } else { /* d | qh[0..1], qh[2..3] | qs[0..1], ... */
+            __m256i hd[4];
+            transpose_16B(s, off, hd);
+            qh = _mm256_or_si256(_mm256_srli_epi32(hd[0], 16), _mm256_slli_epi32(hd[1], 16));
+            dw = fp16_lo(hd[0]);
+        }
         for (int k = 0; k < 8; k++) {
             const __m256i bit = k % 2 ? bit_hi : bit_lo;
             const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(qh, spread[k / 2]), bit);
             q[k] = _mm256_or_si256(q[k], _mm256_and_si256(_mm256_cmpeq_epi8(bytes, bit), sixteen));
         }
-        const __m256 dw = fp16_lo(hd[0]);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             acc_update(acc[t], dot_groups(q, 8, a->qs, _mm256_set1_epi32(-16 * a->sum)), dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
 /* ---- 256-weight super-blocks against Q8_K activations ---------------------------------- */
 
-static void tile_q4_K_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q4_K_body(const tile_src *s, int packed, int64_t n_in,
+                                                           const uint8_t *x, int64_t x_stride, int n_tok,
+                                                           float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     acc_zero(acc, n_tok, y, ldy);
@@ -432,11 +466,11 @@ static void tile_q4_K_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
     }
     const __m256i m4 = _mm256_set1_epi8(0x0f), m6 = _mm256_set1_epi8(0x3f), m2 = _mm256_set1_epi8(0x03);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
+        prefetch(s, packed, b, n_in / QK_K, sizeof(block_q4_K));
         const int64_t off = b * (int64_t)sizeof(block_q4_K);
         /* f[0] = d | dmin, f[1..3] = the 12 scale bytes, unpacked as q4_K_scale_min */
         __m256i f[4];
-        transpose_16B(&tr, off, f);
+        groups(s, packed, off, 4, f);
         const __m256 dw = fp16_lo(f[0]), dmin = fp16_lo(_mm256_srli_epi32(f[0], 16));
         const __m256i sc03 = _mm256_and_si256(f[1], m6), m03 = _mm256_and_si256(f[2], m6);
         const __m256i top1 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(f[1], 6), m2), 4);
@@ -450,7 +484,7 @@ static void tile_q4_K_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
         }
         for (int c = 0; c < 4; c++) {
             __m256i lo[8], hi[8];
-            transpose_32B(&tr, off + 16 + 32 * c, lo);
+            groups(s, packed, off + 16 + 32 * c, 8, lo);
             for (int k = 0; k < 8; k++) {
                 hi[k] = _mm256_and_si256(_mm256_srli_epi16(lo[k], 4), m4);
                 lo[k] = _mm256_and_si256(lo[k], m4);
@@ -478,7 +512,7 @@ static void tile_q4_K_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
             _mm256_store_ps(acc[t], r);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
 /* Q6_K 6-bit values of one 32-byte ql run (part 0: ql[0..31], 1: ql[32..63] of a half)
@@ -495,29 +529,28 @@ static inline void q6_K_values(const __m256i ql[8], const __m256i qh[8], int par
     }
 }
 
-static void tile_q6_K_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q6_K_body(const tile_src *s, int packed, int64_t n_in,
+                                                           const uint8_t *x, int64_t x_stride, int n_tok,
+                                                           float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(32)));
     acc_zero(acc, n_tok, y, ldy);
     __m256i pair_sel[2];
     for (int i = 0; i < 2; i++) pair_sel[i] = dword_bytes(-1, 2 * i, -1, 2 * i + 1);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
+        prefetch(s, packed, b, n_in / QK_K, sizeof(block_q6_K));
         const int64_t off = b * (int64_t)sizeof(block_q6_K);
-        __m256i s[4], sc[16], sc_pairs[8];
-        transpose_16B(&tr, off + 192, s);
-        for (int j = 0; j < 16; j++) sc[j] = _mm256_srai_epi32(_mm256_slli_epi32(s[j / 4], 24 - 8 * (j % 4)), 24);
-        for (int i = 0; i < 8; i++) sc_pairs[i] = _mm256_srai_epi16(_mm256_shuffle_epi8(s[i / 2], pair_sel[i % 2]), 8);
-        const __m256 dw = fp16_rows(&tr, off + 208);
+        __m256i sv[4], sc[16], sc_pairs[8];
+        groups(s, packed, off + 192, 4, sv);
+        for (int j = 0; j < 16; j++) sc[j] = _mm256_srai_epi32(_mm256_slli_epi32(sv[j / 4], 24 - 8 * (j % 4)), 24);
+        for (int i = 0; i < 8; i++) sc_pairs[i] = _mm256_srai_epi16(_mm256_shuffle_epi8(sv[i / 2], pair_sel[i % 2]), 8);
+        const __m256 dw = halves(s, packed, off + 208);
         for (int h = 0; h < 2; h++) {
             __m256i qh[8];
-            transpose_32B(&tr, off + 128 + 32 * h, qh);
+            groups(s, packed, off + 128 + 32 * h, 8, qh);
             for (int part = 0; part < 2; part++) {
                 __m256i ql[8], lo[8], hi[8];
-                transpose_32B(&tr, off + 64 * h + 32 * part, ql);
+                groups(s, packed, off + 64 * h + 32 * part, 8, ql);
                 q6_K_values(ql, qh, part, lo, hi);
                 const int j_lo = 8 * h + 2 * part, j_hi = j_lo + 4;
                 for (int t = 0; t < n_tok; t++) {
@@ -542,19 +575,41 @@ static void tile_q6_K_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64
             acc_update(acc[t], is, dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
+
+/* ---- the kernels: each body once per layout -------------------------------------------- */
+
+#define KERNELS(name, call)                                                                                    \
+    static void tile_##name##_avx2(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,              \
+                                   const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {     \
+        tile_src s;                                                                                            \
+        src_rows(&s, w, w_stride, n_rows);                                                                     \
+        call(&s, 0, n_in, x, x_stride, n_tok, y, ldy);                                                         \
+    }                                                                                                          \
+    static void packed_##name##_avx2(const uint8_t *tile, int sub, int n_rows, int64_t n_in,                  \
+                                     const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {   \
+        tile_src s;                                                                                            \
+        src_tile(&s, tile, sub, n_rows);                                                                       \
+        call(&s, 1, n_in, x, x_stride, n_tok, y, ldy);                                                         \
+    }
+
+#define F32_BODY(s, packed, ...) float_body(s, packed, F32, __VA_ARGS__)
+#define F16_BODY(s, packed, ...) float_body(s, packed, F16, __VA_ARGS__)
+#define BF16_BODY(s, packed, ...) float_body(s, packed, BF16, __VA_ARGS__)
+KERNELS(f32, F32_BODY)
+KERNELS(f16, F16_BODY)
+KERNELS(bf16, BF16_BODY)
+KERNELS(q8_0, q8_0_body)
+KERNELS(q4_0, q4_0_body)
+KERNELS(q5_0, q5_0_body)
+KERNELS(q4_K, q4_K_body)
+KERNELS(q6_K, q6_K_body)
 
 const lever_kernel_set lever_kernels_avx2 = {
     .rows = ROWS,
     .quantize_q8_0x = quantize_q8_0x_avx2,
     .quantize_q8_K = quantize_q8_K_avx2,
-    .f32 = tile_f32_avx2,
-    .f16 = tile_f16_avx2,
-    .bf16 = tile_bf16_avx2,
-    .q8_0 = tile_q8_0_avx2,
-    .q4_0 = tile_q4_0_avx2,
-    .q5_0 = tile_q5_0_avx2,
-    .q4_K = tile_q4_K_avx2,
-    .q6_K = tile_q6_K_avx2,
+    .tile = LEVER_KERNEL_TABLE(tile, avx2),
+    .packed = LEVER_KERNEL_TABLE(packed, avx2),
 };

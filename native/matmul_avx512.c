@@ -16,15 +16,30 @@
 #include "quants_internal.h"
 
 #define ROWS 16
+#define TILE LEVER_TILE_ROWS /* ROWS == TILE: a packed tile is one slice */
 
+/* Where a tile's rows come from. Row layout: ROWS row pointers into the matrix (rows past the
+ * end repeat the last row) and the next tile's bytes, prefetched as we go. Tile layout: the
+ * packed tile, read front to back (the hardware prefetchers follow one stream well). */
 typedef struct {
-    const uint8_t *p[ROWS]; /* row starts; rows past the end repeat the last row */
-    __mmask16 mask;         /* lanes that are real rows */
-} tile_rows;
+    const uint8_t *p[ROWS];
+    const uint8_t *tile;
+    const uint8_t *next;
+    int64_t next_bytes;
+    __mmask16 mask; /* lanes that are real rows */
+} tile_src;
 
-static inline void rows_init(tile_rows *tr, const uint8_t *w, int64_t stride, int n_rows) {
-    for (int i = 0; i < ROWS; i++) tr->p[i] = w + (i < n_rows ? i : n_rows - 1) * stride;
-    tr->mask = (__mmask16)((1u << n_rows) - 1);
+static inline void src_rows(tile_src *s, const uint8_t *w, int64_t stride, int n_rows) {
+    for (int i = 0; i < ROWS; i++) s->p[i] = w + (i < n_rows ? i : n_rows - 1) * stride;
+    s->tile = NULL;
+    s->next = w + ROWS * stride;
+    s->next_bytes = ROWS * stride;
+    s->mask = (__mmask16)((1u << n_rows) - 1);
+}
+
+static inline void src_tile(tile_src *s, const uint8_t *tile, int n_rows) {
+    s->tile = tile;
+    s->mask = (__mmask16)((1u << n_rows) - 1);
 }
 
 /* ---- loads and transpositions --------------------------------------------------------- */
@@ -43,7 +58,7 @@ static inline int u16_at(const uint8_t *p) {
 
 /* The fp16 at byte `off` of each row, as float (gathers are slow; inserts are one load
  * and one shuffle each). */
-static inline __m512 fp16_rows(const tile_rows *tr, int64_t off) {
+static inline __m512 fp16_rows(const tile_src *tr, int64_t off) {
     __m128i lo = _mm_cvtsi32_si128(u16_at(tr->p[0] + off)), hi = _mm_cvtsi32_si128(u16_at(tr->p[8] + off));
     lo = _mm_insert_epi16(lo, u16_at(tr->p[1] + off), 1);
     hi = _mm_insert_epi16(hi, u16_at(tr->p[9] + off), 1);
@@ -70,7 +85,7 @@ static inline __m512 fp16_lo(__m512i v) {
 /* The 32 bytes at `off` of each row, transposed: lane i of out[k] = bytes 4k..4k+3 of row i.
  * Rows are paired in 256-bit halves (i with i + 4, i + 8 with i + 12) so that the final
  * 128-bit shuffles leave the lanes in row order. */
-static inline void transpose_32B(const tile_rows *tr, int64_t off, __m512i out[8]) {
+static inline void transpose_32B(const tile_src *tr, int64_t off, __m512i out[8]) {
     __m512i r[8], u[8];
     for (int i = 0; i < 4; i++) {
         r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(tr->p[i] + off))),
@@ -95,7 +110,7 @@ static inline void transpose_32B(const tile_rows *tr, int64_t off, __m512i out[8
 
 /* The 16 bytes at `off` of each row, transposed: lane i of out[k] = bytes 4k..4k+3 of row i.
  * 128-bit lane c of r[q] holds row 4c + q, so 4x4 transposes inside lanes finish the job. */
-static inline void transpose_16B(const tile_rows *tr, int64_t off, __m512i out[4]) {
+static inline void transpose_16B(const tile_src *tr, int64_t off, __m512i out[4]) {
     __m512i r[4];
     for (int q = 0; q < 4; q++) {
         __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(tr->p[q] + off)));
@@ -109,6 +124,34 @@ static inline void transpose_16B(const tile_rows *tr, int64_t off, __m512i out[4
     out[1] = _mm512_unpackhi_epi64(t0, t2);
     out[2] = _mm512_unpacklo_epi64(t1, t3);
     out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* n (4 or 8) groups of four bytes from byte `off` of every row: lane i of out[k] = bytes
+ * off + 4k .. off + 4k + 3 of row i. In the tile layout they are already there. */
+static inline __attribute__((always_inline)) void groups(const tile_src *s, int packed, int64_t off, int n,
+                                                         __m512i *out) {
+    if (packed) {
+        for (int k = 0; k < n; k++) out[k] = _mm512_loadu_si512(s->tile + TILE * off + 64 * k);
+    } else if (n == 8) {
+        transpose_32B(s, off, out);
+    } else {
+        transpose_16B(s, off, out);
+    }
+}
+
+/* The fp16 at byte `off` of every row, as float. */
+static inline __attribute__((always_inline)) __m512 halves(const tile_src *s, int packed, int64_t off) {
+    if (packed) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s->tile + TILE * off)));
+    return fp16_rows(s, off);
+}
+
+/* Block b of nb, `bytes` long in a row, asks for bytes ahead (quants_internal.h): in the
+ * row layout its share of the next tile, in the tile layout what lies PREFETCH_AHEAD on. */
+static inline void prefetch(const tile_src *s, int packed, int64_t b, int64_t nb, int64_t bytes) {
+    if (packed)
+        lever_prefetch_ahead(s->tile + TILE * b * bytes, TILE * bytes);
+    else
+        lever_prefetch_share(s->next, s->next_bytes, b, nb);
 }
 
 /* In place: r[i] lane k becomes r[k] lane i. */
@@ -232,37 +275,45 @@ static inline void acc_zero(float (*acc)[ROWS], int n_tok, float *y, int64_t ldy
     }
 }
 
-static inline void acc_store(float (*acc)[ROWS], int n_tok, const tile_rows *tr, float *y, int64_t ldy) {
+static inline void acc_store(float (*acc)[ROWS], int n_tok, const tile_src *tr, float *y, int64_t ldy) {
     for (int t = 0; t < n_tok; t++) _mm512_mask_storeu_ps(y + t * ldy, tr->mask, _mm512_load_ps(acc[t]));
 }
 
 /* ---- float weights --------------------------------------------------------------------- */
 
-static inline __m512 load_f32(const uint8_t *row, int64_t k0, __mmask16 m) {
-    return _mm512_maskz_loadu_ps(m, (const float *)row + k0);
+/* Float types, element k of row r: row layout at row + k * size, tile layout at
+ * tile + TILE * size * k + size * r (a block is one element). */
+enum { F32, F16, BF16 };
+
+static inline __m512 load_row(int kind, const uint8_t *row, int64_t k0, __mmask16 m) {
+    if (kind == F32) return _mm512_maskz_loadu_ps(m, (const float *)row + k0);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + k0);
+    if (kind == F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-static inline __m512 load_f16(const uint8_t *row, int64_t k0, __mmask16 m) {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)row + k0));
+/* Element k of all 16 rows of a packed tile. */
+static inline __m512 load_tiled(int kind, const uint8_t *tile, int64_t k) {
+    if (kind == F32) return _mm512_loadu_ps((const float *)tile + TILE * k);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)tile + TILE * k));
+    if (kind == F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-
-static inline __m512 load_bf16(const uint8_t *row, int64_t k0, __mmask16 m) {
-    const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)row + k0));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
-
-typedef __m512 (*load_fn)(const uint8_t *, int64_t, __mmask16);
 
 /* Weights k0..k0+kn-1 of all rows against every token: acc = fma(w[k], x[k], acc) in k
  * order. Called with kn = 16 for whole chunks, so the loop unrolls and w stays in registers. */
-static inline __attribute__((always_inline)) void float_chunk(const tile_rows *tr, load_fn load,
+static inline __attribute__((always_inline)) void float_chunk(const tile_src *s, int packed, int kind,
                                                               int64_t k0, int kn, const uint8_t *x,
                                                               int64_t x_stride, int n_tok,
                                                               float (*acc)[ROWS]) {
     __m512 w[16];
-    const __mmask16 km = (__mmask16)((1u << kn) - 1);
-    for (int i = 0; i < ROWS; i++) w[i] = load(tr->p[i], k0, km);
-    transpose_16x16(w);
+    if (packed) {
+        for (int k = 0; k < kn; k++) w[k] = load_tiled(kind, s->tile, k0 + k);
+    } else {
+        const __mmask16 km = (__mmask16)((1u << kn) - 1);
+        for (int i = 0; i < ROWS; i++) w[i] = load_row(kind, s->p[i], k0, km);
+        transpose_16x16(w);
+    }
     for (int t = 0; t < n_tok; t++) {
         const float *xt = (const float *)(x + t * x_stride) + k0;
         __m512 a = _mm512_load_ps(acc[t]);
@@ -271,65 +322,45 @@ static inline __attribute__((always_inline)) void float_chunk(const tile_rows *t
     }
 }
 
-static inline __attribute__((always_inline)) void tile_float(load_fn load, const uint8_t *w,
-                                                             int64_t w_stride, int n_rows,
-                                                             int64_t n_in, const uint8_t *x,
-                                                             int64_t x_stride, int n_tok,
-                                                             float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void float_body(const tile_src *s, int packed, int kind,
+                                                             int64_t n_in, const uint8_t *x, int64_t x_stride,
+                                                             int n_tok, float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     acc_zero(acc, n_tok, y, ldy);
     const int64_t n_chunks = (n_in + 15) / 16;
     for (int64_t c = 0; c < n_chunks; c++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, c, n_chunks);
+        prefetch(s, packed, c, n_chunks, 16 * (kind == F32 ? 4 : 2));
         const int64_t k0 = 16 * c;
         if (k0 + 16 <= n_in)
-            float_chunk(&tr, load, k0, 16, x, x_stride, n_tok, acc);
+            float_chunk(s, packed, kind, k0, 16, x, x_stride, n_tok, acc);
         else
-            float_chunk(&tr, load, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
+            float_chunk(s, packed, kind, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
-}
-
-static void tile_f32_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                            const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_float(load_f32, w, w_stride, n_rows, n_in, x, x_stride, n_tok, y, ldy);
-}
-
-static void tile_f16_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                            const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_float(load_f16, w, w_stride, n_rows, n_in, x, x_stride, n_tok, y, ldy);
-}
-
-static void tile_bf16_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                             const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_float(load_bf16, w, w_stride, n_rows, n_in, x, x_stride, n_tok, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
 /* ---- 32-weight blocks against Q8_0 activations ---------------------------------------- */
 
-static void tile_q8_0_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                             const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q8_0_body(const tile_src *s, int packed, int64_t n_in,
+                                                            const uint8_t *x, int64_t x_stride, int n_tok,
+                                                            float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     acc_zero(acc, n_tok, y, ldy);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
+        prefetch(s, packed, b, n_in / QK8_0, sizeof(block_q8_0));
         const int64_t off = b * (int64_t)sizeof(block_q8_0);
         __m512i q[8];
-        transpose_32B(&tr, off + 2, q);
+        groups(s, packed, off + 2, 8, q);
         for (int k = 0; k < 8; k++) q[k] = _mm512_xor_si512(q[k], flip); /* w + 128 */
-        const __m512 dw = fp16_rows(&tr, off);
+        const __m512 dw = halves(s, packed, off);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             const __m512i isum = dot_groups(q, 8, a->qs, _mm512_set1_epi32(-128 * a->sum));
             acc_update(acc[t], isum, dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
 /* Q4_0 and Q5_0 keep elements 0..15 in low nibbles and 16..31 in high nibbles of the same
@@ -342,32 +373,30 @@ static inline void split_nibbles(const __m512i p[4], __m512i q[8]) {
     }
 }
 
-static void tile_q4_0_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                             const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q4_0_body(const tile_src *s, int packed, int64_t n_in,
+                                                            const uint8_t *x, int64_t x_stride, int n_tok,
+                                                            float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     acc_zero(acc, n_tok, y, ldy);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
+        prefetch(s, packed, b, n_in / QK8_0, sizeof(block_q4_0));
         const int64_t off = b * (int64_t)sizeof(block_q4_0);
         __m512i p[4], q[8];
-        transpose_16B(&tr, off + 2, p);
+        groups(s, packed, off + 2, 4, p);
         split_nibbles(p, q);
-        const __m512 dw = fp16_rows(&tr, off);
+        const __m512 dw = halves(s, packed, off);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             const __m512i isum = dot_groups(q, 8, a->qs, _mm512_set1_epi32(-8 * a->sum));
             acc_update(acc[t], isum, dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
-static void tile_q5_0_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                             const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q5_0_body(const tile_src *s, int packed, int64_t n_in,
+                                                            const uint8_t *x, int64_t x_stride, int n_tok,
+                                                            float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     acc_zero(acc, n_tok, y, ldy);
     /* Group k (elements 4k..4k+3) takes its fifth bits from qh byte k / 2, bits 4(k % 2) + j. */
@@ -376,35 +405,40 @@ static void tile_q5_0_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     const __m512i bit_lo = _mm512_set1_epi32(0x08040201), bit_hi = _mm512_set1_epi32((int)0x80402010);
     const __m512i sixteen = _mm512_set1_epi8(16);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
+        prefetch(s, packed, b, n_in / QK8_0, sizeof(block_q5_0));
         const int64_t off = b * (int64_t)sizeof(block_q5_0);
-        __m512i p[4], q[8];
-        transpose_16B(&tr, off + 6, p);
+        __m512i p[4], q[8], qh;
+        __m512 dw;
+        groups(s, packed, off + 6, 4, p);
         split_nibbles(p, q);
-        __m512i hd[4]; /* d | qh[0..1], qh[2..3] | qs[0..1], ...: a transposition beats gathers */
-        transpose_16B(&tr, off, hd);
-        const __m512i qh = _mm512_or_si512(_mm512_srli_epi32(hd[0], 16), _mm512_slli_epi32(hd[1], 16));
+        if (packed) {
+            qh = _mm512_loadu_si512(s->tile + TILE * (off + 2)); /* qh of every row */
+            dw = halves(s, packed, off);
+        } else { /* d | qh[0..1], qh[2..3] | qs[0..1], ...: a transposition beats gathers */
+            __m512i hd[4];
+            transpose_16B(s, off, hd);
+            qh = _mm512_or_si512(_mm512_srli_epi32(hd[0], 16), _mm512_slli_epi32(hd[1], 16));
+            dw = fp16_lo(hd[0]);
+        }
         for (int k = 0; k < 8; k++) {
             const __m512i bytes = _mm512_shuffle_epi8(qh, spread[k / 2]);
             const __mmask64 set = _mm512_test_epi8_mask(bytes, k % 2 ? bit_hi : bit_lo);
             q[k] = _mm512_mask_add_epi8(q[k], set, q[k], sixteen);
         }
-        const __m512 dw = fp16_lo(hd[0]);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             const __m512i isum = dot_groups(q, 8, a->qs, _mm512_set1_epi32(-16 * a->sum));
             acc_update(acc[t], isum, dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
 /* ---- 256-weight super-blocks against Q8_K activations ---------------------------------- */
 
-static void tile_q4_K_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                             const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q4_K_body(const tile_src *s, int packed, int64_t n_in,
+                                                            const uint8_t *x, int64_t x_stride, int n_tok,
+                                                            float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     acc_zero(acc, n_tok, y, ldy);
@@ -415,12 +449,12 @@ static void tile_q4_K_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
     }
     const __m512i m4 = _mm512_set1_epi8(0x0f), m6 = _mm512_set1_epi8(0x3f), m2 = _mm512_set1_epi8(0x03);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
+        prefetch(s, packed, b, n_in / QK_K, sizeof(block_q4_K));
         const int64_t off = b * (int64_t)sizeof(block_q4_K);
         /* f[0] = d | dmin, f[1..3] = the 12 scale bytes; unpack as q4_K_scale_min does,
          * four sub-blocks per dword. */
         __m512i f[4];
-        transpose_16B(&tr, off, f);
+        groups(s, packed, off, 4, f);
         const __m512 dw = fp16_lo(f[0]), dmin = fp16_lo(_mm512_srli_epi32(f[0], 16));
         const __m512i sc03 = _mm512_and_si512(f[1], m6), m03 = _mm512_and_si512(f[2], m6);
         const __m512i top1 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(f[1], 6), m2), 4);
@@ -435,7 +469,7 @@ static void tile_q4_K_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
         /* chunk c: 32 bytes, low nibbles = sub-block 2c, high nibbles = sub-block 2c + 1 */
         for (int c = 0; c < 4; c++) {
             __m512i lo[8], hi[8];
-            transpose_32B(&tr, off + 16 + 32 * c, lo);
+            groups(s, packed, off + 16 + 32 * c, 8, lo);
             for (int k = 0; k < 8; k++) {
                 hi[k] = _mm512_and_si512(_mm512_srli_epi16(lo[k], 4), m4);
                 lo[k] = _mm512_and_si512(lo[k], m4);
@@ -467,7 +501,7 @@ static void tile_q4_K_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
             _mm512_store_ps(acc[t], r);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
 /* Q6_K 6-bit values of one 32-byte ql run (part 0: ql[0..31], 1: ql[32..63] of a half)
@@ -484,29 +518,28 @@ static inline void q6_K_values(const __m512i ql[8], const __m512i qh[8], int par
     }
 }
 
-static void tile_q6_K_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                             const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q6_K_body(const tile_src *s, int packed, int64_t n_in,
+                                                            const uint8_t *x, int64_t x_stride, int n_tok,
+                                                            float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(64)));
     acc_zero(acc, n_tok, y, ldy);
     __m512i pair_sel[2];
     for (int i = 0; i < 2; i++) pair_sel[i] = dword_bytes(-1, 2 * i, -1, 2 * i + 1);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
+        prefetch(s, packed, b, n_in / QK_K, sizeof(block_q6_K));
         const int64_t off = b * (int64_t)sizeof(block_q6_K);
-        __m512i s[4], sc[16], sc_pairs[8];
-        transpose_16B(&tr, off + 192, s);
-        for (int j = 0; j < 16; j++) sc[j] = _mm512_srai_epi32(_mm512_slli_epi32(s[j / 4], 24 - 8 * (j % 4)), 24);
-        for (int i = 0; i < 8; i++) sc_pairs[i] = _mm512_srai_epi16(_mm512_shuffle_epi8(s[i / 2], pair_sel[i % 2]), 8);
-        const __m512 dw = fp16_rows(&tr, off + 208);
+        __m512i sv[4], sc[16], sc_pairs[8];
+        groups(s, packed, off + 192, 4, sv);
+        for (int j = 0; j < 16; j++) sc[j] = _mm512_srai_epi32(_mm512_slli_epi32(sv[j / 4], 24 - 8 * (j % 4)), 24);
+        for (int i = 0; i < 8; i++) sc_pairs[i] = _mm512_srai_epi16(_mm512_shuffle_epi8(sv[i / 2], pair_sel[i % 2]), 8);
+        const __m512 dw = halves(s, packed, off + 208);
         for (int h = 0; h < 2; h++) {
             __m512i qh[8];
-            transpose_32B(&tr, off + 128 + 32 * h, qh);
+            groups(s, packed, off + 128 + 32 * h, 8, qh);
             for (int part = 0; part < 2; part++) {
                 __m512i ql[8], lo[8], hi[8];
-                transpose_32B(&tr, off + 64 * h + 32 * part, ql);
+                groups(s, packed, off + 64 * h + 32 * part, 8, ql);
                 q6_K_values(ql, qh, part, lo, hi);
                 const int j_lo = 8 * h + 2 * part, j_hi = j_lo + 4; /* 16-element sub-blocks */
                 for (int t = 0; t < n_tok; t++) {
@@ -535,19 +568,41 @@ static void tile_q6_K_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int
             acc_update(acc[t], is, dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
+
+/* ---- the kernels: each body once per layout -------------------------------------------- */
+
+#define KERNELS(name, call)                                                                                    \
+    static void tile_##name##_avx512(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,            \
+                                     const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {   \
+        tile_src s;                                                                                            \
+        src_rows(&s, w, w_stride, n_rows);                                                                     \
+        call(&s, 0, n_in, x, x_stride, n_tok, y, ldy);                                                         \
+    }                                                                                                          \
+    static void packed_##name##_avx512(const uint8_t *tile, int sub, int n_rows, int64_t n_in,                \
+                                       const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) { \
+        tile_src s;                                                                                            \
+        src_tile(&s, tile, n_rows);                                                                            \
+        call(&s, 1, n_in, x, x_stride, n_tok, y, ldy);                                                         \
+    }
+
+#define F32_BODY(s, packed, ...) float_body(s, packed, F32, __VA_ARGS__)
+#define F16_BODY(s, packed, ...) float_body(s, packed, F16, __VA_ARGS__)
+#define BF16_BODY(s, packed, ...) float_body(s, packed, BF16, __VA_ARGS__)
+KERNELS(f32, F32_BODY)
+KERNELS(f16, F16_BODY)
+KERNELS(bf16, BF16_BODY)
+KERNELS(q8_0, q8_0_body)
+KERNELS(q4_0, q4_0_body)
+KERNELS(q5_0, q5_0_body)
+KERNELS(q4_K, q4_K_body)
+KERNELS(q6_K, q6_K_body)
 
 const lever_kernel_set lever_kernels_avx512 = {
     .rows = ROWS,
     .quantize_q8_0x = quantize_q8_0x_avx512,
     .quantize_q8_K = quantize_q8_K_avx512,
-    .f32 = tile_f32_avx512,
-    .f16 = tile_f16_avx512,
-    .bf16 = tile_bf16_avx512,
-    .q8_0 = tile_q8_0_avx512,
-    .q4_0 = tile_q4_0_avx512,
-    .q5_0 = tile_q5_0_avx512,
-    .q4_K = tile_q4_K_avx512,
-    .q6_K = tile_q6_K_avx512,
+    .tile = LEVER_KERNEL_TABLE(tile, avx512),
+    .packed = LEVER_KERNEL_TABLE(packed, avx512),
 };

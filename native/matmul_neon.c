@@ -13,15 +13,33 @@
 #include "quants_internal.h"
 
 #define ROWS 4
+#define TILE LEVER_TILE_ROWS /* a packed tile is four slices of ROWS rows */
 
+/* Where a tile's rows come from. Row layout: ROWS row pointers into the matrix (rows past the
+ * end repeat the last row) and the next tile's bytes, prefetched as we go. Tile layout: slice
+ * `sub` of a packed tile, whose bytes sit at 4 * ROWS * sub in each 64-byte group and at
+ * 2 * ROWS * sub in each 32-byte run of fp16 scales. */
 typedef struct {
-    const uint8_t *p[ROWS]; /* row starts; rows past the end repeat the last row */
+    const uint8_t *p[ROWS];
+    const uint8_t *tile;
+    const uint8_t *next;
+    int64_t next_bytes;
+    int sub;
     int n_rows;
-} tile_rows;
+} tile_src;
 
-static inline void rows_init(tile_rows *tr, const uint8_t *w, int64_t stride, int n_rows) {
-    for (int i = 0; i < ROWS; i++) tr->p[i] = w + (i < n_rows ? i : n_rows - 1) * stride;
-    tr->n_rows = n_rows;
+static inline void src_rows(tile_src *s, const uint8_t *w, int64_t stride, int n_rows) {
+    for (int i = 0; i < ROWS; i++) s->p[i] = w + (i < n_rows ? i : n_rows - 1) * stride;
+    s->tile = NULL;
+    s->next = w + ROWS * stride;
+    s->next_bytes = ROWS * stride;
+    s->n_rows = n_rows;
+}
+
+static inline void src_tile(tile_src *s, const uint8_t *tile, int sub, int n_rows) {
+    s->tile = tile;
+    s->sub = sub;
+    s->n_rows = n_rows;
 }
 
 /* ---- loads and transpositions --------------------------------------------------------- */
@@ -36,7 +54,7 @@ static inline void transpose_4x4(uint32x4_t r[4]) {
 }
 
 /* The 16 bytes at `off` of each row: lane i of out[k] = bytes 4k..4k+3 of row i. */
-static inline void transpose_16B(const tile_rows *tr, int64_t off, uint8x16_t out[4]) {
+static inline void transpose_16B(const tile_src *tr, int64_t off, uint8x16_t out[4]) {
     uint32x4_t r[4];
     for (int i = 0; i < ROWS; i++) r[i] = vreinterpretq_u32_u8(vld1q_u8(tr->p[i] + off));
     transpose_4x4(r);
@@ -44,10 +62,37 @@ static inline void transpose_16B(const tile_rows *tr, int64_t off, uint8x16_t ou
 }
 
 /* The fp16 at `off` of each row, as float. */
-static inline float32x4_t load_fp16(const tile_rows *tr, int64_t off) {
+static inline float32x4_t load_fp16(const tile_src *tr, int64_t off) {
     uint16_t h[ROWS];
     for (int i = 0; i < ROWS; i++) memcpy(&h[i], tr->p[i] + off, 2);
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h)));
+}
+
+/* Four groups of four bytes from byte `off` of every row: lane i of out[k] = bytes
+ * off + 4k .. off + 4k + 3 of row i. In the tile layout they are already there. */
+static inline __attribute__((always_inline)) void groups(const tile_src *s, int packed, int64_t off,
+                                                         uint8x16_t out[4]) {
+    if (packed) {
+        const uint8_t *p = s->tile + TILE * off + 4 * ROWS * s->sub;
+        for (int k = 0; k < 4; k++) out[k] = vld1q_u8(p + 64 * k);
+    } else {
+        transpose_16B(s, off, out);
+    }
+}
+
+/* The fp16 at byte `off` of every row, as float. */
+static inline __attribute__((always_inline)) float32x4_t halves(const tile_src *s, int packed, int64_t off) {
+    if (packed) return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(s->tile + TILE * off) + ROWS * s->sub)));
+    return load_fp16(s, off);
+}
+
+/* Block b of nb, `bytes` long in a row, asks for bytes ahead (quants_internal.h): in the
+ * row layout its share of the next tile, in the tile layout what lies PREFETCH_AHEAD on. */
+static inline void prefetch(const tile_src *s, int packed, int64_t b, int64_t nb, int64_t bytes) {
+    if (packed)
+        lever_prefetch_ahead(s->tile + TILE * b * bytes, TILE * bytes);
+    else
+        lever_prefetch_share(s->next, s->next_bytes, b, nb);
 }
 
 /* vqtbl1q_u8 control that fills byte k of every dword with byte src[k] of the same dword
@@ -146,47 +191,55 @@ static inline void acc_zero(float (*acc)[ROWS], int n_tok, float *y, int64_t ldy
     }
 }
 
-static inline void acc_store(float (*acc)[ROWS], int n_tok, const tile_rows *tr, float *y, int64_t ldy) {
+static inline void acc_store(float (*acc)[ROWS], int n_tok, const tile_src *tr, float *y, int64_t ldy) {
     for (int t = 0; t < n_tok; t++)
         for (int r = 0; r < tr->n_rows; r++) y[t * ldy + r] = acc[t][r];
 }
 
 /* ---- float weights --------------------------------------------------------------------- */
 
+/* Float types, element k of row r: row layout at row + k * size, tile layout at
+ * tile + TILE * size * k + size * r (a block is one element). */
+enum { F32, F16, BF16 };
+
 /* Up to 4 weights of a row from k0, as floats (kn < 4: the rest zero, nothing read past). */
-static inline float32x4_t load_f32(const uint8_t *row, int64_t k0, int kn) {
-    const float *p = (const float *)row + k0;
-    if (kn == 4) return vld1q_f32(p);
-    float tmp[4] = {0};
-    memcpy(tmp, p, (size_t)kn * sizeof(float));
-    return vld1q_f32(tmp);
-}
-
-static inline float32x4_t load_f16(const uint8_t *row, int64_t k0, int kn) {
+static inline float32x4_t load_row(int kind, const uint8_t *row, int64_t k0, int kn) {
+    if (kind == F32) {
+        const float *p = (const float *)row + k0;
+        if (kn == 4) return vld1q_f32(p);
+        float tmp[4] = {0};
+        memcpy(tmp, p, (size_t)kn * sizeof(float));
+        return vld1q_f32(tmp);
+    }
     uint16_t tmp[4] = {0};
     memcpy(tmp, (const uint16_t *)row + k0, (size_t)kn * sizeof(uint16_t));
-    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(tmp)));
-}
-
-static inline float32x4_t load_bf16(const uint8_t *row, int64_t k0, int kn) {
-    uint16_t tmp[4] = {0};
-    memcpy(tmp, (const uint16_t *)row + k0, (size_t)kn * sizeof(uint16_t));
+    if (kind == F16) return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(tmp)));
     return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(tmp), 16));
 }
 
-typedef float32x4_t (*load_fn)(const uint8_t *, int64_t, int);
+/* Element k of the slice's ROWS rows of a packed tile. */
+static inline float32x4_t load_tiled(int kind, const tile_src *s, int64_t k) {
+    if (kind == F32) return vld1q_f32((const float *)s->tile + TILE * k + ROWS * s->sub);
+    const uint16x4_t h = vld1_u16((const uint16_t *)s->tile + TILE * k + ROWS * s->sub);
+    if (kind == F16) return vcvt_f32_f16(vreinterpret_f16_u16(h));
+    return vreinterpretq_f32_u32(vshll_n_u16(h, 16));
+}
 
 /* Weights k0..k0+kn-1 of all rows against every token: acc = fma(w[k], x[k], acc) in k
  * order (kn = 4 for whole chunks). */
-static inline __attribute__((always_inline)) void float_chunk(const tile_rows *tr, load_fn load,
+static inline __attribute__((always_inline)) void float_chunk(const tile_src *s, int packed, int kind,
                                                               int64_t k0, int kn, const uint8_t *x,
                                                               int64_t x_stride, int n_tok,
                                                               float (*acc)[ROWS]) {
-    uint32x4_t r[4];
-    for (int i = 0; i < ROWS; i++) r[i] = vreinterpretq_u32_f32(load(tr->p[i], k0, kn));
-    transpose_4x4(r);
     float32x4_t w[4];
-    for (int k = 0; k < 4; k++) w[k] = vreinterpretq_f32_u32(r[k]);
+    if (packed) {
+        for (int k = 0; k < kn; k++) w[k] = load_tiled(kind, s, k0 + k);
+    } else {
+        uint32x4_t r[4];
+        for (int i = 0; i < ROWS; i++) r[i] = vreinterpretq_u32_f32(load_row(kind, s->p[i], k0, kn));
+        transpose_4x4(r);
+        for (int k = 0; k < 4; k++) w[k] = vreinterpretq_f32_u32(r[k]);
+    }
     for (int t = 0; t < n_tok; t++) {
         const float *xt = (const float *)(x + t * x_stride) + k0;
         float32x4_t a = vld1q_f32(acc[t]);
@@ -195,65 +248,45 @@ static inline __attribute__((always_inline)) void float_chunk(const tile_rows *t
     }
 }
 
-static inline __attribute__((always_inline)) void tile_float(load_fn load, const uint8_t *w,
-                                                             int64_t w_stride, int n_rows,
-                                                             int64_t n_in, const uint8_t *x,
-                                                             int64_t x_stride, int n_tok,
-                                                             float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void float_body(const tile_src *s, int packed, int kind,
+                                                             int64_t n_in, const uint8_t *x, int64_t x_stride,
+                                                             int n_tok, float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     acc_zero(acc, n_tok, y, ldy);
     const int64_t n_chunks = (n_in + 3) / 4;
     for (int64_t c = 0; c < n_chunks; c++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, c, n_chunks);
+        prefetch(s, packed, c, n_chunks, 4 * (kind == F32 ? 4 : 2));
         const int64_t k0 = 4 * c;
         if (k0 + 4 <= n_in)
-            float_chunk(&tr, load, k0, 4, x, x_stride, n_tok, acc);
+            float_chunk(s, packed, kind, k0, 4, x, x_stride, n_tok, acc);
         else
-            float_chunk(&tr, load, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
+            float_chunk(s, packed, kind, k0, (int)(n_in - k0), x, x_stride, n_tok, acc);
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
-}
-
-static void tile_f32_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                          const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_float(load_f32, w, w_stride, n_rows, n_in, x, x_stride, n_tok, y, ldy);
-}
-
-static void tile_f16_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                          const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_float(load_f16, w, w_stride, n_rows, n_in, x, x_stride, n_tok, y, ldy);
-}
-
-static void tile_bf16_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_float(load_bf16, w, w_stride, n_rows, n_in, x, x_stride, n_tok, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
 /* ---- 32-weight blocks against Q8_0 activations ---------------------------------------- */
 
-static void tile_q8_0_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q8_0_body(const tile_src *s, int packed, int64_t n_in,
+                                                           const uint8_t *x, int64_t x_stride, int n_tok,
+                                                           float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     acc_zero(acc, n_tok, y, ldy);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
+        prefetch(s, packed, b, n_in / QK8_0, sizeof(block_q8_0));
         const int64_t off = b * (int64_t)sizeof(block_q8_0);
         uint8x16_t p[8];
-        transpose_16B(&tr, off + 2, p);
-        transpose_16B(&tr, off + 18, p + 4);
+        groups(s, packed, off + 2, p);
+        groups(s, packed, off + 18, p + 4);
         int8x16_t q[8];
         for (int k = 0; k < 8; k++) q[k] = vreinterpretq_s8_u8(p[k]);
-        const float32x4_t dw = load_fp16(&tr, off);
+        const float32x4_t dw = halves(s, packed, off);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             acc_update(acc[t], dot_groups(q, 8, a->qs, vdupq_n_s32(0)), dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
 /* Q4_0 and Q5_0: groups 0..3 are low nibbles, 4..7 high nibbles of the same 16 bytes. */
@@ -264,33 +297,31 @@ static inline void split_nibbles(const uint8x16_t p[4], uint8x16_t q[8]) {
     }
 }
 
-static void tile_q4_0_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q4_0_body(const tile_src *s, int packed, int64_t n_in,
+                                                           const uint8_t *x, int64_t x_stride, int n_tok,
+                                                           float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     acc_zero(acc, n_tok, y, ldy);
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
+        prefetch(s, packed, b, n_in / QK8_0, sizeof(block_q4_0));
         const int64_t off = b * (int64_t)sizeof(block_q4_0);
         uint8x16_t p[4], u[8];
-        transpose_16B(&tr, off + 2, p);
+        groups(s, packed, off + 2, p);
         split_nibbles(p, u);
         int8x16_t q[8];
         for (int k = 0; k < 8; k++) q[k] = vsubq_s8(vreinterpretq_s8_u8(u[k]), vdupq_n_s8(8));
-        const float32x4_t dw = load_fp16(&tr, off);
+        const float32x4_t dw = halves(s, packed, off);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             acc_update(acc[t], dot_groups(q, 8, a->qs, vdupq_n_s32(0)), dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
-static void tile_q5_0_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q5_0_body(const tile_src *s, int packed, int64_t n_in,
+                                                           const uint8_t *x, int64_t x_stride, int n_tok,
+                                                           float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     acc_zero(acc, n_tok, y, ldy);
     /* Group k (elements 4k..4k+3) takes its fifth bits from qh byte k / 2, bits 4(k % 2) + j. */
@@ -299,35 +330,39 @@ static void tile_q5_0_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     const uint8x16_t bit_lo = vreinterpretq_u8_u32(vdupq_n_u32(0x08040201));
     const uint8x16_t bit_hi = vreinterpretq_u8_u32(vdupq_n_u32(0x80402010));
     for (int64_t b = 0; b < n_in / QK8_0; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK8_0);
+        prefetch(s, packed, b, n_in / QK8_0, sizeof(block_q5_0));
         const int64_t off = b * (int64_t)sizeof(block_q5_0);
         uint8x16_t p[4], u[8];
-        transpose_16B(&tr, off + 6, p);
+        groups(s, packed, off + 6, p);
         split_nibbles(p, u);
-        uint32_t qh_rows[ROWS];
-        for (int i = 0; i < ROWS; i++) memcpy(&qh_rows[i], tr.p[i] + off + 2, 4);
-        const uint8x16_t qh = vreinterpretq_u8_u32(vld1q_u32(qh_rows));
+        uint8x16_t qh;
+        if (packed) {
+            qh = vld1q_u8(s->tile + TILE * (off + 2) + 4 * ROWS * s->sub);
+        } else {
+            uint32_t qh_rows[ROWS];
+            for (int i = 0; i < ROWS; i++) memcpy(&qh_rows[i], s->p[i] + off + 2, 4);
+            qh = vreinterpretq_u8_u32(vld1q_u32(qh_rows));
+        }
         int8x16_t q[8];
         for (int k = 0; k < 8; k++) {
             const uint8x16_t set = vtstq_u8(vqtbl1q_u8(qh, spread[k / 2]), k % 2 ? bit_hi : bit_lo);
             const uint8x16_t v = vorrq_u8(u[k], vandq_u8(set, vdupq_n_u8(16)));
             q[k] = vsubq_s8(vreinterpretq_s8_u8(v), vdupq_n_s8(16));
         }
-        const float32x4_t dw = load_fp16(&tr, off);
+        const float32x4_t dw = halves(s, packed, off);
         for (int t = 0; t < n_tok; t++) {
             const lever_q8_0x *a = (const lever_q8_0x *)(x + t * x_stride) + b;
             acc_update(acc[t], dot_groups(q, 8, a->qs, vdupq_n_s32(0)), dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
 /* ---- 256-weight super-blocks against Q8_K activations ---------------------------------- */
 
-static void tile_q4_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q4_K_body(const tile_src *s, int packed, int64_t n_in,
+                                                           const uint8_t *x, int64_t x_stride, int n_tok,
+                                                           float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     acc_zero(acc, n_tok, y, ldy);
@@ -335,11 +370,11 @@ static void tile_q4_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     for (int i = 0; i < 4; i++) byte_sel[i] = dword_bytes(i, -1, -1, -1);
     const uint8x16_t m4 = vdupq_n_u8(0x0f), m6 = vdupq_n_u8(0x3f);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
+        prefetch(s, packed, b, n_in / QK_K, sizeof(block_q4_K));
         const int64_t off = b * (int64_t)sizeof(block_q4_K);
         /* f[0] = d | dmin, f[1..3] = the 12 scale bytes, unpacked as q4_K_scale_min */
         uint8x16_t f[4];
-        transpose_16B(&tr, off, f);
+        groups(s, packed, off, f);
         const uint32x4_t dd = vreinterpretq_u32_u8(f[0]);
         const float32x4_t dw = vcvt_f32_f16(vreinterpret_f16_u16(vmovn_u32(dd)));
         const float32x4_t dmin = vcvt_f32_f16(vreinterpret_f16_u16(vshrn_n_u32(dd, 16)));
@@ -353,8 +388,8 @@ static void tile_q4_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
         }
         for (int c = 0; c < 4; c++) {
             uint8x16_t p[8];
-            transpose_16B(&tr, off + 16 + 32 * c, p);
-            transpose_16B(&tr, off + 32 + 32 * c, p + 4);
+            groups(s, packed, off + 16 + 32 * c, p);
+            groups(s, packed, off + 32 + 32 * c, p + 4);
             int8x16_t lo[8], hi[8];
             for (int k = 0; k < 8; k++) {
                 lo[k] = vreinterpretq_s8_u8(vandq_u8(p[k], m4));
@@ -387,13 +422,12 @@ static void tile_q4_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
             vst1q_f32(acc[t], r);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
 
-static void tile_q6_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,
-                           const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {
-    tile_rows tr;
-    rows_init(&tr, w, w_stride, n_rows);
+static inline __attribute__((always_inline)) void q6_K_body(const tile_src *s, int packed, int64_t n_in,
+                                                           const uint8_t *x, int64_t x_stride, int n_tok,
+                                                           float *y, int64_t ldy) {
     float acc[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     int32_t isum[LEVER_TOK_TILE][ROWS] __attribute__((aligned(16)));
     acc_zero(acc, n_tok, y, ldy);
@@ -401,24 +435,24 @@ static void tile_q6_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
     for (int i = 0; i < 4; i++) top_sel[i] = dword_bytes(-1, -1, -1, i);
     const uint8x16_t m4 = vdupq_n_u8(0x0f), m30 = vdupq_n_u8(0x30);
     for (int64_t b = 0; b < n_in / QK_K; b++) {
-        lever_prefetch_share(w + ROWS * w_stride, ROWS * w_stride, b, n_in / QK_K);
+        prefetch(s, packed, b, n_in / QK_K, sizeof(block_q6_K));
         const int64_t off = b * (int64_t)sizeof(block_q6_K);
-        uint8x16_t s[4];
-        transpose_16B(&tr, off + 192, s);
+        uint8x16_t sv[4];
+        groups(s, packed, off + 192, sv);
         int32x4_t sc[16];
         for (int j = 0; j < 16; j++)
-            sc[j] = vshrq_n_s32(vreinterpretq_s32_u8(vqtbl1q_u8(s[j / 4], top_sel[j % 4])), 24);
-        const float32x4_t dw = load_fp16(&tr, off + 208);
+            sc[j] = vshrq_n_s32(vreinterpretq_s32_u8(vqtbl1q_u8(sv[j / 4], top_sel[j % 4])), 24);
+        const float32x4_t dw = halves(s, packed, off + 208);
         for (int h = 0; h < 2; h++) {
             uint8x16_t qh[8];
-            transpose_16B(&tr, off + 128 + 32 * h, qh);
-            transpose_16B(&tr, off + 144 + 32 * h, qh + 4);
+            groups(s, packed, off + 128 + 32 * h, qh);
+            groups(s, packed, off + 144 + 32 * h, qh + 4);
             for (int part = 0; part < 2; part++) {
                 /* low nibbles: group `part`, high nibbles: group part + 2; group g takes qh
                  * bits 2g, 2g + 1 */
                 uint8x16_t ql[8];
-                transpose_16B(&tr, off + 64 * h + 32 * part, ql);
-                transpose_16B(&tr, off + 64 * h + 32 * part + 16, ql + 4);
+                groups(s, packed, off + 64 * h + 32 * part, ql);
+                groups(s, packed, off + 64 * h + 32 * part + 16, ql + 4);
                 int8x16_t lo[8], hi[8];
                 for (int k = 0; k < 8; k++) {
                     const uint8x16_t h_lo = part ? vshlq_n_u8(qh[k], 2) : vshlq_n_u8(qh[k], 4);
@@ -447,19 +481,41 @@ static void tile_q6_K_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64
             acc_update(acc[t], vld1q_s32(isum[t]), dw, a->d);
         }
     }
-    acc_store(acc, n_tok, &tr, y, ldy);
+    acc_store(acc, n_tok, s, y, ldy);
 }
+
+/* ---- the kernels: each body once per layout -------------------------------------------- */
+
+#define KERNELS(name, call)                                                                                    \
+    static void tile_##name##_neon(const uint8_t *w, int64_t w_stride, int n_rows, int64_t n_in,              \
+                                   const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {     \
+        tile_src s;                                                                                            \
+        src_rows(&s, w, w_stride, n_rows);                                                                     \
+        call(&s, 0, n_in, x, x_stride, n_tok, y, ldy);                                                         \
+    }                                                                                                          \
+    static void packed_##name##_neon(const uint8_t *tile, int sub, int n_rows, int64_t n_in,                  \
+                                     const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) {   \
+        tile_src s;                                                                                            \
+        src_tile(&s, tile, sub, n_rows);                                                                       \
+        call(&s, 1, n_in, x, x_stride, n_tok, y, ldy);                                                         \
+    }
+
+#define F32_BODY(s, packed, ...) float_body(s, packed, F32, __VA_ARGS__)
+#define F16_BODY(s, packed, ...) float_body(s, packed, F16, __VA_ARGS__)
+#define BF16_BODY(s, packed, ...) float_body(s, packed, BF16, __VA_ARGS__)
+KERNELS(f32, F32_BODY)
+KERNELS(f16, F16_BODY)
+KERNELS(bf16, BF16_BODY)
+KERNELS(q8_0, q8_0_body)
+KERNELS(q4_0, q4_0_body)
+KERNELS(q5_0, q5_0_body)
+KERNELS(q4_K, q4_K_body)
+KERNELS(q6_K, q6_K_body)
 
 const lever_kernel_set lever_kernels_neon = {
     .rows = ROWS,
     .quantize_q8_0x = quantize_q8_0x_neon,
     .quantize_q8_K = quantize_q8_K_neon,
-    .f32 = tile_f32_neon,
-    .f16 = tile_f16_neon,
-    .bf16 = tile_bf16_neon,
-    .q8_0 = tile_q8_0_neon,
-    .q4_0 = tile_q4_0_neon,
-    .q5_0 = tile_q5_0_neon,
-    .q4_K = tile_q4_K_neon,
-    .q6_K = tile_q6_K_neon,
+    .tile = LEVER_KERNEL_TABLE(tile, neon),
+    .packed = LEVER_KERNEL_TABLE(packed, neon),
 };

@@ -17,22 +17,52 @@
 #endif
 
 #include <math.h>
+#include <stdlib.h>
 
 #include "lever_kernels.h"
 #include "quants_internal.h"
 
+/* Every type Lever computes with, in the order of the LEVER_IX_* indices. The segments say
+ * how the tile layout interleaves each block (quants_internal.h): fp16 scales two bytes a
+ * row, quants four bytes a row, so one SIMD load holds one field of every row. */
+static const lever_type_info TYPE_INFO[LEVER_N_TYPES] = {
+    [LEVER_IX_F32] = {LEVER_F32, 1, 4, 1, {{0, 4, 4}}},
+    [LEVER_IX_F16] = {LEVER_F16, 1, 2, 1, {{0, 2, 2}}},
+    [LEVER_IX_BF16] = {LEVER_BF16, 1, 2, 1, {{0, 2, 2}}},
+    [LEVER_IX_Q8_0] = {LEVER_Q8_0, QK8_0, sizeof(block_q8_0), 2, {{0, 2, 2}, {2, 32, 4}}},
+    [LEVER_IX_Q4_0] = {LEVER_Q4_0, QK8_0, sizeof(block_q4_0), 2, {{0, 2, 2}, {2, 16, 4}}},
+    [LEVER_IX_Q5_0] = {LEVER_Q5_0, QK8_0, sizeof(block_q5_0), 2, {{0, 2, 2}, {2, 20, 4}}},
+    /* d | dmin stay one 32-bit group, as the scales that follow them */
+    [LEVER_IX_Q4_K] = {LEVER_Q4_K, QK_K, sizeof(block_q4_K), 1, {{0, 144, 4}}},
+    [LEVER_IX_Q6_K] = {LEVER_Q6_K, QK_K, sizeof(block_q6_K), 2, {{0, 208, 4}, {208, 2, 2}}},
+};
+
+const lever_type_info *lever_type_info_of(int type, int *index) {
+    for (int i = 0; i < LEVER_N_TYPES; i++)
+        if (TYPE_INFO[i].type == type) {
+            if (index) *index = i;
+            return &TYPE_INFO[i];
+        }
+    return NULL;
+}
+
 int lever_type_block(int type, int *block_bytes) {
-    switch (type) {
-    case LEVER_F32: *block_bytes = 4; return 1;
-    case LEVER_F16: *block_bytes = 2; return 1;
-    case LEVER_BF16: *block_bytes = 2; return 1;
-    case LEVER_Q8_0: *block_bytes = sizeof(block_q8_0); return QK8_0;
-    case LEVER_Q4_0: *block_bytes = sizeof(block_q4_0); return QK8_0;
-    case LEVER_Q5_0: *block_bytes = sizeof(block_q5_0); return QK8_0;
-    case LEVER_Q4_K: *block_bytes = sizeof(block_q4_K); return QK_K;
-    case LEVER_Q6_K: *block_bytes = sizeof(block_q6_K); return QK_K;
-    default: *block_bytes = 0; return 0;
+    const lever_type_info *t = lever_type_info_of(type, NULL);
+    *block_bytes = t ? t->block_bytes : 0;
+    return t ? t->block : 0;
+}
+
+int lever_type_layout(int type, int *block, int *block_bytes, int *seg) {
+    const lever_type_info *t = lever_type_info_of(type, NULL);
+    if (!t) return LEVER_EUNSUPPORTED_TYPE;
+    *block = t->block;
+    *block_bytes = t->block_bytes;
+    for (int i = 0; i < t->n_segments; i++) {
+        seg[3 * i] = t->segments[i].offset;
+        seg[3 * i + 1] = t->segments[i].bytes;
+        seg[3 * i + 2] = t->segments[i].width;
     }
+    return t->n_segments;
 }
 
 /* ---- element decoding, shared by dequantization and the dot products ---------------- */
@@ -127,22 +157,17 @@ static void dequantize_q6_K(const void *src, float *out, int64_t n) {
 }
 
 int lever_dequantize(int type, const void *src, int64_t n_rows, int64_t n_cols, float *out) {
-    int block_bytes;
-    const int block = lever_type_block(type, &block_bytes);
-    if (!block) return LEVER_EUNSUPPORTED_TYPE;
-    if (n_rows < 0 || n_cols < 0 || n_cols % block) return LEVER_EBAD_SHAPE;
-    void (*row)(const void *, float *, int64_t);
-    switch (type) {
-    case LEVER_F32: row = dequantize_f32; break;
-    case LEVER_F16: row = dequantize_f16; break;
-    case LEVER_BF16: row = dequantize_bf16; break;
-    case LEVER_Q8_0: row = dequantize_q8_0; break;
-    case LEVER_Q4_0: row = dequantize_q4_0; break;
-    case LEVER_Q5_0: row = dequantize_q5_0; break;
-    case LEVER_Q4_K: row = dequantize_q4_K; break;
-    default: row = dequantize_q6_K; break;
-    }
-    const int64_t row_bytes = n_cols / block * block_bytes;
+    int ix;
+    const lever_type_info *t = lever_type_info_of(type, &ix);
+    if (!t) return LEVER_EUNSUPPORTED_TYPE;
+    if (n_rows < 0 || n_cols < 0 || n_cols % t->block) return LEVER_EBAD_SHAPE;
+    static void (*const rows[LEVER_N_TYPES])(const void *, float *, int64_t) = {
+        [LEVER_IX_F32] = dequantize_f32, [LEVER_IX_F16] = dequantize_f16, [LEVER_IX_BF16] = dequantize_bf16,
+        [LEVER_IX_Q8_0] = dequantize_q8_0, [LEVER_IX_Q4_0] = dequantize_q4_0, [LEVER_IX_Q5_0] = dequantize_q5_0,
+        [LEVER_IX_Q4_K] = dequantize_q4_K, [LEVER_IX_Q6_K] = dequantize_q6_K,
+    };
+    void (*row)(const void *, float *, int64_t) = rows[ix];
+    const int64_t row_bytes = n_cols / t->block * t->block_bytes;
     for (int64_t r = 0; r < n_rows; r++)
         row((const uint8_t *)src + r * row_bytes, out + r * n_cols, n_cols);
     return LEVER_OK;
@@ -342,16 +367,36 @@ SCALAR_TILE(q5_0, lever_q8_0x, n_in / QK8_0)
 SCALAR_TILE(q4_K, block_q8_K, n_in / QK_K)
 SCALAR_TILE(q6_K, block_q8_K, n_in / QK_K)
 
+/* The tile layout, as its definition: each row of the slice is unpacked back to the row
+ * layout (lever_unpack_row) and reduced by the row-layout kernel above, so both layouts are
+ * the same arithmetic by construction. A slice is ROWS rows; the unpacked rows live on the
+ * heap (a Q8_0 row of 8960 weights is 9.5 KB) - this is the reference, not the fast path. */
+#define SCALAR_ROWS 4
+#define SCALAR_PACKED(name, type_id)                                                                         \
+    static void packed_##name##_scalar(const uint8_t *tile, int sub, int n_rows, int64_t n_in,              \
+                                       const uint8_t *x, int64_t x_stride, int n_tok, float *y, int64_t ldy) { \
+        const lever_type_info *t = lever_type_info_of(type_id, NULL);                                         \
+        const int64_t row_bytes = n_in / t->block * t->block_bytes;                                           \
+        uint8_t *rows = malloc((size_t)(SCALAR_ROWS * row_bytes));                                           \
+        if (!rows) return; /* the driver allocated more than this already; never reached in practice */     \
+        for (int r = 0; r < n_rows; r++) lever_unpack_row(t, tile, sub * SCALAR_ROWS + r, row_bytes, rows + r * row_bytes); \
+        tile_##name##_scalar(rows, row_bytes, n_rows, n_in, x, x_stride, n_tok, y, ldy);                    \
+        free(rows);                                                                                           \
+    }
+
+SCALAR_PACKED(f32, LEVER_F32)
+SCALAR_PACKED(f16, LEVER_F16)
+SCALAR_PACKED(bf16, LEVER_BF16)
+SCALAR_PACKED(q8_0, LEVER_Q8_0)
+SCALAR_PACKED(q4_0, LEVER_Q4_0)
+SCALAR_PACKED(q5_0, LEVER_Q5_0)
+SCALAR_PACKED(q4_K, LEVER_Q4_K)
+SCALAR_PACKED(q6_K, LEVER_Q6_K)
+
 const lever_kernel_set lever_kernels_scalar = {
-    .rows = 4,
+    .rows = SCALAR_ROWS,
     .quantize_q8_0x = lever_quantize_row_q8_0x,
     .quantize_q8_K = lever_quantize_row_q8_K,
-    .f32 = tile_f32_scalar,
-    .f16 = tile_f16_scalar,
-    .bf16 = tile_bf16_scalar,
-    .q8_0 = tile_q8_0_scalar,
-    .q4_0 = tile_q4_0_scalar,
-    .q5_0 = tile_q5_0_scalar,
-    .q4_K = tile_q4_K_scalar,
-    .q6_K = tile_q6_K_scalar,
+    .tile = LEVER_KERNEL_TABLE(tile, scalar),
+    .packed = LEVER_KERNEL_TABLE(packed, scalar),
 };

@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "lever_kernels.h"
+
 #define QK8_0 32
 #define QK_K 256
 
@@ -137,8 +139,36 @@ static inline void q4_K_scale_min(const uint8_t *s, int j, int *sc, int *m) {
     }
 }
 
+/* ---- the tensor types, in one table (quants.c), mirrored by lever/quants.py ------------ */
+
+/* A run of a block's bytes and how the tile layout interleaves it: `width` bytes of each
+ * of the tile's rows side by side (2: an fp16 scale, 4: a group of quants that one 32-bit
+ * lane holds). A segment of n bytes takes LEVER_TILE_ROWS * n bytes of the tile, so byte
+ * `off` of a row's block lands at LEVER_TILE_ROWS * off in the tile's block. */
+typedef struct {
+    uint8_t offset, bytes, width;
+} lever_segment;
+
+#define LEVER_MAX_SEGMENTS 3
+#define LEVER_N_TYPES 8
+
+typedef struct {
+    int type;        /* enum lever_type */
+    int block;       /* weights per block */
+    int block_bytes; /* bytes per block */
+    int n_segments;
+    lever_segment segments[LEVER_MAX_SEGMENTS];
+} lever_type_info;
+
+/* The type's row of the table, or NULL if Lever does not compute with it; `index` is its
+ * dense position (0..LEVER_N_TYPES-1), which the kernel sets are indexed by. */
+const lever_type_info *lever_type_info_of(int type, int *index);
+
 /* Block size (weights) and bytes of `type`; 0 if Lever does not compute with it. */
 int lever_type_block(int type, int *block_bytes);
+
+/* Row r (< LEVER_TILE_ROWS) of a packed tile back in the row layout: row_bytes into out. */
+void lever_unpack_row(const lever_type_info *t, const uint8_t *tile, int r, int64_t row_bytes, uint8_t *out);
 
 /* ---- quantization of activations (quants.c) ---------------------------------------- */
 
@@ -154,13 +184,34 @@ void lever_quantize_row_q8_K(const float *x, block_q8_K *y, int64_t n);
  * this tile's. Block b of nb prefetches its share of them, one touch per cache line: the
  * stream of the matrix stays ahead of the kernel without relying on the hardware
  * prefetchers, which lose track of the 16 interleaved row streams of a tile. */
+#ifndef LEVER_SW_PREFETCH
+#define LEVER_SW_PREFETCH 1
+#endif
 static inline void lever_prefetch_share(const uint8_t *next, int64_t bytes, int64_t b, int64_t nb) {
     for (int64_t o = bytes * b / nb / 64 * 64; o < bytes * (b + 1) / nb; o += 64)
-        __builtin_prefetch(next + o, 0, 3);
+        if (LEVER_SW_PREFETCH) __builtin_prefetch(next + o, 0, 3);
+}
+
+/* Tile layout: a tile is read front to back, but a block's fields are not consumed in byte
+ * order (Q6_K reads its scales at the end first), which the hardware prefetchers take for
+ * a new stream each time: cold, the Q6_K output head ran at 6.6 GB/s a core. So each block
+ * asks for the bytes PREFETCH_AHEAD further on, into L2 (prefetcht1), whatever it reads.
+ * 8 KiB measured best on Zen 4 (4 KiB: 13.5 ms for the 1.5B head on one core, 8 KiB: 9.2,
+ * 16 KiB: 9.1; two cores 7.1 / 5.5 / 5.8 ms); into L1 (prefetcht0) it was slower. */
+#define LEVER_PREFETCH_AHEAD 8192
+
+static inline void lever_prefetch_ahead(const uint8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + LEVER_PREFETCH_AHEAD + o, 0, 2);
 }
 
 /* Most tokens a tile kernel takes at once: its per-token state lives on the stack. */
 #define LEVER_TOK_TILE 64
+
+/* One slice of a packed tile (tile layout): rows sub * rows .. sub * rows + n_rows - 1 of
+ * the LEVER_TILE_ROWS rows that start at `tile`, written to y[t * ldy + r] for r < n_rows;
+ * x as for lever_tile_fn. */
+typedef void (*lever_packed_fn)(const uint8_t *tile, int sub, int n_rows, int64_t n_in, const uint8_t *x,
+                                int64_t x_stride, int n_tok, float *y, int64_t ldy);
 
 /* One tile of the output: y[t * ldy + r] for r < n_rows, t < n_tok, where row r of the
  * weights starts at w + r * w_stride and token t's activations (float, or quantized blocks
@@ -173,11 +224,25 @@ typedef void (*lever_tile_fn)(const uint8_t *w, int64_t w_stride, int n_rows, in
 /* The same set of kernels for every ISA: the activation quantizers (bit-identical to the
  * scalar ones above) and one tile kernel per weight type. */
 typedef struct {
-    int rows; /* rows per tile: the SIMD width in 32-bit lanes */
+    int rows; /* rows per tile: the SIMD width in 32-bit lanes (divides LEVER_TILE_ROWS) */
     void (*quantize_q8_0x)(const float *x, lever_q8_0x *y, int64_t n);
     void (*quantize_q8_K)(const float *x, block_q8_K *y, int64_t n);
-    lever_tile_fn f32, f16, bf16, q8_0, q4_0, q5_0, q4_K, q6_K;
+    lever_tile_fn tile[LEVER_N_TYPES];     /* row layout, by the type's dense index */
+    lever_packed_fn packed[LEVER_N_TYPES]; /* tile layout */
 } lever_kernel_set;
+
+/* Dense indices of the table's rows (quants.c lists the types in this order). */
+enum { LEVER_IX_F32, LEVER_IX_F16, LEVER_IX_BF16, LEVER_IX_Q8_0, LEVER_IX_Q4_0, LEVER_IX_Q5_0, LEVER_IX_Q4_K,
+       LEVER_IX_Q6_K };
+
+/* A kernel set's tables, filled by name: KERNEL_TABLE(tile, avx2) lists tile_f32_avx2, ... */
+#define LEVER_KERNEL_TABLE(kind, isa)                                                                     \
+    {                                                                                                   \
+        [LEVER_IX_F32] = kind##_f32_##isa, [LEVER_IX_F16] = kind##_f16_##isa,                             \
+        [LEVER_IX_BF16] = kind##_bf16_##isa, [LEVER_IX_Q8_0] = kind##_q8_0_##isa,                         \
+        [LEVER_IX_Q4_0] = kind##_q4_0_##isa, [LEVER_IX_Q5_0] = kind##_q5_0_##isa,                         \
+        [LEVER_IX_Q4_K] = kind##_q4_K_##isa, [LEVER_IX_Q6_K] = kind##_q6_K_##isa,                         \
+    }
 
 extern const lever_kernel_set lever_kernels_scalar;
 #if defined(LEVER_HAVE_X86)

@@ -328,6 +328,17 @@ class FlashStore:
         self._check_unchanged(f"tensor {name}", info.offset)
         return out
 
+    def tensor_span(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) of a tensor outside the layers, in one read (see tensor_rows):
+        (r1 - r0, row_bytes) uint8, a view of fresh anonymous memory."""
+        if self._fd < 0:
+            raise LeverError(f"{self.path}: flash store is closed")
+        info = self.file.tensor(name)
+        row_bytes = info.n_bytes // info.n_rows
+        out = self._read_span(f"tensor {name} rows {r0}..{r1 - 1}", info.offset + r0 * row_bytes, (r1 - r0) * row_bytes)
+        self._check_unchanged(f"tensor {name}", info.offset)
+        return out.reshape(r1 - r0, row_bytes)
+
     def _read_span(self, where: str, start: int, n_bytes: int, dest: np.ndarray | None = None) -> np.ndarray:
         """[start, start + n_bytes) of the file, as a view into `dest` (page-aligned, large
         enough) or fresh anonymous memory (O_DIRECT's rule: aligned offsets, lengths, buffers)."""
@@ -362,6 +373,14 @@ class FlashStore:
                 self.read_layer(layer, buf)
                 self._resident_bufs[layer] = buf
         return self.tensors(layer, buf)
+
+    def drop_resident(self, layer: int) -> None:
+        """Free a resident layer's buffer once its tensors have been copied out (packed into the
+        tile layout): the copy is what stays. A later resident_layer reads it again."""
+        with self._resident_lock:
+            buf = self._resident_bufs.pop(layer, None)
+        if buf is not None:
+            buf.close()
 
     def load_resident(self) -> None:
         """Read every resident layer now (e.g. at startup) rather than on first use."""

@@ -252,7 +252,7 @@ def _dequantize_stack(mats: list[Weight], dtype, col_scale: np.ndarray | None = 
     out = np.empty((sum(m.n_out for m in mats), mats[0].n_in), dtype)
     r = 0
     for m in mats:
-        rows = native.dequantize(m.type_id, m.data, m.n_out, m.n_in)
+        rows = m.dequantize()
         if col_scale is not None:
             rows *= col_scale
         out[r : r + m.n_out] = rows

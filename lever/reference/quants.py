@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lever.quants import BY_ID
+from lever.quants import BY_ID, TILE_ROWS
 
 QK8_0 = 32
 QK_K = 256
@@ -263,6 +263,22 @@ def matmul_q6_K(w, n_out: int, n_in: int, x: np.ndarray) -> np.ndarray:
         isum = (dots * sc[None, :, b]).sum(axis=-1)
         acc = _fold(acc, isum, dw[None, :, b] * dx[:, b, None])
     return acc
+
+
+def pack(type_id: int, w, n_out: int, n_in: int) -> np.ndarray:
+    """The tile layout (native pack) of a row-layout matrix, from the type's tile_segments: rows
+    padded with zeros to whole tiles, then in each tile and block, `width` bytes of each row
+    side by side, segment by segment. Flat uint8."""
+    t = BY_ID[type_id]
+    rows = -(-n_out // TILE_ROWS) * TILE_ROWS
+    blk = np.zeros((rows, n_in // t.block_elems, t.block_bytes), np.uint8)
+    blk[:n_out] = _blocks(w, n_out, n_in, type_id)
+    blk = blk.reshape(rows // TILE_ROWS, TILE_ROWS, -1, t.block_bytes)  # (tile, row, block, byte)
+    parts = []
+    for off, n, width in t.tile_segments:
+        seg = blk[..., off : off + n].reshape(*blk.shape[:3], n // width, width)  # (tile, row, block, piece, byte)
+        parts.append(seg.transpose(0, 2, 3, 1, 4).reshape(blk.shape[0], blk.shape[2], -1))  # pieces, then rows
+    return np.concatenate(parts, axis=-1).reshape(-1)
 
 
 def matmul(type_id: int, w, n_out: int, n_in: int, x: np.ndarray) -> np.ndarray:

@@ -108,3 +108,17 @@ def test_stories260k_greedy_reproduces_documented_text(stories):
         "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
         "One day, she saw a big, red ball. She wanted to play with it, but it was too"
     ), text
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("wtype", TYPES)
+def test_tiles_and_mapped_rows_give_the_same_bits(tiny_model, wtype, tied):
+    """A model read into the tile layout (the default: what stays resident) computes the very
+    logits of the same file mapped in GGUF's row layout, and holds what its header says."""
+    path = tiny_model("qwen2", wtype, tied=tied)
+    tiled, mapped = Model(path), Model(path, tiles=False)
+    assert {lw.wq.layout for lw in tiled.layers} == {1} and mapped.layers[0].wq.layout == 0
+    np.testing.assert_array_equal(native_logits(tiled, TOKENS), native_logits(mapped, TOKENS))
+    assert tiled.nbytes == Model.resident_bytes(tiled.file, tiled.spec) > 0
+    assert mapped.nbytes == 4 * mapped.spec.n_embd + sum(  # mapped matrices hold no DRAM of their own
+        lw.attn_norm.nbytes + lw.ffn_norm.nbytes + lw.bq.nbytes + lw.bk.nbytes + lw.bv.nbytes for lw in mapped.layers)

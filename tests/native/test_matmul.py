@@ -1,10 +1,11 @@
-"""native matmul against lever.reference.quants on every ISA this CPU runs, its
-batch-invariance contract, and its error against a float64 product.
+"""native matmul against lever.reference.quants on every ISA this CPU runs and in both weight
+layouts (GGUF's rows, Lever's tiles), its batch-invariance contract, and its error against a
+float64 product.
 
 Every ISA reduces each (row, token) in the same canonical order (native/quants_internal.h):
-exact integer block sums, then float32 fused multiply-adds block by block. So scalar C,
-AVX2, AVX-512 and the numpy reference agree bit for bit and are compared with
-assert_array_equal; the float64 comparison carries the tolerances.
+exact integer block sums, then float32 fused multiply-adds block by block, whichever layout
+the weights are in. So scalar C, AVX2, AVX-512, NEON and the numpy reference agree bit for bit
+and are compared with assert_array_equal; the float64 comparison carries the tolerances.
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ def isa(request):
     native.set_isa(native.best_isa())
 
 
+@pytest.fixture(params=["rows", "tiles"])
+def layout(request):
+    return request.param
+
+
+def mm(tid: int, w, n_out: int, n_in: int, x: np.ndarray, layout: str, **kw) -> np.ndarray:
+    """native.matmul of row-layout weights w, packed into the tile layout first for "tiles"."""
+    if layout == "tiles":
+        return native.matmul(tid, native.pack(tid, w, n_out, n_in), n_out, n_in, x, layout=native.TILES, **kw)
+    return native.matmul(tid, w, n_out, n_in, x, **kw)
+
+
 def activations(rng, n_tok: int, n_in: int) -> np.ndarray:
     """Normal rows, plus the awkward ones: all zero, tiny, huge, one zero block, and one
     whose quantization step is exactly 1 with halves to round (Q8_0 rounds them away from
@@ -65,33 +78,69 @@ def case(name: str, n_out: int = N_OUT, n_tok: int = N_TOK, n_in: int | None = N
 
 
 @pytest.mark.parametrize("name", TYPE_NAMES)
-def test_matches_reference_bit_for_bit(name, isa):
+def test_matches_reference_bit_for_bit(name, isa, layout):
     tid, w, n_out, n_in, x = case(name)
-    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x), ref.matmul(tid, w, n_out, n_in, x))
+    np.testing.assert_array_equal(mm(tid, w, n_out, n_in, x, layout), ref.matmul(tid, w, n_out, n_in, x))
 
 
 @pytest.mark.parametrize("name", TYPE_NAMES)
-def test_batch_invariance(name, isa):
+def test_batch_invariance(name, isa, layout):
     """Each token's row is the same alone, in any batch, in any order, on 1 or 2 threads."""
     tid, w, n_out, n_in, x = case(name)
-    batch = native.matmul(tid, w, n_out, n_in, x, n_threads=2)
-    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x, n_threads=1), batch)
+    batch = mm(tid, w, n_out, n_in, x, layout, n_threads=2)
+    np.testing.assert_array_equal(mm(tid, w, n_out, n_in, x, layout, n_threads=1), batch)
     for t in range(x.shape[0]):
-        np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x[t : t + 1]), batch[t : t + 1])
+        np.testing.assert_array_equal(mm(tid, w, n_out, n_in, x[t : t + 1], layout), batch[t : t + 1])
     perm = rng_for("perm", name).permutation(x.shape[0])
-    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x[perm], n_threads=2), batch[perm])
+    np.testing.assert_array_equal(mm(tid, w, n_out, n_in, x[perm], layout, n_threads=2), batch[perm])
     others = activations(rng_for("others", name), 11, n_in)
     mixed = np.concatenate([others[:5], x[7:9], others[5:]])
-    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, mixed)[5:7], batch[7:9])
+    np.testing.assert_array_equal(mm(tid, w, n_out, n_in, mixed, layout)[5:7], batch[7:9])
 
 
 @pytest.mark.parametrize("name", TYPE_NAMES)
-def test_many_tokens_split_into_token_tiles(name):
+def test_layouts_agree_bit_for_bit(name, isa):
+    """The same matrix in rows and in tiles gives the same bits, for every token count the
+    kernels treat differently (one, a partial token tile, many)."""
+    for n_out, n_tok in ((1, 1), (16, 3), (33, 70)):
+        tid, w, n_out, n_in, x = case(name, n_out=n_out, n_tok=n_tok)
+        np.testing.assert_array_equal(mm(tid, w, n_out, n_in, x, "tiles"), mm(tid, w, n_out, n_in, x, "rows"))
+
+
+@pytest.mark.parametrize("name", TYPE_NAMES)
+def test_many_tokens_split_into_token_tiles(name, layout):
     """130 tokens run as several token tiles inside the kernels: rows stay the same."""
     tid, w, n_out, n_in, x = case(name, n_out=21, n_tok=130)
-    batch = native.matmul(tid, w, n_out, n_in, x)
+    batch = mm(tid, w, n_out, n_in, x, layout)
     for t in (0, 63, 64, 127, 128, 129):
-        np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x[t : t + 1])[0], batch[t])
+        np.testing.assert_array_equal(mm(tid, w, n_out, n_in, x[t : t + 1], layout)[0], batch[t])
+
+
+@pytest.mark.parametrize("name", TYPE_NAMES)
+def test_pack_is_the_reference_pack_and_unpacks(name):
+    """native.pack equals the numpy reference built from lever/quants.py's tile_segments, for
+    whole and partial tiles; unpack_rows gives back any rows asked for, in their order."""
+    t = TYPES[name]
+    for n_out in (1, 15, 16, 17, 50):
+        n_in = N_IN[name]
+        w = random_weights(rng_for("pack", name, n_out), name, n_out, n_in)
+        packed = native.pack(t.ggml_id, w, n_out, n_in)
+        np.testing.assert_array_equal(packed, ref.pack(t.ggml_id, w, n_out, n_in))
+        assert packed.nbytes == t.tiled_bytes(n_out, n_in) == native.tiled_bytes(t.ggml_id, n_out, n_in)
+        rows = rng_for("rows", name, n_out).integers(0, n_out, 9)
+        np.testing.assert_array_equal(native.unpack_rows(t.ggml_id, packed, n_out, n_in, rows),
+                                      np.asarray(w).reshape(n_out, -1)[rows])
+    with pytest.raises(LeverError, match="bad shape"):
+        native.unpack_rows(t.ggml_id, packed, n_out, n_in, np.array([n_out]))
+
+
+def test_type_table_is_the_native_table():
+    """lever/quants.py's TYPES and native/quants.c's TYPE_INFO state the same facts."""
+    for t in TYPES.values():
+        assert native.type_layout(t.ggml_id) == (t.block_elems, t.block_bytes, t.tile_segments), t.name
+        assert sum(n for _, n, _ in t.tile_segments) == t.block_bytes
+    with pytest.raises(LeverError, match="unsupported"):
+        native.type_layout(3)
 
 
 @pytest.mark.parametrize("name", TYPE_NAMES)
@@ -122,10 +171,10 @@ REAL_N_IN = [("Q8_0", 896), ("Q4_0", 896), ("Q5_0", 896), ("Q5_0", 4864), ("Q8_0
 
 
 @pytest.mark.parametrize("name,n_in", REAL_N_IN)
-def test_model_widths(name, n_in, isa):
+def test_model_widths(name, n_in, isa, layout):
     """The row widths of the Qwen2.5 0.5B/1.5B matrices, every ISA, against the reference."""
     tid, w, n_out, n_in, x = case(name, n_out=24, n_tok=6, n_in=n_in)
-    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x), ref.matmul(tid, w, n_out, n_in, x))
+    np.testing.assert_array_equal(mm(tid, w, n_out, n_in, x, layout), ref.matmul(tid, w, n_out, n_in, x))
 
 
 def test_errors_and_empty_shapes():
@@ -140,21 +189,21 @@ def test_errors_and_empty_shapes():
     assert native.matmul(TYPES["Q8_0"].ggml_id, w, 4, 32, np.zeros((0, 32), np.float32)).shape == (0, 4)
 
 
-def test_vocab_sized_output():
+def test_vocab_sized_output(layout):
     """151936 rows (the Qwen vocab): thread split and tiles over a large n_out."""
     tid, w, n_out, n_in, x = case("Q8_0", n_out=151936, n_tok=3, n_in=64)
-    y = native.matmul(tid, w, n_out, n_in, x, n_threads=2)
-    np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x, n_threads=1), y)
+    y = mm(tid, w, n_out, n_in, x, layout, n_threads=2)
+    np.testing.assert_array_equal(mm(tid, w, n_out, n_in, x, layout, n_threads=1), y)
     for r0 in (0, 75968, 151920):
         rows = w[r0 : r0 + 16]
         np.testing.assert_array_equal(y[:, r0 : r0 + 16], ref.matmul(tid, rows, 16, n_in, x))
 
 
-def test_real_tensors(qwen_draft, isa):
+def test_real_tensors(qwen_draft, isa, layout):
     """The first rows of one tensor of each quantized type of the real draft model."""
     tensors = real_tensor_rows(qwen_draft)
     assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= tensors.keys()
     for name, (n_in, w) in tensors.items():
         tid, n_out = TYPES[name].ggml_id, len(w)
         x = activations(rng_for("real", name), 6, n_in)
-        np.testing.assert_array_equal(native.matmul(tid, w, n_out, n_in, x), ref.matmul(tid, w, n_out, n_in, x))
+        np.testing.assert_array_equal(mm(tid, w, n_out, n_in, x, layout), ref.matmul(tid, w, n_out, n_in, x))
