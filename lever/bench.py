@@ -2,14 +2,17 @@
 
 `lever bench model` times the model core the way llama-bench does: `tg` (decode tokens/s at
 batch 1, from an almost empty context) and `pp` (tokens/s of one N-token forward with the
-output projection on the last row). When a llama-bench binary is given (or on PATH), the same
-file is measured with it in alternating rounds, so both see the same machine load.
+output projection on the last row; 1, 8 and 32 tokens: a decode step, a draft or a small
+tree, a large tree or a prompt). When a llama-bench binary is given (or on PATH), the same file
+is measured with it in alternating rounds, so both see the same machine load; the medians and
+their ratios are printed and, with --json, written with the CPU and the kernels' ISA.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -18,9 +21,12 @@ import time
 import attrs
 import numpy as np
 
+from lever import native
 from lever.errors import LeverError
 from lever.kv_cache import causal_mask
 from lever.model import Model
+
+PP_TOKENS = (1, 8, 32)
 
 
 def lever_tg(model: Model, n_gen: int) -> float:
@@ -44,19 +50,17 @@ def lever_pp(model: Model, n_prompt: int) -> float:
     return n_prompt / (time.perf_counter() - t0)
 
 
-def llama_bench(binary: str, model_path: str, n_prompt: int, n_gen: int, threads: int) -> dict[str, float]:
-    cmd = [binary, "-m", model_path, "-p", str(n_prompt), "-n", str(n_gen), "-r", "1", "-o", "json"]
+def llama_bench(binary: str, model_path: str, pp: tuple[int, ...], n_gen: int, threads: int) -> dict[str, float]:
+    """One llama-bench round of the same tests: {"tg32": tok/s, "pp1": ..., ...}."""
+    cmd = [binary, "-m", model_path, "-p", ",".join(map(str, pp)), "-n", str(n_gen), "-r", "1", "-o", "json"]
     if threads:
         cmd += ["-t", str(threads)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=900).stdout
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
         raise LeverError(f"llama-bench failed ({binary}): {e}") from None
-    res = {}
-    for row in json.loads(out):
-        key = "pp" if row["n_prompt"] else "tg"
-        res[key] = float(row["avg_ts"])
-    return res
+    return {f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}": float(row["avg_ts"])
+            for row in json.loads(out)}
 
 
 def find_llama_bench(explicit: str | None) -> str | None:
@@ -67,31 +71,62 @@ def find_llama_bench(explicit: str | None) -> str | None:
     return os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
 
 
-def bench_model(model_path: str, n_prompt: int = 32, n_gen: int = 32, rounds: int = 3,
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def bench_model(model_path: str, n_gen: int = 32, pp: tuple[int, ...] = PP_TOKENS, rounds: int = 3,
                 llama_bench_path: str | None = None, threads: int = 0, out=print) -> dict:
+    """One model's tests, each the median of `rounds`, beside llama-bench's when it is found."""
     model = Model(model_path)
     lb = find_llama_bench(llama_bench_path)
-    lever_tg(model, 4)  # warm the page cache and the kernels' threads
-    samples: dict[str, list[float]] = {"lever_tg": [], "lever_pp": [], "llama_tg": [], "llama_pp": []}
+    lever_tg(model, 4)  # warm the kernels' threads and the allocator
+    tests = [f"tg{n_gen}"] + [f"pp{n}" for n in pp]
+    samples: dict[str, list[float]] = {f"{who}_{t}": [] for who in ("lever", "llama") for t in tests}
     for r in range(rounds):
-        samples["lever_tg"].append(lever_tg(model, n_gen))
-        samples["lever_pp"].append(lever_pp(model, n_prompt))
+        samples[f"lever_tg{n_gen}"].append(lever_tg(model, n_gen))
+        for n in pp:
+            samples[f"lever_pp{n}"].append(lever_pp(model, n))
         if lb:
-            ref = llama_bench(lb, model_path, n_prompt, n_gen, threads)
-            samples["llama_tg"].append(ref["tg"])
-            samples["llama_pp"].append(ref["pp"])
+            for t, v in llama_bench(lb, model_path, pp, n_gen, threads).items():
+                samples[f"llama_{t}"].append(v)
         out(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items() if v))
     med = {k: statistics.median(v) for k, v in samples.items() if v}
     out(f"\nmodel: {model_path}")
     out(f"{'test':<8}{'lever tok/s':>14}{'llama.cpp tok/s':>18}{'ratio':>8}")
-    for test, n in (("tg", n_gen), ("pp", n_prompt)):
-        ours = med[f"lever_{test}"]
-        ref = med.get(f"llama_{test}")
-        ratio = f"{ours / ref:.2f}x" if ref else "-"
-        out(f"{test}{n:<6}{ours:>14.1f}{(f'{ref:.1f}' if ref else 'n/a'):>18}{ratio:>8}")
+    rows = {}
+    for t in tests:
+        ours, ref = med[f"lever_{t}"], med.get(f"llama_{t}")
+        rows[t] = {"lever_tps": ours, "llama_tps": ref, "ratio": ours / ref if ref else None}
+        out(f"{t:<8}{ours:>14.1f}{(f'{ref:.1f}' if ref else 'n/a'):>18}{(f'{ours / ref:.2f}x' if ref else '-'):>8}")
     if not lb:
         out("(no llama-bench found: pass --llama-bench PATH or set LLAMA_BENCH for the side-by-side ratio)")
-    return med
+    return {"model": model_path, "tests": rows, "samples": samples}
+
+
+def bench_models(paths: list[str], n_gen: int = 32, pp: tuple[int, ...] = PP_TOKENS, rounds: int = 3,
+                 llama_bench_path: str | None = None, threads: int = 0, json_path=None, out=print) -> dict:
+    """bench_model for each file (a config's target and draft), one after the other; with
+    json_path, every figure and where they were measured."""
+    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "isa": native.isa(), "threads": threads or os.cpu_count(),
+              "date": time.strftime("%Y-%m-%d"), "models": []}
+    out(f"cpu: {report['cpu']}, {report['cores']} cores, kernels {report['isa']}, {report['threads']} threads")
+    for i, path in enumerate(paths):
+        if i:
+            out("")
+        report["models"].append(bench_model(path, n_gen, pp, rounds, llama_bench_path, threads, out))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+        out(f"\nwrote {json_path}")
+    return report
 
 
 def read_pass_s(model_path: str, flash, n_passes: int = 3) -> float:
@@ -99,8 +134,6 @@ def read_pass_s(model_path: str, flash, n_passes: int = 3) -> float:
     consumer that hands each buffer straight back, so reads are scheduled as in a real run.
     Steady state: the time between the ends of consecutive passes (median), so starting the
     event loop and the reader threads is not counted, which dwarfs a small model's pass."""
-    import statistics
-
     import anyio
 
     from lever.backends.flash import FlashStore

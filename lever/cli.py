@@ -204,12 +204,22 @@ def _floats(text: str, flag: str) -> tuple[float, ...]:
 
 
 def cmd_bench(args) -> int:
-    from lever.bench import bench_model
-
     if args.what == "model":
-        if not args.model:
-            raise LeverError("lever bench model: -m MODEL.gguf is required")
-        bench_model(str(args.model), args.n_prompt, args.n_gen, args.rounds, args.llama_bench, args.threads)
+        from lever.bench import bench_models
+
+        if bool(args.model) == bool(args.config):
+            raise LeverError("lever bench model: give -m MODEL.gguf or -c CONFIG (its target and draft)")
+        if args.model:
+            paths = [str(args.model)]
+        else:
+            from lever.config import load_config
+
+            cfg = load_config(args.config, args.set or [])
+            paths = [str(cfg.resolve_path(p)) for p in (cfg.model.target, cfg.model.draft) if p]
+        if args.rounds < 1 or args.n_gen < 1:
+            raise LeverError("lever bench model: --rounds and --n-gen must be at least 1")
+        bench_models(paths, args.n_gen, rounds=args.rounds, llama_bench_path=args.llama_bench, threads=args.threads,
+                     json_path=args.json)
     elif args.what == "flash":
         from lever.bench import bench_flash
 
@@ -310,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks printed as ratios measured side by side")
     b.add_argument("what", choices=["model", "flash", "pipelines", "fuzz"],
-                   help="model: tg/pp tokens/s of one model in DRAM, vs llama-bench; "
+                   help="model: tg/pp tokens/s of a model (-m) or a config's two (-c) in DRAM, vs llama-bench; "
                         "flash: Flash-AR at DRAM budgets 0-100%%, with overlap figures; "
                         "pipelines: Flash-AR, Chain-SD, EdgeLLM-like and Lever side by side; "
                         "fuzz: crafted and mutated GGUFs through the loader and the tokenizer")
@@ -322,12 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipelines: a file of prompts separated by lines holding only --- (default: examples/prompts/code.txt)")
     b.add_argument("--budgets", default="0,0.25,0.5,0.75", help="pipelines: DRAM budgets, fractions of the layer bytes")
     b.add_argument("--chain-ks", default="2,4,6,8", help="pipelines: Chain-SD lengths swept (the best is reported)")
-    b.add_argument("--json", type=Path, default=None, help="pipelines: write every figure to this file")
+    b.add_argument("--json", type=Path, default=None, help="model, pipelines: write every figure to this file")
     b.add_argument("--plot", type=Path, default=None, help="pipelines: draw speedup against budget (matplotlib)")
     b.add_argument("--pruning", action="store_true",
                    help="pipelines: also Lever with its pruning predictor (run `lever calibrate` first)")
     b.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
-    b.add_argument("--n-prompt", type=int, default=32)
     b.add_argument("--n-gen", type=int, default=32)
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--llama-bench", default=None, help="llama-bench binary to compare with (or $LLAMA_BENCH)")

@@ -121,6 +121,17 @@ class LayerWeights:
     bv: np.ndarray | None = attrs.field(default=None, eq=False)
     q_norm: np.ndarray | None = attrs.field(default=None, eq=False)  # (head_dim,)
     k_norm: np.ndarray | None = attrs.field(default=None, eq=False)
+    # The tensors' addresses for native.layer_forward, made once (load_layer) rather than per call.
+    native: native.LayerWeightsC | None = attrs.field(default=None, eq=False, repr=False)
+
+
+def native_weights(lw: LayerWeights) -> native.LayerWeightsC:
+    """lw's tensors as lever_layer_weights (their arrays stay owned by lw)."""
+    vec = lambda a: None if a is None else native._addr(a, np.float32)
+    mat = lambda m: native.matrix(m.type_id, m.data, m.n_out, m.n_in, m.layout)
+    return native.LayerWeightsC(*(vec(getattr(lw, n)) for n in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm",
+                                                                "k_norm")),
+                                *(mat(getattr(lw, n)) for n in MATRICES))
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -215,7 +226,8 @@ def load_layer(f: GGUFFile, spec: ModelSpec, layer: int, raws: dict[str, np.ndar
             fields[field] = f.floats(name).reshape(-1)
         else:  # norms and biases from the bytes read, not from the file's mapping
             fields[field] = native.dequantize(info.type.ggml_id, raw, info.n_rows, info.n_cols).reshape(-1)
-    return LayerWeights(**fields)
+    lw = LayerWeights(**fields)
+    return attrs.evolve(lw, native=native_weights(lw))
 
 
 def held_bytes(a: np.ndarray | Weight | None) -> int:
@@ -226,7 +238,7 @@ def held_bytes(a: np.ndarray | Weight | None) -> int:
 
 def layer_nbytes(lw: LayerWeights) -> int:
     """The DRAM a loaded layer holds: its matrices and its float32 norms and biases."""
-    return sum(held_bytes(getattr(lw, a.name)) for a in attrs.fields(LayerWeights))
+    return sum(held_bytes(getattr(lw, a.name)) for a in attrs.fields(LayerWeights) if a.name != "native")
 
 
 def resident_layer_bytes(f: GGUFFile, spec: ModelSpec, layer: int) -> int:
@@ -238,11 +250,40 @@ def resident_layer_bytes(f: GGUFFile, spec: ModelSpec, layer: int) -> int:
     return n
 
 
+_DIMS: dict[tuple[ModelSpec, int], tuple] = {}  # (dims, the caller's table, its float32 copy)
+
+
+def layer_dims(spec: ModelSpec, inv_freq: np.ndarray) -> native.LayerDims:
+    """spec's lever_layer_dims, made once per (spec, frequency table)."""
+    key = (spec, id(inv_freq))
+    hit = _DIMS.get(key)
+    if hit is None or hit[1] is not inv_freq:
+        inv = np.ascontiguousarray(inv_freq, np.float32)
+        d = native.LayerDims(spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim, spec.n_ff, spec.n_rot,
+                             spec.rms_eps, 1.0 / float(np.sqrt(spec.head_dim)), int(spec.rope_neox),
+                             native._addr(inv, np.float32))
+        hit = _DIMS[key] = (d, inv_freq, inv)
+    return hit[0]
+
+
 def layer_forward(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
-                  cache: KVCache, layer: int, rows: slice, inv_freq: np.ndarray) -> np.ndarray:
+                  cache: KVCache, layer: int, rows: slice | np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
     """One transformer layer over tokens x (n_tok, n_embd); writes their k/v into cache rows
     `rows` (a slice, or one row per token) and attends over cache rows [0, mask.shape[1])
-    through mask (n_tok, n_rows_seen)."""
+    through mask (n_tok, n_rows_seen). One native call (native/layer.c), computing what
+    layer_forward_steps spells out, bit for bit."""
+    n_tok = x.shape[0]
+    if isinstance(rows, slice):
+        rows = np.arange(rows.start or 0, (rows.start or 0) + n_tok, dtype=np.int64)
+    return native.layer_forward(layer_dims(spec, inv_freq), lw.native or native_weights(lw), x,
+                                np.ascontiguousarray(pos, np.int32), mask, cache.k[layer], cache.v[layer],
+                                np.ascontiguousarray(rows, np.int64))
+
+
+def layer_forward_steps(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
+                        cache: KVCache, layer: int, rows: slice, inv_freq: np.ndarray) -> np.ndarray:
+    """layer_forward as the kernel calls it makes, one by one: its specification, kept
+    executable (tests hold the two equal bit for bit)."""
     n_tok = x.shape[0]
     h = native.rmsnorm(x, lw.attn_norm, spec.rms_eps)
     q, k, v = lw.wq(h), lw.wk(h), lw.wv(h)

@@ -61,6 +61,9 @@ def _load() -> ctypes.CDLL:
         "lever_pack": ([_int, _vp, _i64, _i64, _vp, _int], _int),
         "lever_unpack_rows": ([_int, _vp, _i64, _i64, _vp, _i64, _vp], _int),
         "lever_type_layout": ([_int, _vp, _vp, _vp], _int),
+        "lever_matmul_many": ([_int, _vp, _vp, _i64, _int], _int),
+        "lever_layer_forward": ([_vp, _vp, _vp, _i64, _vp, _vp, _i64, _vp, _vp, _int, _vp, _int], _int),
+        "lever_struct_sizes": ([_vp], None),
         "lever_rmsnorm": ([_vp, _vp, _i64, _i64, ctypes.c_float, _vp], None),
         "lever_rope": ([_vp, _vp, _i64, _i64, _i64, _i64, _vp, _int, ctypes.c_float], None),
         "lever_attention": ([_vp, _i64, _i64, _i64, _vp, _vp, _int, _i64, _i64, _vp, ctypes.c_float, _vp, _int], _int),
@@ -71,6 +74,27 @@ def _load() -> ctypes.CDLL:
         fn.argtypes = argtypes
         fn.restype = restype
     return lib
+
+
+class Matrix(ctypes.Structure):
+    """lever_matrix: one weight matrix and where its product goes."""
+
+    _fields_ = [("type", _int), ("layout", _int), ("w", _vp), ("n_out", _i64), ("n_in", _i64), ("y", _vp)]
+
+
+class LayerDims(ctypes.Structure):
+    """lever_layer_dims: a model's layer shape, shared by its layers."""
+
+    _fields_ = [("n_embd", _i64), ("n_head", _i64), ("n_head_kv", _i64), ("head_dim", _i64), ("n_ff", _i64),
+                ("n_rot", _i64), ("rms_eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("rope_neox", _int),
+                ("inv_freq", _vp)]
+
+
+class LayerWeightsC(ctypes.Structure):
+    """lever_layer_weights: the addresses of one layer's tensors (kept alive by their owner)."""
+
+    _fields_ = [(n, _vp) for n in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm")] + \
+               [(n, Matrix) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
 
 
 _lib = _load()
@@ -192,6 +216,53 @@ def matmul(type_id: int, w, n_out: int, n_in: int, x: np.ndarray, out: np.ndarra
     nt = _threads(n_threads)
     _check(_lib.lever_matmul(type_id, layout, _ptr(w), n_out, n_in, _addr(x, np.float32), n_tok, _addr(out, np.float32), nt),
            "matmul")
+    return out
+
+
+def struct_sizes() -> tuple[int, int, int]:
+    """sizeof(lever_matrix, lever_layer_dims, lever_layer_weights) as the library sees them."""
+    out = np.zeros(3, np.int64)
+    _lib.lever_struct_sizes(_addr(out, np.int64))
+    return tuple(int(v) for v in out)
+
+
+def matrix(type_id: int, w, n_out: int, n_in: int, layout: int = ROWS) -> Matrix:
+    return Matrix(type_id, layout, _ptr(w), n_out, n_in, None)
+
+
+def matmul_many(mats: list[Matrix], x: np.ndarray, n_threads: int | None = None) -> list[np.ndarray]:
+    """x @ W.T for each matrix (same n_in), in one job of the thread pool, x quantized once."""
+    x = _f32(x)
+    n_in = mats[0].n_in
+    n_tok = x.size // n_in
+    if x.size != n_tok * n_in:
+        raise ValueError(f"matmul_many: activations of {x.size} values are not rows of {n_in}")
+    outs = [np.empty((n_tok, m.n_out), np.float32) for m in mats]
+    arr = (Matrix * len(mats))(*mats)
+    for m, y in zip(arr, outs):
+        m.y = _addr(y, np.float32)
+    _check(_lib.lever_matmul_many(len(mats), ctypes.addressof(arr), _addr(x, np.float32), n_tok, _threads(n_threads)),
+           "matmul_many")
+    return outs
+
+
+def layer_forward(dims: LayerDims, weights: LayerWeightsC, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
+                  k_cache: np.ndarray, v_cache: np.ndarray, rows: np.ndarray, n_threads: int | None = None) -> np.ndarray:
+    """lever_layer_forward: the layer's output for x (n_tok, n_embd), a new array; the tokens' k, v
+    go to cache rows `rows` (int64, one per token); attention sees rows [0, mask.shape[1])."""
+    out = np.array(x, np.float32, order="C")  # a copy: x is the caller's
+    n_tok = out.shape[0]
+    if pos.dtype != np.int32 or rows.dtype != np.int64 or pos.size != n_tok or rows.size != n_tok:
+        raise ValueError("layer_forward: pos (int32) and rows (int64) need one entry per token")
+    if mask.shape[0] != n_tok or mask.shape[1] > k_cache.shape[0] or k_cache.shape != v_cache.shape:
+        raise ValueError(f"layer_forward: mask {mask.shape} for {n_tok} tokens over a cache of {k_cache.shape[0]} rows")
+    if rows.size and (rows.min() < 0 or rows.max() >= k_cache.shape[0]):
+        raise ValueError("layer_forward: a row is outside the cache")
+    m = mask.view(np.uint8) if mask.dtype == np.bool_ and mask.flags.c_contiguous else np.ascontiguousarray(mask, np.uint8)
+    _check(_lib.lever_layer_forward(ctypes.addressof(dims), ctypes.addressof(weights), _addr(out, np.float32), n_tok,
+                                    _addr(pos, np.int32), _addr(m, np.uint8), m.shape[1], _addr(k_cache, k_cache.dtype),
+                                    _addr(v_cache, v_cache.dtype), _KV_TYPES[k_cache.dtype], _addr(rows, np.int64),
+                                    _threads(n_threads)), "layer_forward")
     return out
 
 

@@ -86,6 +86,45 @@ int lever_dequantize(int type, const void *src, int64_t n_rows, int64_t n_cols, 
 int lever_matmul(int type, int layout, const void *w, int64_t n_out, int64_t n_in,
                  const float *x, int64_t n_tok, float *y, int n_threads);
 
+/* One matrix of lever_matmul_many: W (type, layout, n_out x n_in) and its output y (n_tok, n_out). */
+typedef struct {
+    int type, layout;
+    const void *w;
+    int64_t n_out, n_in;
+    float *y;
+} lever_matrix;
+
+#define LEVER_MAX_MATRICES 3
+
+/* lever_matmul for n <= LEVER_MAX_MATRICES matrices of one n_in that multiply the same x (a
+ * layer's Q, K and V; gate and up): one job for the thread pool, x quantized once for every
+ * kind of activation the types need. Each y is what lever_matmul would give, bit for bit. */
+int lever_matmul_many(int n, const lever_matrix *m, const float *x, int64_t n_tok, int n_threads);
+
+/* One transformer layer (llama, qwen2, qwen3), as lever.model.layer_forward_steps composes
+ * the kernels above, bit for bit: x (n_tok, n_embd) is updated in place; the tokens' k, v rows
+ * go to cache rows rows[t] (kv_type: LEVER_F16 or LEVER_F32 caches of (n_ctx, n_head_kv,
+ * head_dim)), and attention reads cache rows [0, n_seen) through mask (n_tok, n_seen). */
+typedef struct {
+    int64_t n_embd, n_head, n_head_kv, head_dim, n_ff, n_rot;
+    float rms_eps, attn_scale;
+    int rope_neox;
+    const float *inv_freq; /* (n_rot / 2,) */
+} lever_layer_dims;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;                  /* (n_embd,) */
+    const float *bq, *bk, *bv, *q_norm, *k_norm;        /* NULL where the layer has none */
+    lever_matrix wq, wk, wv, wo, w_gate, w_up, w_down;  /* .y unused */
+} lever_layer_weights;
+
+int lever_layer_forward(const lever_layer_dims *d, const lever_layer_weights *w, float *x, int64_t n_tok,
+                        const int32_t *pos, const uint8_t *mask, int64_t n_seen, void *k_cache, void *v_cache,
+                        int kv_type, const int64_t *rows, int n_threads);
+
+/* sizeof the three structs above, for the test that ties lever/native.py's ctypes mirrors to them. */
+void lever_struct_sizes(int64_t *out);
+
 /* Bytes of an (n_out, n_in) matrix of `type` in tile layout: whole tiles, the last padded
  * with zero rows (0 for an unsupported type or a bad shape). */
 int64_t lever_tiled_bytes(int type, int64_t n_out, int64_t n_in);

@@ -122,3 +122,61 @@ def test_tiles_and_mapped_rows_give_the_same_bits(tiny_model, wtype, tied):
     assert tiled.nbytes == Model.resident_bytes(tiled.file, tiled.spec) > 0
     assert mapped.nbytes == 4 * mapped.spec.n_embd + sum(  # mapped matrices hold no DRAM of their own
         lw.attn_norm.nbytes + lw.ffn_norm.nbytes + lw.bq.nbytes + lw.bk.nbytes + lw.bv.nbytes for lw in mapped.layers)
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("wtype", ["F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_layer_is_its_steps_bit_for_bit(tiny_model, arch, wtype, kv_dtype):
+    """lever_layer_forward (one native call a layer) against layer_forward_steps (the same
+    kernels called one by one from Python): the same output, the same cache rows, for a tree
+    of tokens written to scattered rows after a committed prefix, on 1 and 2 threads."""
+    from lever import native
+    from lever.kv_cache import KVCache
+    from lever.model import layer_forward, layer_forward_steps
+
+    model = Model(tiny_model(arch, wtype))
+    spec, lw = model.spec, model.layers[1]
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, spec.n_embd)).astype(np.float32)
+    prefix = 7
+    mask = np.ones((5, prefix + 5), bool)
+    mask[:, prefix:] = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], bool)
+    pos = np.array([7, 8, 8, 9, 9], np.int32)
+    rows = np.arange(prefix, prefix + 5)
+    committed = rng.standard_normal((2, prefix, spec.n_head_kv, spec.head_dim)).astype(kv_dtype)
+    outs, caches = [], []
+    for fn, threads in ((layer_forward_steps, 0), (layer_forward, 1), (layer_forward, 2)):
+        cache = KVCache(spec, 16, kv_dtype)
+        cache.k[1][:prefix], cache.v[1][:prefix] = committed
+        with native.threads(threads):
+            outs.append(fn(spec, lw, x, pos, mask, cache, 1, rows if fn is layer_forward else slice(prefix, prefix + 5),
+                           model.inv_freq))
+        caches.append(cache)
+    for out, cache in zip(outs[1:], caches[1:]):
+        np.testing.assert_array_equal(out, outs[0])
+        np.testing.assert_array_equal(cache.k[1], caches[0].k[1])
+        np.testing.assert_array_equal(cache.v[1], caches[0].v[1])
+    assert np.isfinite(outs[0]).all() and not np.array_equal(outs[0], x)
+
+
+def test_native_struct_mirrors_are_the_library_structs():
+    """lever/native.py's ctypes mirrors have the sizes the C structs have."""
+    import ctypes
+
+    from lever import native
+
+    assert native.struct_sizes() == (ctypes.sizeof(native.Matrix), ctypes.sizeof(native.LayerDims),
+                                     ctypes.sizeof(native.LayerWeightsC))
+
+
+def test_matmul_many_is_matmul_each(tiny_model):
+    """One job for Q, K and V (types mixed on purpose by the file) gives each matmul's bits."""
+    from lever import native
+
+    model = Model(tiny_model("qwen2", "Q4_K"))
+    lw = model.layers[0]
+    x = np.random.default_rng(5).standard_normal((3, model.spec.n_embd)).astype(np.float32)
+    mats = [native.matrix(w.type_id, w.data, w.n_out, w.n_in, w.layout) for w in (lw.wq, lw.wk, lw.wv)]
+    for got, w in zip(native.matmul_many(mats, x), (lw.wq, lw.wk, lw.wv)):
+        np.testing.assert_array_equal(got, w(x))

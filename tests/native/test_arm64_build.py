@@ -1,7 +1,8 @@
-"""The native kernels build for arm64, the phones' architecture: every source that an arm64
-build compiles (NEON paths included, x86 ones left out, as CMakeLists.txt does) compiles
-without warnings and links into a shared library, with clang (the Android NDK's compiler)
-from the ziglang package."""
+"""The native kernels on arm64, the phones' architecture: every source that an arm64 build
+compiles (NEON paths included, x86 ones left out, as CMakeLists.txt does) compiles without
+warnings and links into a shared library, with clang (the Android NDK's compiler) from the
+ziglang package; and, where an arm64 CPU or qemu-aarch64 can run it, the NEON kernels equal
+the scalar reference."""
 
 from __future__ import annotations
 
@@ -39,3 +40,35 @@ def test_native_builds_for_arm64(tmp_path):
     assert proc.returncode == 0, proc.stderr
     header = lib.read_bytes()[:20]
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == EM_AARCH64
+
+
+def qemu_aarch64() -> str | None:
+    """An arm64 user-mode emulator (Debian's qemu-user-static), or None; on an arm64 host the
+    binary runs as it is."""
+    import platform
+    import shutil
+
+    if platform.machine() in ("aarch64", "arm64"):
+        return ""
+    return shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
+
+
+def test_neon_kernels_equal_the_scalar_reference(tmp_path):
+    """tests/native/arm64_parity.c, built with the arm64 library (static, musl) and run on arm64
+    or under qemu: every matmul type in both layouts, dequantization and rmsnorm bit-identical to
+    the scalar reference (which equals the numpy reference, test_matmul.py), attention and swiglu
+    within test_ops.py's tolerances."""
+    pytest.importorskip("ziglang", reason="pip install ziglang (in the [test] extra) to cross-compile for arm64")
+    runner = qemu_aarch64()
+    if runner is None:
+        pytest.skip("no arm64 CPU and no qemu-aarch64 to run arm64 code (apt install qemu-user-static); "
+                    "the arm64 build itself is checked by test_native_builds_for_arm64")
+    sources = [str(p) for p in sorted(NATIVE.glob("*.c")) if not p.stem.endswith(("_avx2", "_avx512"))]
+    exe = tmp_path / "arm64_parity"
+    proc = subprocess.run([sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-musl", "-static", "-O2",
+                           f"-mcpu={CPU}", "-DLEVER_HAVE_NEON=1", f"-I{NATIVE}", *sources,
+                           str(ROOT / "tests" / "native" / "arm64_parity.c"), "-o", str(exe), "-lm"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    run = subprocess.run([runner, str(exe)] if runner else [str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
