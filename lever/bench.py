@@ -5,7 +5,8 @@ batch 1, from an almost empty context) and `pp` (tokens/s of one N-token forward
 output projection on the last row; 1, 8 and 32 tokens: a decode step, a draft or a small
 tree, a large tree or a prompt). When a llama-bench binary is given (or on PATH), the same file
 is measured with it in alternating rounds, so both see the same machine load; the medians and
-their ratios are printed and, with --json, written with the CPU and the kernels' ISA.
+the median of the rounds' ratios are printed and, with --json, written with the CPU and the
+kernels' ISA.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -104,17 +106,96 @@ def bench_model(model_path: str, n_gen: int = 32, pp: tuple[int, ...] = PP_TOKEN
     rows = {}
     for t in tests:
         ours, ref = med[f"lever_{t}"], med.get(f"llama_{t}")
-        rows[t] = {"lever_tps": ours, "llama_tps": ref, "ratio": ours / ref if ref else None}
-        out(f"{t:<8}{ours:>14.1f}{(f'{ref:.1f}' if ref else 'n/a'):>18}{(f'{ours / ref:.2f}x' if ref else '-'):>8}")
+        # The ratio is the median of each round's ratio: a round measures both within seconds,
+        # while this shared machine's memory bandwidth moves between rounds (1.5B tg32 seen at
+        # 28-30 and 38-41 tok/s in consecutive processes of the same build).
+        ratio = statistics.median(a / b for a, b in zip(samples[f"lever_{t}"], samples[f"llama_{t}"])) if ref else None
+        rows[t] = {"lever_tps": ours, "llama_tps": ref, "ratio": ratio}
+        out(f"{t:<8}{ours:>14.1f}{(f'{ref:.1f}' if ref else 'n/a'):>18}{(f'{ratio:.2f}x' if ref else '-'):>8}")
     if not lb:
         out("(no llama-bench found: pass --llama-bench PATH or set LLAMA_BENCH for the side-by-side ratio)")
     return {"model": model_path, "tests": rows, "samples": samples}
 
 
+def find_tool(name: str, explicit: str | None, env: str, beside: str | None = None) -> str | None:
+    """A llama.cpp tool: the path given, else $env, else next to `beside` (llama-bench), else on PATH."""
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise LeverError(f"--{name}: {explicit} is not an executable file")
+        return explicit
+    if os.environ.get(env):
+        return os.environ[env]
+    near = os.path.join(os.path.dirname(beside), name) if beside else None
+    return near if near and os.access(near, os.X_OK) else shutil.which(name)
+
+
+_EVAL = re.compile(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
+
+
+def llama_completion(binary: str, model_path: str, prompt: str, n: int, threads: int) -> float:
+    """Decode tokens/s of one greedy llama-completion run (its 'eval time' line: prompt excluded)."""
+    cmd = [binary, "-m", model_path, "-p", prompt, "-n", str(n), "--temp", "0", "-no-cnv", "--no-display-prompt"]
+    if threads:
+        cmd += ["-t", str(threads)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    except (subprocess.TimeoutExpired, OSError) as e:
+        raise LeverError(f"llama-completion failed ({binary}): {e}") from None
+    m = _EVAL.search(proc.stderr)
+    if proc.returncode != 0 or not m:
+        raise LeverError(f"llama-completion failed ({binary}): exit {proc.returncode}, no 'eval time' line")
+    return float(m[2])
+
+
+def bench_dram(config: str, sets: list[str], prompt: str, n: int, rounds: int = 3, llama_completion_path=None,
+               threads: int = 0, out=print) -> dict:
+    """Decoding a prompt with everything in DRAM, in alternating rounds: llama.cpp's
+    llama-completion (when found), `lever generate` (the target alone) and the config's pipeline
+    with flash.dram_budget=1.0 (Lever's speculative decoding), which must give generate's tokens."""
+    from lever.config import load_config
+    from lever.generate import generate
+    from lever.run import run_pipeline
+    from lever.tokenizer import Tokenizer
+
+    cfg = load_config(config, [*sets, f"generate.n_predict={n}", 'pipeline.baseline=""', "flash.dram_budget=1.0"])
+    target = str(cfg.resolve_path(cfg.model.target))
+    model = Model(target)
+    tok = Tokenizer.from_gguf(model.file)
+    ids = tok.encode(prompt)
+    samples: dict[str, list[float]] = {"llama": [], "generate": [], "pipeline": []}
+    same = True
+    for r in range(rounds):
+        if llama_completion_path:
+            samples["llama"].append(llama_completion(llama_completion_path, target, prompt, n, threads))
+        g = generate(model, ids, n, n_ctx=min(cfg.model.n_ctx, model.spec.n_ctx_train), eos_ids=frozenset(tok.eos_ids))
+        samples["generate"].append(g.decode_tps)
+        res = run_pipeline(cfg, prompt)
+        samples["pipeline"].append(res.decode_tps)
+        same &= list(res.tokens) == list(g.tokens)
+        out(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items() if v))
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
+    ratio = {k: statistics.median(a / b for a, b in zip(samples[k], samples["llama"])) if samples["llama"] else None
+             for k in ("generate", "pipeline")}
+    out(f"\ndecoding {len(g.tokens)} tokens of {prompt!r} with everything in DRAM ({target})")
+    out(f"{'':<34}{'tok/s':>8}{'vs llama.cpp':>14}")
+    if "llama" in med:
+        out(f"{'llama.cpp llama-completion':<34}{med['llama']:>8.1f}{'1.00x':>14}")
+    for k, label in (("generate", "lever generate (target alone)"), ("pipeline", f"lever run ({res.pipeline})")):
+        out(f"{label:<34}{med[k]:>8.1f}{(f'{ratio[k]:.2f}x' if ratio[k] else '-'):>14}")
+    out(f"lever run's tokens {'equal' if same else 'DIFFER FROM'} lever generate's in every round; "
+        f"{res.accepted_per_pass:.2f} tokens/pass from trees of {res.mean_tree_nodes:.1f} nodes")
+    if not same:
+        raise LeverError("lever run's tokens differ from lever generate's: speculative decoding is not lossless here")
+    return {"prompt": prompt, "n": n, "tokens_equal": same, "tps": med, "ratio": ratio, "samples": samples,
+            "pipeline": res.pipeline, "tokens_per_pass": res.accepted_per_pass}
+
+
 def bench_models(paths: list[str], n_gen: int = 32, pp: tuple[int, ...] = PP_TOKENS, rounds: int = 3,
-                 llama_bench_path: str | None = None, threads: int = 0, json_path=None, out=print) -> dict:
-    """bench_model for each file (a config's target and draft), one after the other; with
-    json_path, every figure and where they were measured."""
+                 llama_bench_path: str | None = None, threads: int = 0, json_path=None, out=print,
+                 dram: dict | None = None) -> dict:
+    """bench_model for each file (a config's target and draft), one after the other; then, with
+    `dram` (bench_dram's config, sets, prompt, n and llama_completion_path), the config's
+    decoding with everything in DRAM; with json_path, every figure and where they were measured."""
     report = {"cpu": cpu_name(), "cores": os.cpu_count(), "isa": native.isa(), "threads": threads or os.cpu_count(),
               "date": time.strftime("%Y-%m-%d"), "models": []}
     out(f"cpu: {report['cpu']}, {report['cores']} cores, kernels {report['isa']}, {report['threads']} threads")
@@ -122,6 +203,9 @@ def bench_models(paths: list[str], n_gen: int = 32, pp: tuple[int, ...] = PP_TOK
         if i:
             out("")
         report["models"].append(bench_model(path, n_gen, pp, rounds, llama_bench_path, threads, out))
+    if dram is not None:
+        out("")
+        report["dram"] = bench_dram(rounds=rounds, threads=threads, out=out, **dram)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=1)

@@ -218,8 +218,16 @@ def cmd_bench(args) -> int:
             paths = [str(cfg.resolve_path(p)) for p in (cfg.model.target, cfg.model.draft) if p]
         if args.rounds < 1 or args.n_gen < 1:
             raise LeverError("lever bench model: --rounds and --n-gen must be at least 1")
-        bench_models(paths, args.n_gen, rounds=args.rounds, llama_bench_path=args.llama_bench, threads=args.threads,
-                     json_path=args.json)
+        from lever.bench import find_llama_bench, find_tool
+
+        lb = find_llama_bench(args.llama_bench)
+        dram = None
+        if args.config:  # then the config's decoding in DRAM, beside llama-completion
+            lc = find_tool("llama-completion", args.llama_completion, "LLAMA_COMPLETION", lb)
+            dram = dict(config=str(args.config), sets=args.set or [], prompt=args.prompt, n=args.n_decode,
+                        llama_completion_path=lc)
+        bench_models(paths, args.n_gen, rounds=args.rounds, llama_bench_path=lb, threads=args.threads,
+                     json_path=args.json, dram=dram)
     elif args.what == "flash":
         from lever.bench import bench_flash
 
@@ -340,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--n-gen", type=int, default=32)
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--llama-bench", default=None, help="llama-bench binary to compare with (or $LLAMA_BENCH)")
+    b.add_argument("--llama-completion", default=None,
+                   help="model -c: llama-completion to compare decoding with (or $LLAMA_COMPLETION; default: beside llama-bench)")
+    b.add_argument("--n-decode", type=int, default=64, help="model -c: tokens decoded from --prompt, everything in DRAM")
     b.add_argument("--n", type=int, default=None, help="fuzz: inputs to run (default 100000)")
     b.add_argument("--seed", type=int, default=None, help="fuzz: random seed (default 0)")
     b.add_argument("--corpus", type=Path, default=None, help="fuzz: write each finding's input here, named by hash")

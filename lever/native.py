@@ -68,6 +68,7 @@ def _load() -> ctypes.CDLL:
         "lever_rope": ([_vp, _vp, _i64, _i64, _i64, _i64, _vp, _int, ctypes.c_float], None),
         "lever_attention": ([_vp, _i64, _i64, _i64, _vp, _vp, _int, _i64, _i64, _vp, ctypes.c_float, _vp, _int], _int),
         "lever_swiglu": ([_vp, _vp, _i64, _vp], None),
+        "lever_top_k": ([_vp, _i64, _i64, _int, _vp, _vp], _int),
     }
     for name, (argtypes, restype) in sig.items():
         fn = getattr(lib, name)
@@ -320,3 +321,13 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> n
         out = np.empty_like(gate)
     _lib.lever_swiglu(_addr(gate, np.float32), _addr(up, np.float32), gate.size, _addr(out, np.float32))
     return out
+
+
+def top_k(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest of each row of x (n, m): ids (n, k) int64 and values (n, k) float32, by
+    falling value, ties to the lower index; NaN is never chosen."""
+    x = _f32(x).reshape(-1, x.shape[-1])
+    ids, vals = np.empty((x.shape[0], k), np.int64), np.empty((x.shape[0], k), np.float32)
+    _check(_lib.lever_top_k(_addr(x, np.float32), x.shape[0], x.shape[1], k, _addr(ids, np.int64),
+                            _addr(vals, np.float32)), "top_k")
+    return ids, vals

@@ -166,6 +166,11 @@ int lever_attention(const float *q, int64_t n_tok, int64_t n_head, int64_t head_
                     const void *k, const void *v, int kv_type, int64_t n_kv, int64_t n_kv_head,
                     const uint8_t *mask, float scale, float *out, int n_threads);
 
+/* The k largest values of each row of x (n_rows, n), by falling value (ties: lower index
+ * first), as ids and values (n_rows, k). NaN is never chosen; LEVER_EBAD_SHAPE when a row has
+ * fewer than k numbers. */
+int lever_top_k(const float *x, int64_t n_rows, int64_t n, int k, int64_t *ids, float *values);
+
 /* out[i] = silu(gate[i]) * up[i]; the result for an element never depends on its index
  * or on n (no separate tail arithmetic). */
 void lever_swiglu(const float *gate, const float *up, int64_t n, float *out);

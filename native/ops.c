@@ -333,3 +333,33 @@ int lever_attention(const float *q, int64_t n_tok, int64_t n_head, int64_t head_
     int err = atomic_load(&j.err);
     return err;
 }
+
+/* ---- top-k ------------------------------------------------------------------------------ */
+
+/* One pass with the k best so far in an insertion list: a value enters only when it beats
+ * the k-th, which after the first few thousand of a vocabulary is rare. NaN never enters
+ * (every comparison with it is false). Ties keep the lower index first. */
+int lever_top_k(const float *x, int64_t n_rows, int64_t n, int k, int64_t *ids, float *values) {
+    if (n_rows < 0 || k < 1 || k > n) return LEVER_EBAD_SHAPE;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float *xr = x + r * n;
+        int64_t *id = ids + r * k;
+        float *v = values + r * k;
+        int have = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const float xi = xr[i];
+            if (have == k && !(xi > v[k - 1])) continue;
+            if (have < k && xi != xi) continue;
+            int j = have < k ? have++ : k - 1;
+            while (j > 0 && xi > v[j - 1]) {
+                v[j] = v[j - 1];
+                id[j] = id[j - 1];
+                j--;
+            }
+            v[j] = xi;
+            id[j] = i;
+        }
+        if (have < k) return LEVER_EBAD_SHAPE; /* fewer than k numbers in the row */
+    }
+    return LEVER_OK;
+}

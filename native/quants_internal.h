@@ -198,10 +198,15 @@ static inline void lever_prefetch_share(const uint8_t *next, int64_t bytes, int6
  * asks for the bytes PREFETCH_AHEAD further on, into L2 (prefetcht1), whatever it reads.
  * 8 KiB measured best on Zen 4 (4 KiB: 13.5 ms for the 1.5B head on one core, 8 KiB: 9.2,
  * 16 KiB: 9.1; two cores 7.1 / 5.5 / 5.8 ms); into L1 (prefetcht0) it was slower. */
+#ifndef LEVER_PREFETCH_AHEAD
 #define LEVER_PREFETCH_AHEAD 8192
+#endif
+#ifndef LEVER_PREFETCH_HINT
+#define LEVER_PREFETCH_HINT 2
+#endif
 
 static inline void lever_prefetch_ahead(const uint8_t *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + LEVER_PREFETCH_AHEAD + o, 0, 2);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + LEVER_PREFETCH_AHEAD + o, 0, LEVER_PREFETCH_HINT);
 }
 
 /* Most tokens a tile kernel takes at once: its per-token state lives on the stack. */

@@ -31,13 +31,10 @@ def softmax_top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     The top k are found on the logits; the softmax is needed only for its normalizer, in
     float32 (the probabilities are gains to rank nodes by, not a distribution to sample)."""
     z = np.asarray(logits, np.float32)
-    top = np.argpartition(-z, k - 1, axis=-1)[:, :k]
-    top_z = np.take_along_axis(z, top, -1)
-    order = np.argsort(-top_z, axis=-1, kind="stable")
-    top, top_z = np.take_along_axis(top, order, -1), np.take_along_axis(top_z, order, -1)
+    top, top_z = native.top_k(z, k)  # one pass (argpartition took 1.5 ms of a 16 ms draft forward)
     m = top_z[:, :1]
     norm = np.exp(z - m).sum(axis=-1, keepdims=True)
-    return top.astype(np.int64), (np.exp(top_z - m) / norm).astype(np.float32)
+    return top, (np.exp(top_z - m) / norm).astype(np.float32)
 
 
 @attrs.define

@@ -402,3 +402,23 @@ def test_attention_duplicate_tokens_identical(isa):
 def test_isa_paths_exist():
     assert "scalar" in ISAS
     assert native.best_isa() in ISAS
+
+
+def test_top_k_is_a_stable_sort_prefix():
+    """native.top_k: the k largest by falling value, ties to the lower index, NaN never chosen,
+    as a stable descending sort gives them (for k = 1 and k = n too); k over a row's numbers is
+    an error."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5, 1000)).astype(np.float32)
+    x[1, [3, 400, 999]] = 9.0  # ties at the top
+    x[2, ::2] = np.nan
+    x[3] = 0.5  # all equal
+    for k in (1, 4, 16):
+        ids, vals = native.top_k(x, k)
+        want = np.argsort(-np.nan_to_num(x, nan=-np.inf), axis=-1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(ids, want)
+        np.testing.assert_array_equal(vals, np.take_along_axis(x, want, -1))
+    ids, _ = native.top_k(x[:1], 1000)
+    np.testing.assert_array_equal(ids[0], np.argsort(-x[0], kind="stable"))
+    with pytest.raises(LeverError, match="bad shape"):
+        native.top_k(x[2:3], 501)  # 500 numbers, 500 NaN
