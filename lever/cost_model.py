@@ -98,7 +98,7 @@ class CostModel:
     read_latency_s: float  # before the first byte of a pass arrives
     window_layers: int  # staging buffers: how far reads may run ahead of compute
     tokens: tuple[int, ...] = attrs.field(converter=_ints)
-    layer_s: tuple[float, ...] = attrs.field(converter=_monotone)  # one target layer over tokens[i] tokens
+    layer_s: tuple[float, ...] = attrs.field(converter=_monotone)  # one streamed target layer over tokens[i] tokens
     head_rows: tuple[int, ...] = attrs.field(converter=_ints)
     head_s: tuple[float, ...] = attrs.field(converter=_monotone)  # target lm_head over head_rows[i] rows
     draft_batch: tuple[int, ...] = attrs.field(default=(), converter=_ints)
@@ -106,12 +106,17 @@ class CostModel:
     draft_head_rows: tuple[int, ...] = attrs.field(default=(), converter=_ints)
     draft_head_s: tuple[float, ...] = attrs.field(default=(), converter=_monotone)
     source: str = ""  # "profile PATH" or "fallback": what the numbers stand on
+    # one resident target layer (tile layout) over tokens[i] tokens; () = as a streamed one
+    resident_layer_s: tuple[float, ...] = attrs.field(default=(), converter=_monotone)
 
     def __attrs_post_init__(self):
         if not self.read_bytes_per_s > 0:
             raise LeverError(f"cost model: read bandwidth must be > 0 bytes/s, got {self.read_bytes_per_s}")
         if self.window_layers < 1:
             raise LeverError(f"cost model: window_layers must be >= 1, got {self.window_layers}")
+        if self.resident_layer_s and len(self.resident_layer_s) != len(self.tokens):
+            raise LeverError(f"cost model: {len(self.resident_layer_s)} resident layer times for {len(self.tokens)} "
+                             f"token buckets")
 
     # -- constructors
 
@@ -138,7 +143,7 @@ class CostModel:
         draft = {} if d is None else {"draft_batch": d.batch, "draft_forward_s": d.forward_s,
                                       "draft_head_rows": d.head_rows, "draft_head_s": d.head_s}
         return cls(tuple(layer_read_bytes), bw, lat, flash.window_layers, t.tokens, t.layer_s, t.head_rows, t.head_s,
-                   source=source, **draft)
+                   source=source, resident_layer_s=t.resident_layer_s, **draft)
 
     @classmethod
     def default(cls, target, flash: FlashConfig | None = None, draft=None, kv_rows: int = KV_ROWS) -> CostModel:
@@ -188,13 +193,17 @@ class CostModel:
         """Pure read time of one pass (every streamed layer, back to back)."""
         return sum(self.layer_read_bytes) / self.read_bytes_per_s
 
-    def layer_compute_s(self, n_tokens: float) -> float:
-        """One target layer over n tokens, linear between the profiled buckets."""
-        return interpolate(self.tokens, self.layer_s, n_tokens)
+    def layer_compute_s(self, n_tokens: float, resident: bool = False) -> float:
+        """One target layer over n tokens, linear between the profiled buckets: a streamed
+        one (the row layout its staging buffer holds), or a resident one (the tile layout)."""
+        return interpolate(self.tokens, self.resident_layer_s if resident and self.resident_layer_s else self.layer_s,
+                           n_tokens)
 
     def compute_s(self, n_tokens: float) -> float:
         """Compute of one pass: every layer over n tokens, nothing waiting on reads."""
-        return self.n_layer * self.layer_compute_s(n_tokens)
+        n_streamed = len(self.streamed_layers)
+        return (n_streamed * self.layer_compute_s(n_tokens)
+                + (self.n_layer - n_streamed) * self.layer_compute_s(n_tokens, resident=True))
 
     # -- what TreeExpand asks
 
@@ -224,13 +233,15 @@ class CostModel:
         if n_tokens < 1:
             raise LeverError(f"verify_s: a pass verifies at least 1 token, got {n_tokens}")
         # with pruning, layers past `after_layer` run on the n_after survivors only
-        c_all = self.layer_compute_s(n_tokens)
-        c_late = c_all if n_after is None else self.layer_compute_s(max(n_after, 1))
+        n_late = n_tokens if n_after is None else max(n_after, 1)
+        # (streamed, resident) layer compute, before and after the pruning layer
+        c_all = (self.layer_compute_s(n_tokens), self.layer_compute_s(n_tokens, resident=True))
+        c_late = (self.layer_compute_s(n_late), self.layer_compute_s(n_late, resident=True))
         read_free = self.read_latency_s  # when the reader may start the next streamed layer
         done = 0.0  # when compute finished the previous layer
         computed: list[float] = []  # compute end of each streamed layer, in read order
         for i, b in enumerate(self.layer_read_bytes):
-            c = c_late if n_after is not None and i > after_layer else c_all
+            c = (c_late if n_after is not None and i > after_layer else c_all)[0 if b else 1]
             if not b:
                 done += c
                 continue
@@ -312,7 +323,8 @@ def cost_model_for(cfg) -> CostModel:
     model = _cost_model_for(cfg)
     ms = cfg.runtime.emulate_layer_ms_per_token
     if ms > 0:
-        model = attrs.evolve(model, layer_s=[max(s, n * ms / 1e3) for n, s in zip(model.tokens, model.layer_s)],
+        floor = lambda table: [max(s, n * ms / 1e3) for n, s in zip(model.tokens, table)] if table else table
+        model = attrs.evolve(model, layer_s=floor(model.layer_s), resident_layer_s=floor(model.resident_layer_s),
                              source=f"{model.source}, layers at least {ms} ms/token")
     return model
 

@@ -32,7 +32,7 @@ from lever.backends.flash import FlashConfig
 from lever.errors import LeverError
 
 FORMAT = "lever-profile"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: resident layers (tile layout) timed apart from streamed ones
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # tree sizes a verification pass sees; draft batches too
 HEAD_ROWS = (1, 8, 64)  # lm_head: one accepted row, a typical accepted path, a whole tree
 KV_ROWS = 256  # committed context rows every timed pass attends over
@@ -101,19 +101,23 @@ class FlashProfile:
 
 @attrs.frozen
 class TargetProfile:
-    """The streamed target: one layer's compute at token-count buckets, and its lm_head."""
+    """The target: one layer's compute at token-count buckets, streamed (GGUF's row layout, as
+    a staging buffer holds it) and resident (packed into the tile layout at load, which the
+    kernels stream up to twice as fast at one token), and its lm_head."""
 
     model: ModelIdentity
     n_layer: int
     kv_rows: int  # committed rows attended over while timing
     tokens: tuple[int, ...]
-    layer_s: tuple[float, ...]  # seconds of one layer over tokens[i] tokens (mean over the layer mix)
+    layer_s: tuple[float, ...]  # seconds of one streamed layer over tokens[i] tokens (mean over the layer mix)
+    resident_layer_s: tuple[float, ...]  # the same of a resident layer
     layers_timed: tuple[int, ...]  # a few layers of each tensor-type mix, weighted by the mix's count
     head_rows: tuple[int, ...]
     head_s: tuple[float, ...]  # Model.logits over head_rows[i] rows
 
     def __attrs_post_init__(self):
         _check_table("target layer_s", self.tokens, self.layer_s)
+        _check_table("target resident_layer_s", self.tokens, self.resident_layer_s)
         _check_table("target head_s", self.head_rows, self.head_s)
 
 
@@ -350,8 +354,9 @@ def _head_jobs(model, rows: tuple[int, ...], rng) -> dict:
 def measure_target(path: str | os.PathLike, rounds: int = 5, kv_rows: int = KV_ROWS,
                    tokens: tuple[int, ...] = TOKEN_BUCKETS, head_rows: tuple[int, ...] = HEAD_ROWS,
                    layers_per_mix: int = 2, out: Callable[[str], None] = lambda s: None) -> TargetProfile:
-    """A few layers of each tensor-type mix, copied to DRAM, run one after another by
-    layer_forward over each bucket of tokens, each layer timed on its own.
+    """A few layers of each tensor-type mix, copied to DRAM as a streamed layer sits in its
+    staging buffer and packed as a resident layer is, run one after another by layer_forward
+    over each bucket of tokens, each layer timed on its own.
 
     Running several distinct layers in sequence, as a pass does, makes each one's weights
     come from DRAM; timing one layer over and over would find it partly in the CPU's cache
@@ -359,27 +364,29 @@ def measure_target(path: str | os.PathLike, rounds: int = 5, kv_rows: int = KV_R
     import numpy as np
 
     from lever.gguf_file import GGUFFile
-    from lever.model import Model, layer_forward
+    from lever.model import Model, layer_forward, load_layer
 
     f = GGUFFile(path)
     model = Model(file=f, load_layers=False)
     spec = model.spec
     rng = np.random.default_rng(0)
     mixes = list(_type_mixes(f, spec).values())
-    held = {i: _layer_in_dram(f, spec, i) for layers in mixes for i in layers[:layers_per_mix]}
-    out(f"target: layers {sorted(held)} of {spec.n_layer} ({len(mixes)} tensor-type mixes), tokens {tokens}, "
-        f"{kv_rows} KV rows, {rounds} rounds")
+    timed = [i for layers in mixes for i in layers[:layers_per_mix]]
+    held = {("streamed", i): _layer_in_dram(f, spec, i) for i in timed}
+    held |= {("resident", i): load_layer(f, spec, i, tiles=True) for i in timed}
+    out(f"target: layers {sorted(timed)} of {spec.n_layer} ({len(mixes)} tensor-type mixes), streamed and resident, "
+        f"tokens {tokens}, {kv_rows} KV rows, {rounds} rounds")
     cache = _filled_cache(spec, kv_rows, max(tokens), rng)
     inputs = {n: _pass_inputs(spec, n, kv_rows, rng) for n in tokens}
-    samples: dict[tuple[int, int], list[float]] = {(i, n): [] for i in held for n in tokens}
+    samples: dict[tuple[str, int, int], list[float]] = {(*k, n): [] for k in held for n in tokens}
 
     def run_pass(n: int, record: bool) -> None:
         x, pos, mask, rows = inputs[n]
-        for i, lw in held.items():
+        for (kind, i), lw in held.items():
             t0 = time.perf_counter()
             layer_forward(spec, lw, x, pos, mask, cache, i, rows, model.inv_freq)
             if record:
-                samples[(i, n)].append(time.perf_counter() - t0)
+                samples[(kind, i, n)].append(time.perf_counter() - t0)
 
     for n in tokens:  # warm-up: faults in the copies, starts the kernels' threads
         run_pass(n, record=False)
@@ -387,14 +394,16 @@ def measure_target(path: str | os.PathLike, rounds: int = 5, kv_rows: int = KV_R
         for n in tokens:
             run_pass(n, record=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
-    layer_s = tuple(sum(len(layers) / spec.n_layer * statistics.fmean(med[(i, n)] for i in layers[:layers_per_mix])
-                        for layers in mixes) for n in tokens)
+
+    def per_layer(kind: str) -> tuple[float, ...]:
+        return tuple(sum(len(layers) / spec.n_layer * statistics.fmean(med[(kind, i, n)] for i in layers[:layers_per_mix])
+                         for layers in mixes) for n in tokens)
     out(f"target: lm_head over rows {head_rows}")
     heads = _head_jobs(model, head_rows, rng)
     _warm(heads)
     head = _median_rounds(heads, rounds)
-    return TargetProfile(ModelIdentity.of(path), spec.n_layer, kv_rows, tuple(tokens), layer_s, tuple(sorted(held)),
-                         tuple(head_rows), tuple(head[n] for n in head_rows))
+    return TargetProfile(ModelIdentity.of(path), spec.n_layer, kv_rows, tuple(tokens), per_layer("streamed"),
+                         per_layer("resident"), tuple(sorted(timed)), tuple(head_rows), tuple(head[n] for n in head_rows))
 
 
 def measure_draft(path: str | os.PathLike, rounds: int = 5, kv_rows: int = KV_ROWS,
@@ -516,6 +525,7 @@ def print_table(profile: Profile, out: Callable[[str], None] = print) -> None:
            if (fl.bandwidth_cap_bytes_per_s or fl.read_latency_ms) else ""))
     out(f"{'tokens':<24}" + "".join(f"{n:>9}" for n in t.tokens))
     out(f"{'target layer ms':<24}" + "".join(f"{s * 1e3:>9.2f}" for s in t.layer_s))
+    out(f"{'  resident (tiles)':<24}" + "".join(f"{s * 1e3:>9.2f}" for s in t.resident_layer_s))
     if d is not None:
         out(f"{'draft forward ms':<24}" + "".join(f"{s * 1e3:>9.2f}" for s in d.forward_s))
     heads = f"target {', '.join(f'{s / n * 1e3:.2f}' for n, s in zip(t.head_rows, t.head_s))}"

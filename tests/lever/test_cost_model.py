@@ -21,11 +21,17 @@ def layer_s(n: float) -> float:
     return 1e-3 + 2e-4 * n  # 1 ms of fixed cost, 0.2 ms a token
 
 
-def make_profile(bw=1.5e9, cap=0.0, latency_ms=0.0, target_id=None, draft_id=None, layer_table=None) -> Profile:
+def resident_layer_s(n: float) -> float:
+    return 0.4e-3 + 1e-4 * n  # a resident layer, in the tile layout: faster
+
+
+def make_profile(bw=1.5e9, cap=0.0, latency_ms=0.0, target_id=None, draft_id=None, layer_table=None,
+                 resident_table=None) -> Profile:
     fid = ModelIdentity("t.gguf", 1, "0" * 64)
     flash = FlashProfile("direct", 4, 2 * 2**20, cap, latency_ms, N_LAYER * LAYER_BYTES, bw, 1e-4, 2e-3, 2 * bw, 5e-5)
     target = TargetProfile(target_id or fid, N_LAYER, 256, TOKEN_BUCKETS,
-                           layer_table or tuple(layer_s(n) for n in TOKEN_BUCKETS), (0, 1),
+                           layer_table or tuple(layer_s(n) for n in TOKEN_BUCKETS),
+                           resident_table or layer_table or tuple(layer_s(n) for n in TOKEN_BUCKETS), (0, 1),
                            HEAD_ROWS, tuple(0.02 + 0.002 * n for n in HEAD_ROWS))
     draft = DraftProfile(draft_id or fid, 24, 256, TOKEN_BUCKETS, tuple(0.05 + 0.002 * n for n in TOKEN_BUCKETS),
                          HEAD_ROWS, tuple(0.01 + 0.001 * n for n in HEAD_ROWS))
@@ -187,3 +193,17 @@ def test_an_emulated_slow_verification_unit_is_in_the_cost_model(tiny_model):
     assert npu.layer_compute_s(32) == pytest.approx(max(cpu.layer_compute_s(32), 32 * 2e-3))
     assert npu.layer_compute_s(64) > npu.layer_compute_s(32) >= 0.064 - 1e-12
     assert npu.marginal_verify_s(20) > cpu.marginal_verify_s(20)  # bigger trees cost more: they shrink
+
+
+def test_resident_layers_are_priced_by_their_own_table():
+    """A resident layer (tile layout) costs what the profile measured for resident layers, a
+    streamed one what it measured for streamed ones: with every layer resident a pass is the
+    resident table, with every layer streamed and compute-bound it is the streamed one."""
+    prof = make_profile(resident_table=tuple(resident_layer_s(n) for n in TOKEN_BUCKETS))
+    everything_resident = CostModel.from_profile(prof, [0] * N_LAYER)
+    assert everything_resident.verify_s(16) == pytest.approx(N_LAYER * resident_layer_s(16))
+    assert everything_resident.compute_s(8) == pytest.approx(N_LAYER * resident_layer_s(8))
+    half = CostModel.from_profile(prof, [0] * 14 + [1] * 14)  # 14 streamed layers of 1 byte: compute-bound
+    assert half.compute_s(8) == pytest.approx(14 * resident_layer_s(8) + 14 * layer_s(8))
+    assert half.verify_s(8) == pytest.approx(half.compute_s(8), rel=1e-3)  # 1-byte reads: compute-bound
+    assert everything_resident.layer_compute_s(4) == pytest.approx(layer_s(4))  # a streamed layer, asked alone

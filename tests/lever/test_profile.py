@@ -43,7 +43,7 @@ def test_profile_round_trips_through_msgpack(profiled, tmp_path):
     path = write(profiled, tmp_path / "p.msgpack")
     assert read(path) == profiled
     raw = msgpack.unpackb(path.read_bytes())
-    assert raw["format"] == "lever-profile" and raw["version"] == 1
+    assert raw["format"] == "lever-profile" and raw["version"] == 2
     assert not (tmp_path / "p.msgpack.tmp").exists()
 
 
@@ -58,11 +58,11 @@ def test_profile_records_machine_method_and_models(profiled, pair):
 
 def test_compute_tables_cover_every_bucket(profiled):
     t, d = profiled.target, profiled.draft
-    assert t.tokens == TOKEN_BUCKETS and len(t.layer_s) == len(TOKEN_BUCKETS)
+    assert t.tokens == TOKEN_BUCKETS and len(t.layer_s) == len(TOKEN_BUCKETS) == len(t.resident_layer_s)
     assert t.head_rows == HEAD_ROWS and len(t.head_s) == len(HEAD_ROWS)
     assert t.n_layer == 4 and t.kv_rows == KV_ROWS and set(t.layers_timed) <= set(range(4)) and t.layers_timed
     assert d.batch == TOKEN_BUCKETS and len(d.forward_s) == len(TOKEN_BUCKETS) and d.n_layer == 2
-    assert all(s > 0 for s in t.layer_s + t.head_s + d.forward_s + d.head_s)
+    assert all(s > 0 for s in t.layer_s + t.resident_layer_s + t.head_s + d.forward_s + d.head_s)
 
 
 def test_flash_section_mirrors_the_config_and_streams_every_layer(profiled, pair):
@@ -102,8 +102,9 @@ def test_missing_or_corrupt_profile_is_one_line_error_naming_the_file(profiled, 
         "truncated": good[: len(good) // 2],
         "other": msgpack.packb({"format": "something-else"}),
         "old": msgpack.packb({"format": "lever-profile", "version": 99, "profile": {}}),
-        "fields": msgpack.packb({"format": "lever-profile", "version": 1, "profile": {"device": "x"}}),
-        "types": good.replace(b"layer_s", b"layer_x"),
+        "fields": msgpack.packb({"format": "lever-profile", "version": 2, "profile": {"device": "x"}}),
+        "stale": msgpack.packb({"format": "lever-profile", "version": 1, "profile": {}}),  # before tiles: re-profile
+        "types": good.replace(b"\xa7layer_s", b"\xa7layer_x"),
     }
     for name, data in bad.items():
         path = tmp_path / f"{name}.msgpack"
