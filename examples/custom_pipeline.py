@@ -11,17 +11,17 @@ from pathlib import Path
 import anyio
 import attrs
 
+from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.flash import FlashConfig
-from lever.graph import Pipeline, Stage
-from lever.kv_cache import KVCache
-from lever.messages import Accepted
-from lever.pipelines import FlashTarget
-from lever.sampling import SamplingParams
+from lever.dataflow.graph import Pipeline, Stage
+from lever.dataflow.messages import Accepted
+from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.model.sampling import SamplingParams
+from lever.pipelines.target import FlashTarget
 from lever.stages.accept import Accept, AcceptConfig
 from lever.stages.prefetch import Prefetch
 from lever.stages.pruned_verify import PrunedVerify
 from lever.stages.tree_expand import TreeExpand, TreeExpandConfig
-from lever.tokenizer import StreamDecoder, Tokenizer
 
 
 @attrs.define

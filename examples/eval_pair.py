@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lever import native
-from lever.kv_cache import causal_mask
-from lever.model import Model
-from lever.tokenizer import Tokenizer
+from lever.backends.cpu import native
+from lever.backends.cpu.kv_cache import causal_mask
+from lever.gguf.tokenizer import Tokenizer
+from lever.model.transformer import Model
 
 # Directories that are not library code (test suites: half of the stdlib's bytes, and mostly
 # assertions about the other half) or not part of the stdlib at all.

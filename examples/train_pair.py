@@ -50,10 +50,10 @@ from eval_pair import (
     window_logits,
 )
 
-from lever import native
-from lever.model import Model
-from lever.tokenizer import _PRE_TOKENIZERS
-from lever.tokenizer import Tokenizer as LeverTokenizer
+from lever.backends.cpu import native
+from lever.gguf.tokenizer import _PRE_TOKENIZERS
+from lever.gguf.tokenizer import Tokenizer as LeverTokenizer
+from lever.model.transformer import Model
 
 # The pre-tokenizer the GGUF names. Its regex is taken from Lever rather than copied, so the
 # training tokenizer cuts words exactly where Lever (and llama.cpp) will cut them at run time.

@@ -2,9 +2,12 @@
 
 A config names the models, the storage of the target, the pipeline to compose and the sizes of
 its channels. Section classes live beside what they configure (FlashConfig in the flash
-backend, stage configs in their stage modules) and are registered here. Every key is checked:
-an unknown or mistyped key or a bad value is one LeverError naming the file, section and key.
-`--set section.key=value` overrides are parsed as TOML values and checked the same way.
+backend, TreeExpandConfig in its stage, the policies' in lever.policy); `Config` has one typed
+field per section, named as the [section], so adding a section is adding a field. Every key is
+checked: an unknown or mistyped key or a bad value is one LeverError naming the file, section
+and key. `--set section.key=value` overrides are parsed as TOML values and checked the same
+way. Paths in a config ([model] target and draft, [profile] path, [predictor] artifact) are
+resolved once here, against the config's folder, so nothing downstream resolves them again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ import attrs
 
 from lever.backends.flash import FlashConfig
 from lever.errors import LeverError
+from lever.policy.memory import MemoryConfig
+from lever.policy.placement import PlacementConfig, QnnConfig
+from lever.policy.predictor import PredictorConfig
+from lever.policy.profile import ProfileConfig
 from lever.stages.tree_expand import TreeExpandConfig
 
 
@@ -51,7 +58,18 @@ class PipelineConfig:
                 raise LeverError(f"[pipeline] {key}: unknown pipeline {kind!r} (known: {', '.join(PIPELINE_KINDS)})")
 
 
-PIPELINE_KINDS = ("flash-ar", "resident-ar", "speculative")
+@attrs.frozen
+class PipelineKind:
+    """What a [pipeline] kind decides, in one place."""
+
+    name: str
+    all_resident: bool  # every target layer in DRAM, whatever [flash] dram_budget says
+    drafts: bool  # a draft model grows trees ([tree_expand]); else one token per pass
+
+
+PIPELINE_KINDS = {k.name: k for k in (PipelineKind("flash-ar", all_resident=False, drafts=False),
+                                      PipelineKind("resident-ar", all_resident=True, drafts=False),
+                                      PipelineKind("speculative", all_resident=False, drafts=True))}
 
 
 @attrs.frozen
@@ -107,38 +125,43 @@ class RuntimeConfig:
                              f"got {self.emulate_layer_ms_per_token}")
 
 
-SECTIONS: dict[str, type] = {
-    "flash": FlashConfig,
-    "model": ModelConfig,
-    "pipeline": PipelineConfig,
-    "channels": ChannelsConfig,
-    "generate": GenerateConfig,
-    "runtime": RuntimeConfig,
-    "tree_expand": TreeExpandConfig,
-}
-
-
-def register_section(name: str, cls: type) -> None:
-    SECTIONS[name] = cls
-
-
 @attrs.frozen
 class Config:
-    path: Path | None
-    sections: dict[str, Any] = attrs.field(eq=False)
+    """A whole config: where it was read from, and one field per [section]."""
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.sections[name]
-        except KeyError:
-            raise AttributeError(name) from None
+    path: Path | None = None
+    model: ModelConfig = ModelConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    tree_expand: TreeExpandConfig = TreeExpandConfig()
+    flash: FlashConfig = FlashConfig()
+    channels: ChannelsConfig = ChannelsConfig()
+    generate: GenerateConfig = GenerateConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    memory: MemoryConfig = MemoryConfig()
+    profile: ProfileConfig = ProfileConfig()
+    predictor: PredictorConfig = PredictorConfig()
+    placement: PlacementConfig = PlacementConfig()
+    qnn: QnnConfig = QnnConfig()
 
-    def resolve_path(self, value: str) -> Path:
-        """Model paths: ~ and $VARS expanded, relative ones taken from the config's folder."""
-        p = Path(os.path.expandvars(os.path.expanduser(value)))
-        if not p.is_absolute() and self.path is not None:
-            p = self.path.parent / p
-        return p
+    @property
+    def where(self) -> str:
+        """How errors name this config."""
+        return str(self.path) if self.path is not None else "config"
+
+
+SECTIONS: dict[str, type] = {name: hint for name, hint in typing.get_type_hints(Config).items() if name != "path"}
+
+
+def resolve_path(value: str, base: Path | None) -> str:
+    """A path from a config: ~ and $VARS expanded, a relative one taken from the config's folder."""
+    p = Path(os.path.expandvars(os.path.expanduser(value)))
+    if not p.is_absolute() and base is not None:
+        p = base.parent / p
+    return str(p)
+
+
+# Keys holding paths, resolved at load: (section, key).
+PATH_KEYS = (("model", "target"), ("model", "draft"), ("profile", "path"), ("predictor", "artifact"))
 
 
 def _check_type(where: str, value: Any, hint: Any) -> Any:
@@ -212,17 +235,10 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             raise LeverError(f"{where}: unknown section [{name}] (known: {', '.join(sorted(SECTIONS))})")
         if not isinstance(values, dict):
             raise LeverError(f"{where}: {name} must be a [section] table")
+    base = Path(path) if path is not None else None
     sections = {name: build_section(name, data.get(name, {}), where) for name in SECTIONS}
-    return Config(Path(path) if path is not None else None, sections)
-
-
-from lever.profile import ProfileConfig  # noqa: E402  (the [profile] section; it imports register_section)
-from lever.predictor import PredictorConfig  # noqa: E402  (the [predictor] section)
-from lever.placement import PlacementConfig, QnnConfig  # noqa: E402  ([placement] and [qnn])
-from lever.memory import MemoryConfig  # noqa: E402  (the [memory] section)
-
-register_section("profile", ProfileConfig)
-register_section("predictor", PredictorConfig)
-register_section("placement", PlacementConfig)
-register_section("qnn", QnnConfig)
-register_section("memory", MemoryConfig)
+    for name, key in PATH_KEYS:
+        value = getattr(sections[name], key)
+        if value:
+            sections[name] = attrs.evolve(sections[name], **{key: resolve_path(value, base)})
+    return Config(base, **sections)

@@ -17,10 +17,10 @@ import anyio
 import attrs
 import numpy as np
 
-from lever.graph import Stage
-from lever.messages import Accepted, TokenTree, Verified, children_of
-from lever.sampling import SamplingParams, distribution, rejection_sample, sample
-from lever.trace import Tracer
+from lever.dataflow.graph import Stage
+from lever.dataflow.messages import Accepted, TokenTree, Verified, children_of
+from lever.dataflow.trace import Tracer
+from lever.model.sampling import SamplingParams, distribution, rejection_sample, sample
 
 
 @attrs.frozen

@@ -15,14 +15,14 @@ from collections.abc import Callable
 import attrs
 import numpy as np
 
-from lever import native
-from lever.compute import AHEAD, DRAFT, ComputeSlot, run_on
-from lever.graph import Stage
-from lever.kv_cache import KVCache
-from lever.messages import ExpandRequest, Expansion
-from lever.model import Model
-from lever.sampling import SamplingParams, distribution, draw_without_replacement
-from lever.trace import Tracer
+from lever.backends.cpu import native
+from lever.backends.cpu.kv_cache import KVCache
+from lever.dataflow.compute import AHEAD, DRAFT, ComputeSlot, run_on
+from lever.dataflow.graph import Stage
+from lever.dataflow.messages import ExpandRequest, Expansion
+from lever.dataflow.trace import Tracer
+from lever.model.sampling import SamplingParams, distribution, draw_without_replacement
+from lever.model.transformer import Model
 
 
 def softmax_top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import attrs
 
-from lever.graph import Stage
-from lever.messages import Accepted
+from lever.dataflow.graph import Stage
+from lever.dataflow.messages import Accepted
 
 
 @attrs.define

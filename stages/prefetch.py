@@ -16,13 +16,13 @@ from functools import partial
 import anyio
 import attrs
 
+from lever.backends.cpu.layer import LayerWeights, load_layer
 from lever.backends.flash import FlashStore
-from lever.graph import Stage
-from lever.gguf_file import GGUFFile
-from lever.messages import FreeBuffer, StreamedLayer
-from lever.model import LayerWeights, load_layer
-from lever.model_spec import ModelSpec
-from lever.trace import Tracer
+from lever.dataflow.graph import Stage
+from lever.dataflow.messages import FreeBuffer, StreamedLayer
+from lever.dataflow.trace import Tracer
+from lever.gguf.file import GGUFFile
+from lever.gguf.spec import ModelSpec
 
 
 async def read_all(store: FlashStore, layer: int, buffer, limiter: anyio.CapacityLimiter) -> None:

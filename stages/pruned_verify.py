@@ -5,7 +5,7 @@ Resident layers come from DRAM; every other layer arrives from Prefetch's channe
 the next layers overlaps this one's compute. Each node attends to the committed prefix and to
 its own ancestors (positions by depth), so a whole tree costs one streamed pass. The KV cache
 belongs to this stage: it changes only by the `commit` each tree carries from Accept.
-With a predictor (`lever/predictor.py`), after its layer m the nodes it prunes leave the pass:
+With a predictor (`lever/policy/predictor.py`), after its layer m the nodes it prunes leave the pass:
 layers m+1.. run on the survivors only, and the pruned rows of those layers are zeroed, never
 committed, and masked from every survivor (a pruned node's subtree goes with it, so no survivor
 has a pruned ancestor).
@@ -20,15 +20,15 @@ import anyio
 import attrs
 import numpy as np
 
-from lever import native
-from lever.compute import VERIFY, ComputeSlot
-from lever.graph import Stage
-from lever.kv_cache import KVCache
-from lever.messages import FreeBuffer, StreamedLayer, TokenTree, Verified
-from lever.model import LayerWeights, layer_forward
-from lever.model_spec import ModelSpec
-from lever.predictor import Predictor
-from lever.trace import Tracer
+from lever.backends.cpu import native
+from lever.backends.cpu.kv_cache import KVCache
+from lever.backends.cpu.layer import LayerWeights, layer_forward
+from lever.dataflow.compute import VERIFY, ComputeSlot
+from lever.dataflow.graph import Stage
+from lever.dataflow.messages import FreeBuffer, StreamedLayer, TokenTree, Verified
+from lever.dataflow.trace import Tracer
+from lever.gguf.spec import ModelSpec
+from lever.policy.predictor import Predictor
 
 
 @attrs.define

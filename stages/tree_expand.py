@@ -5,7 +5,7 @@ prefills too), then after every `Accepted` it roots a new tree at the newest tok
 in rounds: the draft expands the nodes added last (one batched forward), their children become
 candidates, and the policy picks which candidates join the tree. The Lever policy picks by
 gain/cost: a candidate's gain is its estimated acceptance probability (the product of draft
-probabilities along its path, mapped through a calibration table), its cost the latency it
+probabilities along its path, mapped through the acceptance table), its cost the latency it
 adds: its share of drafting plus the growth of the verification pass at the new tree size,
 from the cost model (a streamed pass pays its flash read once, so while reads dominate, nodes
 are nearly free). It adds the best candidate while that raises the tree's expected rate
@@ -30,11 +30,11 @@ import anyio
 import attrs
 import numpy as np
 
-from lever.calibration import Calibration
+from lever.dataflow.graph import Stage
+from lever.dataflow.messages import Accepted, ExpandRequest, Expansion, TokenTree
+from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
-from lever.graph import Stage
-from lever.messages import Accepted, ExpandRequest, Expansion, TokenTree
-from lever.trace import Tracer
+from lever.policy.acceptance import AcceptanceTable
 
 POLICIES = ("none", "chain", "kary", "confidence", "gain-cost")
 MAX_TREE_SIZE = 1024  # bound on a tree's nodes, depth and fan-out: one pass verifies it, one draft forward expands a round
@@ -53,7 +53,7 @@ class TreeExpandConfig:
     kary_depth: int = 3  # kary: depth of the full tree (top_k children per node)
     confidence: float = 0.3  # confidence: add nodes whose path probability stays above this
     lookahead_nodes: int = 0  # nodes drafted ahead while the target verifies (0: off), within the pass's idle time
-    calibration: str = "online"  # gain-cost: "online" learns draft probability -> acceptance from each cycle; "calibrated" starts from `lever calibrate`'s table and learns on; "identity"
+    acceptance: str = "online"  # gain-cost: "online" learns draft probability -> acceptance from each cycle; "calibrated" starts from `lever calibrate`'s table and learns on; "identity"
 
     def __attrs_post_init__(self):
         if self.policy not in POLICIES:
@@ -61,8 +61,8 @@ class TreeExpandConfig:
         for name in ("max_nodes", "max_depth", "top_k", "round_nodes", "chain_length", "kary_depth"):
             if not 1 <= getattr(self, name) <= MAX_TREE_SIZE:
                 raise LeverError(f"[tree_expand] {name}: must be in [1, {MAX_TREE_SIZE}], got {getattr(self, name)}")
-        if self.calibration not in ("online", "identity", "calibrated"):
-            raise LeverError(f"[tree_expand] calibration: {self.calibration!r} is not 'online', 'identity' or 'calibrated'")
+        if self.acceptance not in ("online", "identity", "calibrated"):
+            raise LeverError(f"[tree_expand] acceptance: {self.acceptance!r} is not 'online', 'identity' or 'calibrated'")
         if not 0 <= self.lookahead_nodes <= MAX_TREE_SIZE:
             raise LeverError(f"[tree_expand] lookahead_nodes: must be in [0, {MAX_TREE_SIZE}], got {self.lookahead_nodes}")
 
@@ -73,7 +73,7 @@ class TreeExpandConfig:
 
 
 class Cost(Protocol):
-    """What TreeExpand needs from the cost model (lever.cost_model)."""
+    """What TreeExpand needs from the cost model (lever.policy.cost_model)."""
 
     def verify_s(self, n_tokens: int) -> float: ...
 
@@ -125,7 +125,7 @@ class TreeBuilder:
     candidates: list = attrs.field(factory=list)  # heap of (-gain, seq, parent node, token, draft p, rank)
     q_draft: list[float] = attrs.field(factory=list)  # the draft's probability of each node given its parent
     rank: list[int] = attrs.field(factory=list)  # its place among its parent's proposals
-    calibration: Calibration | None = None  # draft p -> acceptance; None: the identity
+    acceptance: AcceptanceTable | None = None  # draft p -> acceptance; None: the identity
     ahead_beside: bool = False  # drafting ahead has cores of its own: it may use the whole pass, not its idle time
     draft_s: float = 0.0  # estimated drafting time of this cycle so far
     n_pending: int = 0  # rows this cycle has added to the draft's cache
@@ -180,7 +180,7 @@ class TreeBuilder:
         for rank, (t, q) in enumerate(zip(toks, probs)):
             if t < 0:  # fewer tokens had mass than were asked for
                 break
-            p = self.calibration(float(q), rank) if self.calibration is not None else float(q)
+            p = self.acceptance(float(q), rank) if self.acceptance is not None else float(q)
             heapq.heappush(self.candidates, (-self.gain[node] * p, self._seq, node, int(t), float(q), rank))
             self._seq += 1
 
@@ -404,14 +404,14 @@ class TreeExpand(Stage):
 
     tree_sizes: list[int] = attrs.field(factory=list)  # nodes of each speculative tree (for the summary)
     lookahead_hits: int = 0  # cycles that started from rows drafted ahead
-    calibration: Calibration | None = None  # gain-cost with calibration "online": learned from each cycle
+    acceptance: AcceptanceTable | None = None  # gain-cost with acceptance "online": learned from each cycle
     ahead_beside: bool = False  # drafting ahead runs on cores of its own beside the pass ([runtime] ahead_cores)
     _committed: int = 0  # target rows committed, to keep trees inside the context
     _last: TreeBuilder | None = None
 
     def __attrs_post_init__(self):
-        if self.calibration is None and self.config.policy == "gain-cost" and self.config.calibration == "online":
-            self.calibration = Calibration()
+        if self.acceptance is None and self.config.policy == "gain-cost" and self.config.acceptance == "online":
+            self.acceptance = AcceptanceTable()
 
     @property
     def drafting(self) -> bool:
@@ -419,12 +419,12 @@ class TreeExpand(Stage):
 
     def learn(self, prev: TreeBuilder, acc: Accepted) -> None:
         """Every sent node whose parent the target reached was a trial, accepted or not (unless pruned)."""
-        if self.calibration is None:
+        if self.acceptance is None:
             return
         reached, pruned = set(acc.keep), set(acc.pruned)
         for i in range(1, prev.n_sent):
             if prev.parents[i] in reached and i not in pruned:
-                self.calibration.observe(prev.q_draft[i], prev.rank[i], i in reached)
+                self.acceptance.observe(prev.q_draft[i], prev.rank[i], i in reached)
 
     def first_request(self) -> ExpandRequest:
         """The draft prefills the prompt while the target does."""
@@ -438,7 +438,7 @@ class TreeExpand(Stage):
         if self._last is not None:
             self.learn(self._last, acc)
         b = TreeBuilder(self.config, self.cost, acc.pass_id + 1, room=self.n_ctx - self._committed,
-                        calibration=self.calibration, ahead_beside=self.ahead_beside)
+                        acceptance=self.acceptance, ahead_beside=self.ahead_beside)
         b.add(acc.tokens[-1], -1, 1.0)
         if not self.drafting:
             return b, None

@@ -1,7 +1,7 @@
 """Tiny GGUF models written in the tests with gguf.GGUFWriter, for every architecture and type.
 
 Weights are random (seeded), so these test arithmetic, not language: the native forward pass
-against the numpy reference (lever.reference.forward), batch invariance, cache handling and
+against the numpy reference (lever.model.reference.forward), batch invariance, cache handling and
 the loader's checks. A small byte-level tokenizer makes them usable from the CLI too.
 """
 

@@ -14,7 +14,7 @@ import re
 import attrs
 
 from lever.errors import LeverError
-from lever.gguf_file import GGUFFile, TensorInfo
+from lever.gguf.file import GGUFFile, TensorInfo
 
 from .config import PAGE_BYTES
 

@@ -58,7 +58,7 @@ from functools import partial
 import numpy as np
 
 from lever.errors import LeverError
-from lever.gguf_file import GGUFFile
+from lever.gguf.file import GGUFFile
 
 from .config import PAGE_BYTES, FlashConfig, plan_residency
 from .device import Counters, FlashStats, Throttle

@@ -1,6 +1,6 @@
 """ONNX graphs of one transformer layer at static shapes, for the QNN backend (runner.py).
 
-A graph computes exactly what `lever.model.layer_forward` computes for one bucket of token
+A graph computes exactly what `lever.backends.cpu.layer.layer_forward` computes for one bucket of token
 rows and one bucket of past KV rows, with every weight of the layer as a graph *input*: one
 compiled graph per (bucket shapes, precision, layer traits) serves every layer of a model,
 whichever way its weights arrived (resident, or read from flash for this pass). The caller
@@ -110,7 +110,7 @@ class LayerShape:
 
 def rotation_matrix(head_dim: int, n_rot: int, neox: bool) -> np.ndarray:
     """ROT (D, D) with (x @ ROT)[a] = x[b] for each rotated pair (a, b), so that
-    x*cos + (x @ ROT)*sin is lever.native.rope given sin signed per element (rope_tables):
+    x*cos + (x @ ROT)*sin is lever.backends.cpu.native.rope given sin signed per element (rope_tables):
     pairs mode rotates (2i, 2i+1), neox mode (i, i + n_rot/2); columns past n_rot stay 0."""
     rot = np.zeros((head_dim, head_dim), np.float32)
     half = n_rot // 2

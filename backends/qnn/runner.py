@@ -45,11 +45,11 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from lever import native
+from lever.backends.cpu.kv_cache import KVCache, causal_mask
+from lever.backends.cpu.layer import LayerWeights, Weight, layer_forward
 from lever.errors import LeverError
-from lever.kv_cache import KVCache
-from lever.model import LayerWeights, Weight
-from lever.model_spec import ModelSpec
+from lever.gguf.spec import ModelSpec
+from lever.model.transformer import Model
 
 from .graphs import MASK_NEG, LayerShape, build_layer, rope_tables
 
@@ -518,9 +518,6 @@ class QnnLayerRunner:
 def bench(model_path: str, precision: str = "fp16", n_toks=(1, 8, 32), n_past: int = 40, reps: int = 15) -> dict:
     """Median ms per call of layer 0, QNN (weights cached) against the CPU layer_forward, at
     each token count after n_past committed rows (KV bucket 64)."""
-    from lever.kv_cache import causal_mask
-    from lever.model import Model, layer_forward
-
     model = Model(model_path)
     spec, lw = model.spec, model.layers[0]
 

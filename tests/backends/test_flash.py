@@ -18,13 +18,11 @@ import gguf
 import numpy as np
 import pytest
 
-from lever.backends.flash import (
-    Budget, BufferPool, FlashConfig, FlashStore, parse_budget, plan_residency,
-)
+from lever.backends.flash import Budget, BufferPool, FlashConfig, FlashStore, parse_budget, plan_residency
 from lever.backends.flash.device import process_read_bytes
-from lever.convert import convert
 from lever.errors import LeverError
-from lever.gguf_file import GGUFFile
+from lever.gguf.convert import convert
+from lever.gguf.file import GGUFFile
 from tests.conftest import QWEN_DRAFT, require
 from tests.tiny_gguf import write_tiny_model
 
@@ -162,8 +160,8 @@ def test_chunked_layer_in_any_read_order(streaming_model):
 
 
 def test_streamed_bytes_build_a_layer(stories_copy):
-    model = pytest.importorskip("lever.model")
-    from lever.model_spec import read_spec
+    from lever.backends.cpu import layer as model
+    from lever.gguf.spec import read_spec
 
     f = GGUFFile(stories_copy)
     spec = read_spec(f)

@@ -27,8 +27,8 @@ import pytest
 from lever.backends.flash import Faults, FlashConfig, FlashStore, inject
 from lever.config import load_config
 from lever.errors import LeverError
-from lever.run import run_pipeline
-from tests.backends.test_flash import disk_dir  # noqa: F401 (a fixture)
+from lever.pipelines.session import run_pipeline
+from tests.backends.test_flash import disk_dir  # noqa: F401 (a fixture
 from tests.conftest import ROOT
 
 MODELS = ROOT / "examples" / "models"
@@ -247,7 +247,7 @@ def test_latency_spikes_are_waited_for(target, reference, kind):
 DRIVER = """
 import sys
 from lever.backends.flash import Faults, inject
-from lever.cli import main
+from lever.cli.main import main
 with inject(Faults(eio_at=int(sys.argv[1]))):
     sys.exit(main(sys.argv[2:]))
 """

@@ -1,4 +1,4 @@
-"""The QNN (HTP) layer backend against the CPU's lever.model.layer_forward, on HTP for real.
+"""The QNN (HTP) layer backend against the CPU's lever.backends.cpu.layer.layer_forward, on HTP for real.
 
 onnxruntime-qnn's x86_64 wheel carries Qualcomm's HTP simulator, so these run the NPU path
 here, about 50x slower than the CPU: tiny models and short sequences only. Every session is
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from lever.backends import qnn
 
+from lever.backends import qnn
+from lever.backends.cpu.kv_cache import causal_mask
+from lever.backends.cpu.layer import layer_forward
 from lever.errors import LeverError
-from lever.kv_cache import causal_mask
-from lever.model import Model, layer_forward
-from lever.tokenizer import Tokenizer
+from lever.gguf.tokenizer import Tokenizer
+from lever.model.transformer import Model
 from tests.conftest import SHARED
 
 pytestmark = pytest.mark.skipif(not qnn.is_available(), reason=f"QNN HTP unavailable: {qnn.unavailable_reason()}")
@@ -133,7 +134,7 @@ def test_unsupported_graph_fails_instead_of_falling_back():
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("n_rot", [8, 16])
 def test_rope_tables_are_native_rope(neox, n_rot):
-    from lever import native
+    from lever.backends.cpu import native
 
     head_dim, n_head = 16, 3
     rng = np.random.default_rng(1)
@@ -331,7 +332,7 @@ def test_weight_cache_keeps_layers_met_twice_and_is_bounded(tiny_model):
 
 
 def test_float32_cache_rows_are_read_as_float16(tiny_model):
-    from lever.kv_cache import KVCache
+    from lever.backends.cpu.kv_cache import KVCache
 
     model = Model(tiny_model("llama", "F32", n_layer=1))
     runner = make_runner(model.spec, "fp32")
@@ -353,8 +354,9 @@ import json, sys, time
 import numpy as np
 from lever.backends import qnn
 from lever.errors import LeverError
-from lever.kv_cache import causal_mask
-from lever.model import Model, layer_forward
+from lever.backends.cpu.kv_cache import causal_mask
+from lever.model.transformer import Model
+from lever.backends.cpu.layer import layer_forward
 
 model = Model(sys.argv[1])
 spec, n = model.spec, 8

@@ -2,9 +2,9 @@
 
 import importlib.util
 
-from lever.generate import generate
-from lever.model import Model
-from lever.tokenizer import Tokenizer
+from lever.gguf.tokenizer import Tokenizer
+from lever.model.generate import generate
+from lever.model.transformer import Model
 from tests.conftest import ROOT
 
 

@@ -13,10 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from lever.generate import generate
-from lever.gguf_file import GGUFFile
-from lever.model import Model
-from lever.tokenizer import Tokenizer
+from lever.gguf.file import GGUFFile
+from lever.gguf.tokenizer import Tokenizer
+from lever.model.generate import generate
+from lever.model.transformer import Model
 from tests.conftest import ROOT
 
 MODELS = ROOT / "examples" / "models"
@@ -83,7 +83,7 @@ def test_draft_agrees_with_target_on_held_out_code(pair):
 
 
 def test_lever_never_imports_torch():
-    code = ("import sys, lever.cli, lever.model, lever.generate, lever.tokenizer, lever.run, lever.bench\n"
+    code = ("import sys, lever.cli.main, lever.model.transformer, lever.model.generate, lever.gguf.tokenizer, lever.pipelines.session, lever.cli.bench.model\n"
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 

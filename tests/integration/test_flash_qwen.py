@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from lever.bench import run_json
+from lever.cli.bench.child import run_json
 from tests.conftest import ROOT
 
 CONFIG = str(ROOT / "examples" / "flash-ar.toml")

@@ -18,11 +18,11 @@ import sysconfig
 import numpy as np
 import pytest
 
-from lever.generate import generate
-from lever.kv_cache import causal_mask
-from lever.model import Model
-from lever.reference.forward import ReferenceModel
-from lever.tokenizer import Tokenizer
+from lever.backends.cpu.kv_cache import causal_mask
+from lever.gguf.tokenizer import Tokenizer
+from lever.model.generate import generate
+from lever.model.reference.forward import ReferenceModel
+from lever.model.transformer import Model
 
 AGREEMENT_MIN = 0.99  # on the positions where the reference's answer is stable
 SELF_AGREEMENT_SLACK = 0.005  # overall, we may trail the reference's self-agreement by this

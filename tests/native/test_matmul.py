@@ -1,4 +1,4 @@
-"""native matmul against lever.reference.quants on every ISA this CPU runs and in both weight
+"""native matmul against lever.model.reference.quants on every ISA this CPU runs and in both weight
 layouts (GGUF's rows, Lever's tiles), its batch-invariance contract, and its error against a
 float64 product.
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lever import native
+from lever.backends.cpu import native
 from lever.errors import LeverError
-from lever.quants import TYPES
-from lever.reference import quants as ref
+from lever.gguf.types import TYPES
+from lever.model.reference import quants as ref
 from tests.native.test_quants import TYPE_NAMES, random_weights, real_tensor_rows, rng_for
 
 # Against float64 x @ W.T. Quantized types: each activation moves by at most half a

@@ -1,4 +1,4 @@
-"""native rmsnorm / rope / attention / swiglu against lever.reference.ops, on every ISA this
+"""native rmsnorm / rope / attention / swiglu against lever.model.reference.ops, on every ISA this
 CPU runs, plus the batch-invariance contract of native/lever_kernels.h (bit-exact checks).
 
 Inputs are standard normal unless said otherwise, so outputs are O(1) and absolute
@@ -12,9 +12,9 @@ import zlib
 import numpy as np
 import pytest
 
-from lever import native
+from lever.backends.cpu import native
 from lever.errors import LeverError
-from lever.reference import ops as ref
+from lever.model.reference import ops as ref
 
 # Tolerances against the float64 reference. Scalar C attention accumulates in double;
 # SIMD paths reorder sums and use their own exp (a few ulp), hence the looser bounds.

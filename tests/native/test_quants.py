@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GQ
 
-from lever import native
+from lever.backends.cpu import native
 from lever.errors import LeverError
-from lever.quants import TYPES
-from lever.reference import quants as ref
+from lever.gguf.types import TYPES
+from lever.model.reference import quants as ref
 
 TYPE_NAMES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"]
 GGUF_QUANTIZES = {"BF16", "Q8_0", "Q4_0", "Q5_0"}  # gguf-py can make these from floats

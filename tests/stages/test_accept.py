@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from lever.messages import Expansion, TokenTree
-from lever.sampling import SamplingParams, draw_without_replacement
-from lever.predictor import prune_by_scores
+from lever.dataflow.messages import Expansion, TokenTree
+from lever.model.sampling import SamplingParams, draw_without_replacement
+from lever.policy.predictor import prune_by_scores
 from lever.stages.accept import accept_tree
 from lever.stages.tree_expand import FlatCost, TreeBuilder, TreeExpandConfig
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from lever.kv_cache import causal_mask
-from lever.messages import ExpandRequest
-from lever.model import Model
+from lever.backends.cpu.kv_cache import causal_mask
+from lever.dataflow.messages import ExpandRequest
+from lever.model.transformer import Model
 from lever.stages.draft import DraftModel, softmax_top_k
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import anyio
 import numpy as np
 
+from lever.backends.cpu.layer import MATRICES, load_layer
 from lever.backends.flash import FlashConfig, FlashStore
-from lever.gguf_file import GGUFFile
-from lever.model import MATRICES, load_layer
-from lever.model_spec import read_spec
+from lever.gguf.file import GGUFFile
+from lever.gguf.spec import read_spec
 from lever.stages.prefetch import Prefetch
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from lever.kv_cache import KVCache, causal_mask
-from lever.messages import TokenTree
-from lever.model import Model
+from lever.backends.cpu.kv_cache import KVCache, causal_mask
+from lever.dataflow.messages import TokenTree
+from lever.model.transformer import Model
 from lever.stages.pruned_verify import PrunedVerify
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lever.dataflow.messages import Accepted, Expansion
 from lever.errors import LeverError
-from lever.messages import Accepted, Expansion
 from lever.stages.tree_expand import FlatCost, TreeBuilder, TreeExpand, TreeExpandConfig
 
 
@@ -165,7 +165,7 @@ def test_online_calibration_learns_from_each_cycle():
     b.tree(pass_id=1, commit=(0, 1, 2))
     first = [i for i in range(1, b.n_nodes) if b.parents[i] == 0 and b.rank[i] == 0]
     stage.start_cycle(Accepted(1, (10, 99), (0, first[0])))  # the first child accepted, nothing below
-    c = stage.calibration
+    c = stage.acceptance
     # first children: the root's (accepted) and its own (rejected); the root's others: rejected
     assert c.trials[0].sum() == 2 and c.accepted[0].sum() == 1
     assert c.trials[1].sum() >= 1 and c.accepted[1].sum() == 0

@@ -1,0 +1,21 @@
+"""`lever bench {model,flash,pipelines,fuzz}`: benchmarks printed as ratios measured side by side.
+
+Speed goals live here, never in timed unit tests: each bench measures the baseline in the same
+run, on the same machine load, and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lever.cli.bench import flash, fuzz, model, pipelines
+
+BENCHES = (model, flash, pipelines, fuzz)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    b = sub.add_parser("bench", help="benchmarks printed as ratios measured side by side")
+    benches = b.add_subparsers(dest="bench", required=True, metavar="{model,flash,pipelines,fuzz}")
+    for bench in BENCHES:
+        bench.add_parser(benches)
+    return b

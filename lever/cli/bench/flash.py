@@ -1,0 +1,71 @@
+"""`lever bench flash -c CONFIG`: Flash-AR at DRAM budgets 0-100%, side by side in one run.
+
+Each budget runs in its own process (`lever run --json`); then the pure read time of a pass
+(lever.pipelines.compose.read_pass_s) against the compute of a resident run says how close
+Flash-AR comes to max(read, compute), and with --cap the same under a bandwidth cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import attrs
+
+from lever.cli.bench.child import run_json
+from lever.cli.common import add_common
+from lever.config import load_config
+from lever.pipelines.compose import read_pass_s
+
+FLASH_AR = ('pipeline.kind="flash-ar"', 'pipeline.baseline=""')
+
+
+def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75, 1.0), cap_bytes_per_s: float = 0.0,
+                out=print) -> list[dict]:
+    """Flash-AR at several DRAM budgets, side by side in one run; then the overlap figures."""
+
+    cfg = load_config(config)
+    model_path = cfg.model.target
+    rows = []
+    out(f"{'budget':>7}{'ms/token':>10}{'flash MB/token':>16}{'streamed MB/pass':>18}{'device/streamed':>17}"
+        f"{'overlap':>9}{'wall/max(rd,cp)':>17}{'peak RSS MiB':>14}{'RSS bound MiB':>15}")
+    for b in budgets:
+        r = run_json(config, [*FLASH_AR, f"flash.dram_budget={b!r}"], prompt, n)
+        bound = r["rss_bound_bytes"]  # lever.policy.memory's plan before loading, plus its stated margin
+        dev_ratio = r["flash_mb_per_token"] * 1e6 / r["streamed_bytes_per_pass"] if r["streamed_bytes_per_pass"] else 0
+        out(f"{b:>7.0%}{r['ms_per_token']:>10.1f}{r['flash_mb_per_token']:>16.1f}{r['streamed_bytes_per_pass'] / 1e6:>18.1f}"
+            f"{dev_ratio:>17.3f}{r['overlap_share']:>9.0%}{r['pass_wall_ratio']:>17.2f}"
+            f"{r['peak_rss_bytes'] / 2**20:>14.0f}{bound / 2**20:>15.0f}")
+        rows.append(r | {"budget": b})
+    compute_ms = rows[-1]["ms_per_token"] if budgets[-1] == 1.0 else None
+    zero = rows[0]
+    read_ms = read_pass_s(model_path, attrs.evolve(cfg.flash, dram_budget=budgets[0])) * 1e3
+    if compute_ms:
+        out(f"\nbudget {budgets[0]:.0%}: pure read {read_ms:.1f} ms/pass, compute {compute_ms:.1f} ms/pass (resident run), "
+            f"Flash-AR {zero['ms_per_token']:.1f} ms/token = {zero['ms_per_token'] / max(read_ms, compute_ms):.2f}x "
+            f"max(read, compute)")
+    if cap_bytes_per_s:
+        capped = attrs.evolve(cfg.flash, dram_budget=budgets[0], bandwidth_cap_bytes_per_s=cap_bytes_per_s)
+        r = run_json(config, [*FLASH_AR, f"flash.dram_budget={budgets[0]!r}",
+                              f"flash.bandwidth_cap_bytes_per_s={cap_bytes_per_s}"],
+                     prompt, n)
+        cap_read_ms = read_pass_s(model_path, capped) * 1e3
+        out(f"capped at {cap_bytes_per_s / 1e9:.2f} GB/s: pure read {cap_read_ms:.1f} ms/pass, Flash-AR "
+            f"{r['ms_per_token']:.1f} ms/token = {r['ms_per_token'] / cap_read_ms:.2f}x the pure read time")
+    return rows
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    b = sub.add_parser("flash", help="Flash-AR at DRAM budgets 0-100%%, with overlap figures")
+    b.add_argument("-c", "--config", type=Path, required=True, help="TOML config naming the target")
+    b.add_argument("-p", "--prompt", default="def quicksort(arr):")
+    b.add_argument("--n-gen", type=int, default=32, help="tokens generated per run")
+    b.add_argument("--cap", type=float, default=0.0, help="also run with this bandwidth cap (bytes/s)")
+    add_common(b)
+    b.set_defaults(func=main)
+    return b
+
+
+def main(args) -> int:
+    bench_flash(str(args.config), args.prompt, args.n_gen, cap_bytes_per_s=args.cap)
+    return 0

@@ -1,0 +1,256 @@
+"""Benchmarks that print ratios measured side by side in one run (never timed unit tests).
+
+`lever bench model` times the model core the way llama-bench does: `tg` (decode tokens/s at
+batch 1, from an almost empty context) and `pp` (tokens/s of one N-token forward with the
+output projection on the last row; 1, 8 and 32 tokens: a decode step, a draft or a small
+tree, a large tree or a prompt). When a llama-bench binary is given (or on PATH), the same file
+is measured with it in alternating rounds, so both see the same machine load; the medians and
+the median of the rounds' ratios are printed and, with --json, written with the CPU and the
+kernels' ISA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from lever.backends.cpu import native
+from lever.backends.cpu.kv_cache import causal_mask
+from lever.cli.common import add_common, add_set
+from lever.config import load_config
+from lever.errors import LeverError
+from lever.gguf.tokenizer import Tokenizer
+from lever.model.generate import generate
+from lever.model.transformer import Model
+from lever.pipelines.session import run_pipeline
+
+PP_TOKENS = (1, 8, 32)
+
+
+def lever_tg(model: Model, n_gen: int) -> float:
+    """Decode tokens/s: n_gen single-token passes, each with its lm_head row."""
+    cache = model.new_cache(n_gen + 1)
+    tok = 1
+    t0 = time.perf_counter()
+    for i in range(n_gen):
+        h = model.forward(np.array([tok]), np.array([i], np.int32), causal_mask(i, 1), cache)
+        tok = int(np.argmax(model.logits(h)[0]))
+    return n_gen / (time.perf_counter() - t0)
+
+
+def lever_pp(model: Model, n_prompt: int) -> float:
+    """Tokens/s of one n_prompt-token forward, lm_head on the last row only."""
+    cache = model.new_cache(n_prompt)
+    ids = np.arange(1, n_prompt + 1) % model.spec.n_vocab
+    t0 = time.perf_counter()
+    h = model.forward(ids, np.arange(n_prompt, dtype=np.int32), causal_mask(0, n_prompt), cache)
+    model.logits(h[-1:])
+    return n_prompt / (time.perf_counter() - t0)
+
+
+def llama_bench(binary: str, model_path: str, pp: tuple[int, ...], n_gen: int, threads: int) -> dict[str, float]:
+    """One llama-bench round of the same tests: {"tg32": tok/s, "pp1": ..., ...}."""
+    cmd = [binary, "-m", model_path, "-p", ",".join(map(str, pp)), "-n", str(n_gen), "-r", "1", "-o", "json"]
+    if threads:
+        cmd += ["-t", str(threads)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=900).stdout
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+        raise LeverError(f"llama-bench failed ({binary}): {e}") from None
+    return {f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}": float(row["avg_ts"])
+            for row in json.loads(out)}
+
+
+def find_llama_bench(explicit: str | None) -> str | None:
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise LeverError(f"--llama-bench: {explicit} is not an executable file")
+        return explicit
+    return os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def bench_model(model_path: str, n_gen: int = 32, pp: tuple[int, ...] = PP_TOKENS, rounds: int = 3,
+                llama_bench_path: str | None = None, threads: int = 0, out=print) -> dict:
+    """One model's tests, each the median of `rounds`, beside llama-bench's when it is found."""
+    model = Model(model_path)
+    lb = find_llama_bench(llama_bench_path)
+    lever_tg(model, 4)  # warm the kernels' threads and the allocator
+    tests = [f"tg{n_gen}"] + [f"pp{n}" for n in pp]
+    samples: dict[str, list[float]] = {f"{who}_{t}": [] for who in ("lever", "llama") for t in tests}
+    for r in range(rounds):
+        samples[f"lever_tg{n_gen}"].append(lever_tg(model, n_gen))
+        for n in pp:
+            samples[f"lever_pp{n}"].append(lever_pp(model, n))
+        if lb:
+            for t, v in llama_bench(lb, model_path, pp, n_gen, threads).items():
+                samples[f"llama_{t}"].append(v)
+        out(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items() if v))
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
+    out(f"\nmodel: {model_path}")
+    out(f"{'test':<8}{'lever tok/s':>14}{'llama.cpp tok/s':>18}{'ratio':>8}")
+    rows = {}
+    for t in tests:
+        ours, ref = med[f"lever_{t}"], med.get(f"llama_{t}")
+        # The ratio is the median of each round's ratio: a round measures both within seconds,
+        # while this shared machine's memory bandwidth moves between rounds (1.5B tg32 seen at
+        # 28-30 and 38-41 tok/s in consecutive processes of the same build).
+        ratio = statistics.median(a / b for a, b in zip(samples[f"lever_{t}"], samples[f"llama_{t}"])) if ref else None
+        rows[t] = {"lever_tps": ours, "llama_tps": ref, "ratio": ratio}
+        out(f"{t:<8}{ours:>14.1f}{(f'{ref:.1f}' if ref else 'n/a'):>18}{(f'{ratio:.2f}x' if ref else '-'):>8}")
+    if not lb:
+        out("(no llama-bench found: pass --llama-bench PATH or set LLAMA_BENCH for the side-by-side ratio)")
+    return {"model": model_path, "tests": rows, "samples": samples}
+
+
+def find_tool(name: str, explicit: str | None, env: str, beside: str | None = None) -> str | None:
+    """A llama.cpp tool: the path given, else $env, else next to `beside` (llama-bench), else on PATH."""
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise LeverError(f"--{name}: {explicit} is not an executable file")
+        return explicit
+    if os.environ.get(env):
+        return os.environ[env]
+    near = os.path.join(os.path.dirname(beside), name) if beside else None
+    return near if near and os.access(near, os.X_OK) else shutil.which(name)
+
+
+_EVAL = re.compile(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
+
+
+def llama_completion(binary: str, model_path: str, prompt: str, n: int, threads: int) -> float:
+    """Decode tokens/s of one greedy llama-completion run (its 'eval time' line: prompt excluded)."""
+    cmd = [binary, "-m", model_path, "-p", prompt, "-n", str(n), "--temp", "0", "-no-cnv", "--no-display-prompt"]
+    if threads:
+        cmd += ["-t", str(threads)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    except (subprocess.TimeoutExpired, OSError) as e:
+        raise LeverError(f"llama-completion failed ({binary}): {e}") from None
+    m = _EVAL.search(proc.stderr)
+    if proc.returncode != 0 or not m:
+        raise LeverError(f"llama-completion failed ({binary}): exit {proc.returncode}, no 'eval time' line")
+    return float(m[2])
+
+
+def bench_dram(config: str, sets: list[str], prompt: str, n: int, rounds: int = 3, llama_completion_path=None,
+               threads: int = 0, out=print) -> dict:
+    """Decoding a prompt with everything in DRAM, in alternating rounds: llama.cpp's
+    llama-completion (when found), `lever generate` (the target alone) and the config's pipeline
+    with flash.dram_budget=1.0 (Lever's speculative decoding), which must give generate's tokens."""
+
+    cfg = load_config(config, [*sets, f"generate.n_predict={n}", 'pipeline.baseline=""', "flash.dram_budget=1.0"])
+    target = cfg.model.target
+    model = Model(target)
+    tok = Tokenizer.from_gguf(model.file)
+    ids = tok.encode(prompt)
+    samples: dict[str, list[float]] = {"llama": [], "generate": [], "pipeline": []}
+    same = True
+    for r in range(rounds):
+        if llama_completion_path:
+            samples["llama"].append(llama_completion(llama_completion_path, target, prompt, n, threads))
+        g = generate(model, ids, n, n_ctx=min(cfg.model.n_ctx, model.spec.n_ctx_train), eos_ids=frozenset(tok.eos_ids))
+        samples["generate"].append(g.decode_tps)
+        res = run_pipeline(cfg, prompt)
+        samples["pipeline"].append(res.decode_tps)
+        same &= list(res.tokens) == list(g.tokens)
+        out(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items() if v))
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
+    ratio = {k: statistics.median(a / b for a, b in zip(samples[k], samples["llama"])) if samples["llama"] else None
+             for k in ("generate", "pipeline")}
+    out(f"\ndecoding {len(g.tokens)} tokens of {prompt!r} with everything in DRAM ({target})")
+    out(f"{'':<34}{'tok/s':>8}{'vs llama.cpp':>14}")
+    if "llama" in med:
+        out(f"{'llama.cpp llama-completion':<34}{med['llama']:>8.1f}{'1.00x':>14}")
+    for k, label in (("generate", "lever generate (target alone)"), ("pipeline", f"lever run ({res.pipeline})")):
+        out(f"{label:<34}{med[k]:>8.1f}{(f'{ratio[k]:.2f}x' if ratio[k] else '-'):>14}")
+    out(f"lever run's tokens {'equal' if same else 'DIFFER FROM'} lever generate's in every round; "
+        f"{res.accepted_per_pass:.2f} tokens/pass from trees of {res.mean_tree_nodes:.1f} nodes")
+    if not same:
+        raise LeverError("lever run's tokens differ from lever generate's: speculative decoding is not lossless here")
+    return {"prompt": prompt, "n": n, "tokens_equal": same, "tps": med, "ratio": ratio, "samples": samples,
+            "pipeline": res.pipeline, "tokens_per_pass": res.accepted_per_pass}
+
+
+def bench_models(paths: list[str], n_gen: int = 32, pp: tuple[int, ...] = PP_TOKENS, rounds: int = 3,
+                 llama_bench_path: str | None = None, threads: int = 0, json_path=None, out=print,
+                 dram: dict | None = None) -> dict:
+    """bench_model for each file (a config's target and draft), one after the other; then, with
+    `dram` (bench_dram's config, sets, prompt, n and llama_completion_path), the config's
+    decoding with everything in DRAM; with json_path, every figure and where they were measured."""
+    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "isa": native.isa(), "threads": threads or os.cpu_count(),
+              "date": time.strftime("%Y-%m-%d"), "models": []}
+    out(f"cpu: {report['cpu']}, {report['cores']} cores, kernels {report['isa']}, {report['threads']} threads")
+    for i, path in enumerate(paths):
+        if i:
+            out("")
+        report["models"].append(bench_model(path, n_gen, pp, rounds, llama_bench_path, threads, out))
+    if dram is not None:
+        out("")
+        report["dram"] = bench_dram(rounds=rounds, threads=threads, out=out, **dram)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+        out(f"\nwrote {json_path}")
+    return report
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    b = sub.add_parser("model", help="tg/pp tokens/s of a model (-m) or a config's two (-c) in DRAM, vs llama-bench")
+    b.add_argument("-m", "--model", type=Path)
+    b.add_argument("-c", "--config", type=Path)
+    b.add_argument("-p", "--prompt", default="def quicksort(arr):", help="-c: the prompt decoded in DRAM")
+    b.add_argument("--n-gen", type=int, default=32, help="tokens of the tg test")
+    b.add_argument("--rounds", type=int, default=3, help="alternating rounds (the medians are kept)")
+    b.add_argument("--llama-bench", default=None, help="llama-bench binary to compare with (or $LLAMA_BENCH)")
+    b.add_argument("--llama-completion", default=None,
+                   help="-c: llama-completion to compare decoding with (or $LLAMA_COMPLETION; default: beside llama-bench)")
+    b.add_argument("--n-decode", type=int, default=64, help="-c: tokens decoded from --prompt, everything in DRAM")
+    b.add_argument("--json", type=Path, default=None, help="write every figure to this file")
+    add_set(b)
+    add_common(b)
+    b.set_defaults(func=main)
+    return b
+
+
+def main(args) -> int:
+    if bool(args.model) == bool(args.config):
+        raise LeverError("lever bench model: give -m MODEL.gguf or -c CONFIG (its target and draft)")
+    if args.model:
+        paths = [str(args.model)]
+    else:
+
+        cfg = load_config(args.config, args.set)
+        paths = [p for p in (cfg.model.target, cfg.model.draft) if p]
+    if args.rounds < 1 or args.n_gen < 1:
+        raise LeverError("lever bench model: --rounds and --n-gen must be at least 1")
+
+    lb = find_llama_bench(args.llama_bench)
+    dram = None
+    if args.config:  # then the config's decoding in DRAM, beside llama-completion
+        lc = find_tool("llama-completion", args.llama_completion, "LLAMA_COMPLETION", lb)
+        dram = dict(config=str(args.config), sets=args.set, prompt=args.prompt, n=args.n_decode,
+                    llama_completion_path=lc)
+    bench_models(paths, args.n_gen, rounds=args.rounds, llama_bench_path=lb, threads=args.threads,
+                 json_path=args.json, dram=dram)
+    return 0

@@ -1,0 +1,246 @@
+"""`lever bench pipelines`: the paper's comparison, measured side by side in one run.
+
+For each DRAM budget, every pipeline (Flash-AR, Chain-SD at several chain lengths, EdgeLLM-like,
+Lever) generates from the same prompts with the same model pair, each run in its own process
+(`lever run --json`) so that memory and page cache are its own. It prints a table per budget
+(ms/token, tokens/s, tokens per pass, tree size, flash MB per token, speedup over Flash-AR of
+that budget), checks that every greedy pipeline produced Flash-AR's tokens exactly, and ends
+with Lever's mean speedups over the budgets. `--json` keeps every figure; `--plot` draws
+speedup against budget (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import attrs
+from rich.progress import Progress
+
+from lever.cli.bench.child import run_json
+from lever.cli.common import add_common, add_set, parse_floats
+from lever.errors import LeverError
+from lever.shipped import shipped
+
+DEFAULT_BUDGETS = (0.0, 0.25, 0.5, 0.75)
+DEFAULT_CHAIN_KS = (2, 4, 6, 8)
+PAPER = {"flash-ar": 2.93, "chain-sd": 1.50, "edgellm-like": 1.27}  # Lever's speedups in the paper
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts separated by lines holding only `---`."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise LeverError(f"{p}: cannot read prompts ({e.strerror})") from None
+    prompts, cur = [], []
+    for line in text.splitlines(keepends=True):
+        if line.strip() == "---":
+            prompts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(line)
+    prompts.append("".join(cur))
+    prompts = [q for q in prompts if q.strip()]
+    if not prompts:
+        raise LeverError(f"{p}: no prompts (separate them with lines holding only ---)")
+    return prompts
+
+
+def pipelines(chain_ks, pruning: bool = False) -> dict[str, list[str]]:
+    """Each pipeline as config overrides of the same config file; with pruning, Lever again
+    with its predictor (from `lever calibrate`)."""
+    spec = ['pipeline.kind="speculative"']
+    runs = {"flash-ar": ['pipeline.kind="flash-ar"']}
+    for k in chain_ks:
+        runs[f"chain-sd k={k}"] = [*spec, 'tree_expand.policy="chain"', f"tree_expand.chain_length={k}",
+                                   "tree_expand.lookahead_nodes=0"]
+    runs["edgellm-like"] = [*spec, 'tree_expand.policy="confidence"', "tree_expand.lookahead_nodes=0"]
+    runs["lever"] = [*spec, 'tree_expand.policy="gain-cost"']
+    if pruning:
+        runs["lever+pruning"] = [*runs["lever"], "predictor.enabled=true"]
+    return runs
+
+
+@attrs.frozen
+class Row:
+    """One pipeline at one budget, over all prompts."""
+
+    ms_per_token: float
+    accepted_per_pass: float
+    tree_nodes: float
+    flash_mb_per_token: float
+    draft_hidden_share: float
+    lookahead_hit_share: float
+    layer_tokens_per_pass: tuple[float, ...] = ()  # nodes computed at each target layer per decoding pass
+    prune_layer: int = -1  # the predictor's layer, for pipelines that prune
+
+    def late_token_layers(self, m: int) -> float:
+        """Verification compute after layer m: token-layers per pass."""
+        return float(sum(self.layer_tokens_per_pass[m + 1 :]))
+
+    @property
+    def tps(self) -> float:
+        return 1000.0 / self.ms_per_token if self.ms_per_token else 0.0
+
+
+def aggregate(runs: list[dict]) -> Row:
+    n_tok = sum(len(r["tokens"]) - 1 for r in runs)
+    mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
+    n_pass = sum(max(r["n_passes"] - 1, 1) for r in runs)
+    layers = [sum(col) / n_pass for col in zip(*(r.get("layer_tokens", []) for r in runs))]
+    return Row(1000 * sum(r["decode_s"] for r in runs) / max(n_tok, 1), mean("accepted_per_pass"),
+               mean("mean_tree_nodes"), sum(r["flash_read_bytes"] for r in runs) / max(n_tok, 1) / 1e6,
+               mean("draft_hidden_share"), mean("lookahead_hit_share"), tuple(layers), runs[0].get("prune_layer", -1))
+
+
+def best_chain(rows: dict[str, Row]) -> str:
+    return min((k for k in rows if k.startswith("chain")), key=lambda k: rows[k].ms_per_token)
+
+
+def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUDGETS, chain_ks=DEFAULT_CHAIN_KS,
+                    sets: list[str] = (), json_path=None, plot_path=None, out=print, progress: bool = True,
+                    pruning: bool = False) -> dict:
+
+    runs = pipelines(chain_ks, pruning)
+    table: dict[float, dict[str, Row]] = {}
+    raw: list[dict] = []
+    mismatches: list[str] = []
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task("bench pipelines", total=len(budgets) * len(runs) * len(prompts))
+        for b in budgets:
+            table[b] = {}
+            reference: list[list[int]] = []
+            for name, extra in runs.items():
+                rs = []
+                for i, prompt in enumerate(prompts):
+                    bar.update(task, description=f"budget {b:.0%}: {name}, prompt {i + 1}/{len(prompts)}")
+                    r = run_json(config, [*sets, f"flash.dram_budget={b!r}", *extra], prompt, n)
+                    rs.append(r)
+                    raw.append({"budget": b, "pipeline": name, "prompt": i} | r)
+                    bar.advance(task)
+                toks = [r["tokens"] for r in rs]
+                if name == "flash-ar":
+                    reference = toks
+                elif toks != reference and _greedy(rs):
+                    mismatches.append(f"{name} at budget {b:.0%}")
+                table[b][name] = aggregate(rs)
+            _print_budget(b, table[b], out)
+    summary = _summary(table)
+    _print_summary(summary, mismatches, out)
+    result = {"config": config, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "machine": platform.platform(), "n_gen": n, "prompts": prompts, "sets": list(sets),
+              "budgets": {str(b): {k: attrs.asdict(v) | {"tps": v.tps, "speedup": rows["flash-ar"].ms_per_token / v.ms_per_token}
+                                   for k, v in rows.items()} for b, rows in table.items()},
+              "summary": summary, "lossless_mismatches": mismatches, "runs": raw}
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+        out(f"wrote {json_path}")
+    if plot_path:
+        plot(table, plot_path)
+        out(f"wrote {plot_path}")
+    return result
+
+
+def _greedy(rs: list[dict]) -> bool:
+    return all(r.get("temperature", 0.0) == 0.0 for r in rs)
+
+
+def _print_budget(b: float, rows: dict[str, Row], out) -> None:
+    ar = rows["flash-ar"].ms_per_token
+    out(f"\nDRAM budget {b:.0%}")
+    out(f"{'pipeline':<16}{'ms/token':>10}{'tokens/s':>10}{'tokens/pass':>13}{'tree nodes':>12}{'flash MB/token':>16}"
+        f"{'speedup':>9}")
+    for name, r in rows.items():
+        out(f"{name:<16}{r.ms_per_token:>10.1f}{r.tps:>10.2f}{r.accepted_per_pass:>13.2f}{r.tree_nodes:>12.1f}"
+            f"{r.flash_mb_per_token:>16.1f}{ar / r.ms_per_token:>8.2f}x")
+    if "lever+pruning" in rows:
+        p, lv = rows["lever+pruning"], rows["lever"]
+        m = p.prune_layer
+        cut = 1 - p.late_token_layers(m) / max(lv.late_token_layers(m), 1e-9)
+        out(f"pruning after layer {m}: token-layers per pass after it {lv.late_token_layers(m):.0f} -> "
+            f"{p.late_token_layers(m):.0f} ({100 * cut:.0f}% cut), tokens/pass {lv.accepted_per_pass:.2f} -> "
+            f"{p.accepted_per_pass:.2f} ({100 * (p.accepted_per_pass / lv.accepted_per_pass - 1):+.1f}%), "
+            f"tokens/s {lv.tps:.2f} -> {p.tps:.2f} ({lv.ms_per_token / p.ms_per_token:.2f}x)")
+
+
+def _summary(table: dict[float, dict[str, Row]]) -> dict:
+    """Lever's speedup over each baseline at each budget (Chain-SD: its best k there), and the means."""
+    per = {}
+    for b, rows in table.items():
+        lever = rows["lever"].ms_per_token
+        chain = best_chain(rows)
+        per[str(b)] = {"flash-ar": rows["flash-ar"].ms_per_token / lever, "chain-sd": rows[chain].ms_per_token / lever,
+                       "best_chain": chain, "edgellm-like": rows["edgellm-like"].ms_per_token / lever}
+    mean = {k: sum(v[k] for v in per.values()) / len(per) for k in PAPER}
+    return {"per_budget": per, "mean": mean}
+
+
+def _print_summary(summary: dict, mismatches: list[str], out) -> None:
+    out("\nLever's speedup (Chain-SD: the best k at each budget)")
+    out(f"{'budget':<8}{'vs Flash-AR':>13}{'vs Chain-SD':>13}{'vs EdgeLLM-like':>17}")
+    for b, v in summary["per_budget"].items():
+        out(f"{float(b):<8.0%}{v['flash-ar']:>12.2f}x{v['chain-sd']:>12.2f}x{v['edgellm-like']:>16.2f}x  ({v['best_chain']})")
+    m = summary["mean"]
+    out(f"{'mean':<8}{m['flash-ar']:>12.2f}x{m['chain-sd']:>12.2f}x{m['edgellm-like']:>16.2f}x")
+    out(f"{'paper':<8}{PAPER['flash-ar']:>12.2f}x{PAPER['chain-sd']:>12.2f}x{PAPER['edgellm-like']:>16.2f}x")
+    if mismatches:
+        out("LOSSLESS CHECK FAILED: tokens differ from Flash-AR's for " + ", ".join(mismatches))
+    else:
+        out("lossless: every pipeline's tokens equal Flash-AR's, for every prompt and budget")
+
+
+def plot(table: dict[float, dict[str, Row]], path) -> None:
+    try:  # an optional dependency: imported only when a plot is asked for
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise LeverError("--plot needs matplotlib (pip install matplotlib)") from None
+    budgets = sorted(table)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = ["flash-ar", "chain-sd (best k)", "edgellm-like", "lever"]
+    for name in names:
+        ys = []
+        for b in budgets:
+            rows = table[b]
+            key = best_chain(rows) if name.startswith("chain") else name
+            ys.append(rows["flash-ar"].ms_per_token / rows[key].ms_per_token)
+        ax.plot([100 * b for b in budgets], ys, marker="o", label=name)
+    ax.set_xlabel("DRAM budget (% of the target's layer bytes resident)")
+    ax.set_ylabel("speedup over Flash-AR")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    b = sub.add_parser("pipelines", help="Flash-AR, Chain-SD, EdgeLLM-like and Lever side by side")
+    b.add_argument("-c", "--config", type=Path, required=True, help="a speculative pipeline's TOML config")
+    b.add_argument("--prompts", type=Path, default=None,
+                   help="a file of prompts separated by lines holding only --- (default: the shipped code prompts)")
+    b.add_argument("--n-gen", type=int, default=32, help="tokens generated per prompt")
+    b.add_argument("--budgets", default="0,0.25,0.5,0.75", help="DRAM budgets, fractions of the layer bytes")
+    b.add_argument("--chain-ks", default="2,4,6,8", help="Chain-SD lengths swept (the best is reported)")
+    b.add_argument("--json", type=Path, default=None, help="write every figure to this file")
+    b.add_argument("--plot", type=Path, default=None, help="draw speedup against budget (matplotlib)")
+    b.add_argument("--pruning", action="store_true", help="also Lever with its pruning predictor (run `lever calibrate` first)")
+    add_set(b)
+    add_common(b)
+    b.set_defaults(func=main)
+    return b
+
+
+def main(args) -> int:
+    prompts = read_prompts(args.prompts or shipped("prompts", "code.txt"))
+    bench_pipelines(str(args.config), prompts, args.n_gen, parse_floats(args.budgets, "--budgets"),
+                    tuple(int(k) for k in parse_floats(args.chain_ks, "--chain-ks")), args.set, args.json,
+                    args.plot, pruning=args.pruning)
+    return 0

@@ -1,0 +1,83 @@
+"""`lever run [-c CONFIG]`: generate through a configured pipeline (the target streamed from flash).
+
+Without -c it runs the shipped pair (examples/default.toml, lever.shipped); the summary after
+the text is the run's figures, and --json prints them all as one object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lever.cli.common import add_common, add_set
+from lever.config import load_config
+from lever.errors import LeverError
+from lever.pipelines.session import run_pipeline
+from lever.shipped import shipped
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    r = sub.add_parser("run", help="generate through a configured pipeline (target streamed from flash)")
+    r.add_argument("-c", "--config", type=Path, default=None,
+                   help="TOML config (default: examples/default.toml, the shipped model pair)")
+    r.add_argument("-p", "--prompt", default=None, help="default: the config's [generate] prompt")
+    r.add_argument("-n", type=int, default=None, help="tokens to generate (overrides [generate] n_predict)")
+    add_set(r)
+    r.add_argument("--json", action="store_true", help="print one JSON object with the run's figures")
+    r.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace here")
+    add_common(r)
+    r.set_defaults(func=main)
+    return r
+
+
+def main(args) -> int:
+    overrides = args.set + ([f"generate.n_predict={args.n}"] if args.n is not None else [])
+    cfg = load_config(args.config or shipped("default.toml"), overrides)
+    prompt = args.prompt if args.prompt is not None else cfg.generate.prompt
+    if not prompt:
+        raise LeverError(f"{cfg.path}: no prompt: give -p PROMPT or [generate] prompt")
+
+    def on_text(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    if not args.json:
+        sys.stdout.write(prompt)
+    res = run_pipeline(cfg, prompt, None if args.json else on_text, args.trace)
+    if args.json:
+        print(json.dumps(res.as_json()))
+        return 0
+    print()
+    print_summary(res, file=sys.stderr)
+    return 0
+
+
+def print_summary(res, file) -> None:
+    mib = 2**20
+    p = lambda *a: print(*a, file=file)  # noqa: E731
+    p(f"pipeline {res.pipeline}: {len(res.tokens)} tokens in {res.n_passes} passes, stop: {res.stop_reason}")
+    p(f"  decode      {res.decode_tps:.2f} tok/s ({res.ms_per_token:.1f} ms/token), prefill {res.prefill_s:.2f} s, "
+      f"{res.accepted_per_pass:.2f} tokens/pass from trees of {res.mean_tree_nodes:.1f} nodes")
+    p(f"  flash       {res.flash_mb_per_token:.1f} MB/token from the device "
+      f"({res.streamed_bytes_per_pass / 1e6:.1f} MB streamed per pass), {res.flash_gbps:.2f} GB/s while reading")
+    p(f"  overlap     {100 * res.overlap_share:.0f}% of read time hidden under compute; per pass: "
+      f"read {res.io_s / max(res.n_passes, 1) * 1e3:.1f} ms, compute {res.compute_s / max(res.n_passes, 1) * 1e3:.1f} ms, "
+      f"wall {res.pass_wall_ratio:.2f}x max(read, compute)")
+    if res.draft_s:
+        n = max(res.n_passes, 1)
+        p(f"  cycle       verify pass {res.verify_pass_s / n * 1e3:.0f} ms, accept {res.accept_s / n * 1e3:.0f} ms, "
+          f"draft {res.draft_s / n * 1e3:.0f} ms of which {100 * res.draft_hidden_share:.0f}% ran during verification; "
+          f"{100 * res.lookahead_hit_share:.0f}% of cycles started from rows drafted ahead")
+    if res.memory is not None:
+        p(f"  memory      peak RSS {res.peak_rss_bytes / mib:.0f} MiB, planned before loading {res.memory.describe()}; "
+          f"bound with margin {res.memory.rss_bound_bytes / mib:.0f} MiB")
+    p("  stages      " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(res.stage_s.items())))
+    if res.placement:
+        p("  placement   " + ", ".join(f"{k}: {v}" for k, v in res.placement.items()))
+    if res.baseline is not None:
+        b = res.baseline
+        same = "the same tokens" if res.baseline_tokens_equal else "DIFFERENT tokens"
+        p(f"  vs {b.pipeline:<8} {res.speedup:.2f}x faster: {b.ms_per_token:.1f} ms/token on the same prompt, "
+          f"{b.flash_mb_per_token:.1f} MB/token from the device, {same}")

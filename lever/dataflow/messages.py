@@ -1,0 +1,149 @@
+"""The messages that move between stages, all in one module.
+
+One decoding cycle is a loop of three nouns: TreeExpand sends a `TokenTree` (what the target
+should verify this pass), PrunedVerify turns it into `Verified` hidden states, Accept answers
+with `Accepted` (the tokens that came out and which tree rows the caches keep). To grow a tree,
+TreeExpand and Draft trade `ExpandRequest`s and `Expansion`s. Beside the loop,
+Prefetch streams `StreamedLayer`s (a layer's weights, read from flash into a window buffer) to
+PrunedVerify, which hands each buffer back as a `FreeBuffer` once the layer is computed.
+Ownership follows the messages: the target's KV cache belongs to PrunedVerify and changes only
+by the `commit` a TokenTree carries, so no two stages share mutable state.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from lever.backends.cpu.layer import LayerWeights
+
+
+@attrs.frozen
+class TokenTree:
+    """The nodes one verification pass runs, hanging off the committed prefix.
+
+    Node 0 is the root: the newest accepted token, whose KV row does not exist yet. Nodes
+    0..n_given-1 form a chain of tokens already decided (the prompt at prefill, else the root
+    alone); the rest are the draft's guesses. parents[i] < i, and parents[0] = -1.
+    """
+
+    pass_id: int
+    tokens: np.ndarray = attrs.field(eq=False)  # (n_nodes,) int64
+    parents: np.ndarray = attrs.field(eq=False)  # (n_nodes,) int32
+    n_given: int = 1
+    draft_probs: np.ndarray | None = attrs.field(default=None, eq=False)  # (n_nodes,) draft p of each node
+    commit: tuple[int, ...] | None = None  # rows of the previous pass to keep; None keeps all
+    # node -> (the draft's tokens for its children in the order drawn, (n_vocab,) float32 the
+    # distribution they were drawn from, or None when chosen by rank, the draft's probability
+    # of each token): what speculative sampling needs at each expanded node, and the pruning
+    # predictor's shadow candidates. Only some of the drawn tokens may be nodes of the tree.
+    drafts: dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray]] = attrs.field(factory=dict, eq=False)
+    cycle_s: float = 0.0  # TreeExpand's estimate of this cycle's latency (drafting and the pass); 0: none
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.tokens.size)
+
+    def depths(self) -> np.ndarray:
+        d = np.zeros(self.n_nodes, np.int32)
+        for i in range(1, self.n_nodes):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    def ancestor_mask(self) -> np.ndarray:
+        """(n_nodes, n_nodes) bool: node i sees node j when j is i or an ancestor of i."""
+        m = np.eye(self.n_nodes, dtype=bool)
+        for i in range(1, self.n_nodes):
+            m[i] |= m[self.parents[i]]
+        return m
+
+    @staticmethod
+    def chain(pass_id: int, tokens, n_given: int | None = None, commit=None) -> TokenTree:
+        t = np.asarray(tokens, np.int64)
+        return TokenTree(pass_id, t, np.arange(-1, t.size - 1, dtype=np.int32),
+                         t.size if n_given is None else n_given, commit=commit)
+
+
+def children_of(tree: TokenTree) -> list[list[int]]:
+    """Each node's children, in node order (parents come before children)."""
+    kids: list[list[int]] = [[] for _ in range(tree.n_nodes)]
+    for i in range(1, tree.n_nodes):
+        kids[int(tree.parents[i])].append(i)
+    return kids
+
+
+@attrs.frozen
+class Verified:
+    """The target's last-layer hidden states for every node of a tree (before the final norm)."""
+
+    tree: TokenTree
+    hidden: np.ndarray = attrs.field(eq=False)  # (n_nodes, n_embd)
+    # (n_nodes,) bool: nodes verified to the last layer; pruned ones hold a middle layer's state
+    # and must not be descended into. None: all of them.
+    alive: np.ndarray | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen
+class Accepted:
+    """What one cycle produced."""
+
+    pass_id: int
+    tokens: tuple[int, ...]  # newly emitted tokens, in order (the last is the next root)
+    keep: tuple[int, ...]  # tree nodes whose KV rows stay (the accepted path, given chain first)
+    done: bool = False
+    stop_reason: str = ""  # "eos", "length", "context" when done
+    pruned: tuple[int, ...] = ()  # tree nodes the predictor pruned: whether the target took them is unknown
+
+
+@attrs.frozen
+class ExpandRequest:
+    """TreeExpand asks Draft to run some tree nodes through the draft model.
+
+    The nodes are appended to the draft's pending rows of this cycle, in order; parents index
+    those pending rows (-1: the node follows the committed prefix directly). The first request
+    of a cycle carries `commit`, the previous cycle's pending rows to keep (the accepted path),
+    and may start with tokens already accepted that the draft has not seen (`n_given`); the
+    other requests of a cycle carry None. It may also carry rows drafted ahead while the target
+    verified (`carry`: the new root and its subtree), which stay pending, renumbered from 0 in
+    order; such a request may have no tokens at all.
+    """
+
+    cycle: int
+    tokens: np.ndarray = attrs.field(eq=False)  # (n,) int64
+    parents: np.ndarray = attrs.field(eq=False)  # (n,) int32, into this cycle's pending rows
+    top_k: int = 4  # children to return for each node that is not given
+    n_given: int = 0  # leading nodes that only extend the cache (no children returned)
+    commit: tuple[int, ...] | None = None
+    carry: tuple[int, ...] = ()  # previous pending rows (ascending) that stay pending, after `commit`
+    ahead: bool = False  # drafted ahead while the target verifies: runs only when verification waits
+
+
+@attrs.frozen
+class Expansion:
+    """The draft's proposals for each expanded node: its most probable next tokens, or, when
+    the run samples, tokens drawn without replacement from the draft's distribution (which
+    comes along, for the target's rejection sampling)."""
+
+    cycle: int
+    rows: np.ndarray = attrs.field(eq=False)  # (m,) pending-row index of each expanded node
+    child_tokens: np.ndarray = attrs.field(eq=False)  # (m, top_k) int64, most probable first (or in draw order); -1 pads
+    child_probs: np.ndarray = attrs.field(eq=False)  # (m, top_k) float32, draft probabilities
+    child_q: np.ndarray | None = attrs.field(default=None, eq=False)  # (m, n_vocab) float32 drawn from, when sampling
+
+
+@attrs.frozen
+class StreamedLayer:
+    """One layer's weights, read from flash into a window buffer for one pass."""
+
+    pass_id: int
+    layer: int
+    weights: LayerWeights
+    buffer_id: int  # which window buffer holds the bytes (returned as a FreeBuffer)
+    n_bytes: int
+
+
+@attrs.frozen
+class FreeBuffer:
+    """A window buffer handed back to Prefetch after its layer was computed."""
+
+    buffer_id: int

@@ -1,0 +1,125 @@
+"""Compositions of stages: the pipelines a config can name, built in a few lines each.
+
+`compose` joins TreeExpand, Draft, Prefetch, PrunedVerify, Accept and Output:
+with TreeExpand's policy "none" and no Draft it is Flash-AR, the paper's baseline (memory-resident
+AR is the same with a 100% DRAM budget); with a draft model and a tree policy it is speculative
+decoding: chain (Chain-SD), kary, or gain-cost (Lever). A custom pipeline is the same few
+`connect` calls (see examples/custom_pipeline.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import anyio
+import attrs
+import numpy as np
+
+from lever.backends.cpu.kv_cache import KVCache
+from lever.backends.cpu.layer import layer_forward
+from lever.backends.flash import FlashConfig, FlashStore
+from lever.config import Config
+from lever.dataflow.compute import ComputeSlot
+from lever.dataflow.graph import Pipeline
+from lever.dataflow.trace import Tracer
+from lever.errors import LeverError
+from lever.gguf.file import GGUFFile
+from lever.gguf.spec import read_spec
+from lever.model.sampling import SamplingParams
+from lever.model.transformer import Model
+from lever.pipelines.target import FlashTarget
+from lever.policy.acceptance import AcceptanceTable
+from lever.policy.placement import Placement
+from lever.policy.predictor import Predictor
+from lever.stages.accept import Accept, AcceptConfig
+from lever.stages.draft import Draft, DraftModel
+from lever.stages.output import Output
+from lever.stages.prefetch import Prefetch
+from lever.stages.pruned_verify import PrunedVerify
+from lever.stages.testing import Drain
+from lever.stages.tree_expand import Cost, FlatCost, TreeExpand, TreeExpandConfig
+
+
+@attrs.define
+class Composition:
+    """What a caller reads after a run."""
+
+    pipeline: Pipeline
+    output: Output
+    verify: PrunedVerify
+    accept: Accept
+    expand: TreeExpand
+    draft: Draft | None
+    tracer: Tracer
+
+
+def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
+            n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None,
+            draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None,
+            predictor: Predictor | None = None, acceptance: AcceptanceTable | None = None, observer=None,
+            placement: Placement | None = None) -> Composition:
+    spec = target.model.spec
+    tree = tree or TreeExpandConfig(policy="none")
+    compute = ComputeSlot(cfg.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
+    expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer,
+                        acceptance=acceptance, ahead_beside=bool(compute.ahead_cores))
+    prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
+                        anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
+    verify = PrunedVerify("verify", spec, target.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
+                          compute, predictor, tracer, observer, cfg.runtime.emulate_layer_ms_per_token / 1e3,
+                          placement.verify_fn if placement is not None else layer_forward)
+    accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.policy == "confidence"),
+                    params, target.model.logits, tracer)
+    output = Output("output", on_tokens)
+    ch = cfg.channels
+    p = Pipeline(tree.policy)
+    p.connect(expand, "tree", verify, "tree", ch.tokens)
+    p.connect(prefetch, "layers", verify, "layers", ch.layers)
+    p.connect(verify, "free", prefetch, "free", cfg.flash.window_layers)
+    p.connect(verify, "verified", accept, "verified", 1)
+    p.connect(accept, "accepted", expand, "accepted", ch.tokens)
+    p.connect(accept, "emitted", output, "emitted", 4)
+    draft = None
+    if tree.policy != "none":
+        if draft_model is None:
+            raise LeverError(f"[tree_expand] policy {tree.policy!r} needs a draft model ([model] draft)")
+        if draft_model.spec.n_vocab != spec.n_vocab:
+            raise LeverError(f"[model] draft: vocabulary of {draft_model.spec.n_vocab} tokens, the target has {spec.n_vocab}")
+        if tree.top_k > spec.n_vocab:
+            raise LeverError(f"[tree_expand] top_k: {tree.top_k} children per node, but the vocabulary has {spec.n_vocab} tokens")
+        core = DraftModel(draft_model, draft_model.new_cache(n_ctx + tree.draft_rows), sampling=params,
+                          rng=np.random.default_rng(None if params.seed is None else [params.seed, 1]),
+                          batch_layer_fn=placement.draft_batch_fn if placement is not None else None)
+        draft = Draft("draft", core, compute, tracer)
+        p.connect(expand, "expand", draft, "expand", 1)
+        p.connect(draft, "expansion", expand, "expansion", 1)
+    return Composition(p.build(), output, verify, accept, expand, draft, tracer)
+
+
+def flash_ar(target: FlashTarget, prompt: list[int], cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
+             n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None) -> Composition:
+    return compose(target, prompt, cfg=cfg, params=params, eos_ids=eos_ids, n_ctx=n_ctx, tracer=tracer,
+                   on_tokens=on_tokens)
+
+
+def read_only(store: FlashStore, file: GGUFFile, flash: FlashConfig, n_passes: int) -> tuple[Pipeline, Drain]:
+    """Prefetch alone over the store, feeding a Drain: n_passes passes of reads, no compute."""
+    prefetch = Prefetch("prefetch", store, file, read_spec(file), anyio.CapacityLimiter(flash.queue_depth))
+    drain = Drain("drain", n_passes * len(store.streamed), len(store.streamed))
+    p = Pipeline("read-only").connect(prefetch, "layers", drain, "layers", 2)
+    p.connect(drain, "free", prefetch, "free", flash.window_layers)
+    return p.build(), drain
+
+
+def read_pass_s(model_path, flash: FlashConfig, n_passes: int = 3) -> float:
+    """Seconds to read one pass's streamed layers with no compute (`read_only`). Steady state:
+    the median time between the ends of consecutive passes, so starting the event loop and the
+    reader threads is not counted, which dwarfs a small model's pass."""
+    f = GGUFFile(model_path)
+    with FlashStore(model_path, flash, file=f) as store:
+        if not store.streamed:
+            return 0.0
+        p, drain = read_only(store, f, flash, max(n_passes, 2))
+        anyio.run(p.run)
+        return statistics.median(b - a for a, b in zip(drain.ends, drain.ends[1:]))

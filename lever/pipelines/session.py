@@ -1,0 +1,273 @@
+"""`lever run`: one generation through a configured pipeline, and its run summary.
+
+The summary is where the pipeline's claims are measured: tokens/s, flash bytes read from the
+device per token (from /proc/self/io, not from what was asked), the share of read time hidden
+under compute, time per token against the read and compute time of one pass, and peak RSS
+against the DRAM the configuration accounts for.
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+import time
+
+import anyio
+import attrs
+
+from lever.backends.flash.device import process_read_bytes
+from lever.config import PIPELINE_KINDS, Config, PipelineKind
+from lever.dataflow.trace import Tracer
+from lever.errors import LeverError
+from lever.gguf.file import GGUFFile
+from lever.gguf.spec import read_spec
+from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.model.sampling import SamplingParams
+from lever.model.transformer import Model
+from lever.pipelines.compose import compose
+from lever.pipelines.target import FlashTarget
+from lever.policy.acceptance import AcceptanceTable
+from lever.policy.cost_model import CostModel, cost_model_for
+from lever.policy.memory import MemoryPlan, plan_memory
+from lever.policy.memory import check as check_memory
+from lever.policy.placement import placement_for
+from lever.policy.predictor import Artifact, Predictor, artifact_path, predictor_for
+from lever.stages.tree_expand import TreeExpandConfig
+
+
+@attrs.frozen
+class RunResult:
+    pipeline: str
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    stop_reason: str
+    prefill_s: float
+    decode_s: float
+    n_passes: int
+    accepted_per_pass: float  # tokens emitted per decoding pass (1.0 for autoregressive)
+    mean_tree_nodes: float  # nodes verified per decoding pass, root included
+    dram_budget_bytes: int  # what the configuration accounts for: resident layers, head, window, KV cache
+    resident_layer_bytes: int
+    head_bytes: int  # the output projection, resident
+    window_bytes: int
+    kv_cache_bytes: int
+    draft_bytes: int  # the draft model's weights and KV cache, all resident
+    streamed_bytes_per_pass: int
+    flash_read_bytes: int  # read from the device during decoding (process counter)
+    flash_requested_bytes: int
+    peak_rss_bytes: int
+    stage_s: dict[str, float]
+    io_s: float
+    compute_s: float
+    overlap_share: float
+    flash_gbps: float
+    draft_s: float = 0.0  # wall seconds the draft model computed
+    accept_s: float = 0.0  # wall seconds Accept took (the output head along the accepted path)
+    verify_pass_s: float = 0.0  # wall seconds with a verification pass under way (reads and waits included)
+    draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
+    lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead, of all decoding cycles
+    placement: dict[str, str] = attrs.field(factory=dict)  # where each stage's work ran
+    memory: MemoryPlan | None = None  # what lever.policy.memory planned before loading, checked against [memory] limit
+    token_layers: int = 0  # nodes x layers the target computed, over the run
+    layer_tokens: list[int] = attrs.field(factory=list)  # nodes computed at each target layer, decoding passes only
+    prune_layer: int = -1  # the pruning predictor's layer (-1: none)
+    pruned_share: float = 0.0  # tree nodes (past the root) the predictor pruned
+    temperature: float = 0.0  # 0: greedy, so the tokens must equal the target's own greedy decoding
+    baseline: RunResult | None = None  # [pipeline] baseline run on the same prompt, when configured
+
+    @property
+    def speedup(self) -> float:
+        """Decode speed over the baseline's, measured in the same run (0 without one)."""
+        return self.baseline.ms_per_token / self.ms_per_token if self.baseline and self.ms_per_token else 0.0
+
+    @property
+    def baseline_tokens_equal(self) -> bool | None:
+        return None if self.baseline is None else self.tokens == self.baseline.tokens
+
+    @property
+    def decode_tps(self) -> float:
+        return len(self.tokens[1:]) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000.0 / self.decode_tps if self.decode_tps else 0.0
+
+    @property
+    def flash_mb_per_token(self) -> float:
+        return self.flash_read_bytes / max(len(self.tokens) - 1, 1) / 1e6
+
+    @property
+    def pass_wall_ratio(self) -> float:
+        """Wall time per pass over the larger of a pass's read and compute time: 1.0 is perfect overlap."""
+        if not self.n_passes:
+            return 0.0
+        per_pass = max(self.io_s, self.compute_s) / self.n_passes
+        return (self.prefill_s + self.decode_s) / self.n_passes / per_pass if per_pass else 0.0
+
+    def as_json(self) -> dict:
+        d = attrs.asdict(self, filter=lambda a, _: a.name != "baseline")
+        d.update(decode_tps=self.decode_tps, ms_per_token=self.ms_per_token, flash_mb_per_token=self.flash_mb_per_token,
+                 pass_wall_ratio=self.pass_wall_ratio,
+                 rss_bound_bytes=self.memory.rss_bound_bytes if self.memory is not None else 0)
+        if self.baseline is not None:
+            d.update(baseline=self.baseline.as_json(), speedup=self.speedup, baseline_tokens_equal=self.baseline_tokens_equal)
+        return d
+
+
+def cost_model(cfg: Config) -> CostModel:
+    """The cost model a run of cfg prices trees with (lever.policy.cost_model.cost_model_for)."""
+    if not cfg.model.target:
+        raise LeverError(f"{cfg.where}: [model] target is not set")
+    return cost_model_for(target=cfg.model.target, draft=cfg.model.draft or None, flash=cfg.flash,
+                          profile=cfg.profile, emulate_layer_ms_per_token=cfg.runtime.emulate_layer_ms_per_token)
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak RSS. VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over
+    execve, so a `lever run` started from a big process (a test runner) reported that one's peak."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None, observer=None) -> RunResult:
+    """One generation through the configured pipeline; then its [pipeline] baseline, if any,
+    on the same prompt (not streamed to on_text), attached to the result."""
+    res = _run_kind(cfg, cfg.pipeline.kind, prompt, on_text, trace_path, observer)
+    if not cfg.pipeline.baseline:
+        return res
+    base = _run_kind(cfg, cfg.pipeline.baseline, prompt, None, None)
+    return attrs.evolve(res, baseline=base)
+
+
+def _run_kind(cfg: Config, name: str, prompt: str, on_text, trace_path, observer=None) -> RunResult:
+    kind = PIPELINE_KINDS[name]
+    if not cfg.model.target:
+        raise LeverError(f"{cfg.where}: [model] target: no target model given")
+    flash = attrs.evolve(cfg.flash, dram_budget=1.0) if kind.all_resident else cfg.flash
+    # Headers, tokenizer and prompt first: the memory plan is checked before anything is loaded.
+    path = cfg.model.target
+    f = GGUFFile(path)
+    spec = read_spec(f)
+    tok = Tokenizer.from_gguf(f)
+    n_ctx = min(cfg.model.n_ctx, spec.n_ctx_train)
+    prompt_ids = tok.encode(prompt)
+    if not prompt_ids:
+        raise LeverError("empty prompt")
+    if len(prompt_ids) >= n_ctx:
+        raise LeverError(f"prompt is {len(prompt_ids)} tokens, over the context of {n_ctx} ([model] n_ctx)")
+    draft_file = draft_spec = None
+    if kind.drafts:
+        if not cfg.model.draft:
+            raise LeverError(f"{cfg.where}: [model] draft: a speculative pipeline needs a draft model")
+        draft_file = GGUFFile(cfg.model.draft)
+        draft_spec = read_spec(draft_file)
+    tree = cfg.tree_expand if kind.drafts else TreeExpandConfig(policy="none")
+    plan = plan_memory(f, spec, flash, n_ctx=n_ctx, n_pass_tokens=max(len(prompt_ids), tree.max_nodes),
+                       tree_rows=tree.max_nodes, draft=draft_file, draft_spec=draft_spec,
+                       draft_rows=tree.draft_rows if kind.drafts else 0)
+    check_memory(plan, cfg.memory, cfg.where)
+    target = FlashTarget.open(path, flash, file=f)
+    try:
+        # resident: read (not mapped) and packed, so its file may change under a long run without harm
+        draft = Model(file=draft_file) if draft_file is not None else None
+        return _run(cfg, kind, target, tok, prompt_ids, n_ctx, plan, draft, on_text, trace_path, observer)
+    finally:
+        target.close()
+
+
+def _qnn_figures(runner) -> str:
+    """A QNN runner's padding waste and sessions, for the summary."""
+    pad, ses = runner.padding, runner.sessions_stats
+    return (f"{pad.calls} layer calls, padding waste {100 * pad.tok_waste:.0f}% of token rows and "
+            f"{100 * pad.kv_waste:.0f}% of KV rows, {ses.created} sessions compiled, {ses.loaded} loaded from cache")
+
+
+def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None, AcceptanceTable | None]:
+    """The pruning predictor ([predictor] enabled) and TreeExpand's starting calibration
+    ([tree_expand] acceptance = "calibrated"), from `lever calibrate`'s artifact."""
+    pc, want_table = cfg.predictor, cfg.tree_expand.acceptance == "calibrated"
+    if not pc.enabled and not want_table:
+        return None, None
+    path = cfg.model.target
+    art = None
+    if want_table or pc.layer < 0 or pc.threshold < 0:
+        art = Artifact.read(artifact_path(pc.artifact, path), path)
+    pred = predictor_for(pc, target.model, art, cost) if pc.enabled else None
+    return pred, copy.deepcopy(art.acceptance) if want_table else None
+
+
+def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, tok: Tokenizer, prompt_ids: list[int], n_ctx: int,
+         plan: MemoryPlan, draft: Model | None, on_text, trace_path, observer=None) -> RunResult:
+    spec = target.model.spec
+    g = cfg.generate
+    params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed)
+    tracer = Tracer(keep_spans=bool(trace_path))
+    stream = StreamDecoder(tok, at_start=False)
+    t_first: list[float] = []
+
+    def on_tokens(ts):
+        if not t_first:
+            t_first.append(time.perf_counter())
+        if on_text:
+            on_text("".join(stream.push(t) for t in ts))
+
+    tree = cfg.tree_expand if kind.drafts else None
+    cost = cost_model(cfg) if kind.drafts else None
+    predictor, acceptance = _predictor(cfg, target, cost) if kind.drafts else (None, None)
+    place = placement_for(cfg.placement, cfg.qnn, flash_mode=cfg.flash.mode, target_spec=spec,
+                          draft_spec=draft.spec if draft is not None else None, n_ctx=n_ctx)
+    h = compose(target, prompt_ids, cfg=cfg, params=params, eos_ids=frozenset(tok.eos_ids), n_ctx=n_ctx, tracer=tracer,
+                on_tokens=on_tokens, draft_model=draft, tree=tree, cost=cost, predictor=predictor, acceptance=acceptance,
+                observer=observer, placement=place)
+    target.warm_head()
+    target.store.reset_stats()
+    dev0 = process_read_bytes() or 0
+    t0 = time.perf_counter()
+    anyio.run(h.pipeline.run)
+    t1 = time.perf_counter()
+    if on_text:
+        on_text(stream.flush())
+    dev_bytes = (process_read_bytes() or 0) - dev0
+    out = h.output
+    n_passes = len(out.accepted_per_pass)
+    summary = tracer.summary()
+    kv_bytes = h.verify.cache.nbytes
+    draft_bytes = 0
+    if h.draft is not None:
+        draft_bytes = h.draft.core.model.nbytes + h.draft.core.cache.nbytes
+    # The prefill pass reads the layers once too; decoding is the passes after it.
+    decode_passes = max(n_passes - 1, 1)
+    per_pass_bytes = target.store.streamed_bytes
+    stats = target.store.stats()
+    if trace_path:
+        tracer.write_chrome(trace_path)
+    return RunResult(
+        pipeline=kind.name if tree is None else f"{kind.name}/{tree.policy}", prompt_tokens=prompt_ids, tokens=out.tokens,
+        text="".join(StreamDecoder(tok, at_start=False).push(t) for t in out.tokens),
+        stop_reason=out.stop_reason, prefill_s=(t_first[0] if t_first else t1) - t0,
+        decode_s=t1 - (t_first[0] if t_first else t1), n_passes=n_passes,
+        accepted_per_pass=sum(out.accepted_per_pass[1:]) / decode_passes if n_passes > 1 else 0.0,
+        mean_tree_nodes=sum(h.expand.tree_sizes) / len(h.expand.tree_sizes) if h.expand.tree_sizes else 1.0,
+        dram_budget_bytes=target.resident_bytes + target.head_bytes + target.window_bytes + kv_bytes + draft_bytes,
+        draft_bytes=draft_bytes, memory=plan,
+        resident_layer_bytes=target.resident_bytes, head_bytes=target.head_bytes, window_bytes=target.window_bytes, kv_cache_bytes=kv_bytes,
+        streamed_bytes_per_pass=per_pass_bytes,
+        flash_read_bytes=max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
+        flash_requested_bytes=stats.requested_bytes,
+        peak_rss_bytes=_peak_rss_bytes(), stage_s=summary.stage_s, io_s=summary.io_s,
+        compute_s=summary.compute_s, overlap_share=summary.overlap_share, flash_gbps=summary.flash_gbps,
+        draft_s=summary.stage_s.get(h.draft.name, 0.0) if h.draft else 0.0, accept_s=summary.stage_s.get(h.accept.name, 0.0), verify_pass_s=summary.pass_s(h.verify.name),
+        draft_hidden_share=summary.hidden_share(h.draft.name, h.verify.name) if h.draft else 0.0,
+        placement=place.where | {f"qnn {i}": _qnn_figures(r) for i, r in enumerate(place.runners)},
+        token_layers=h.verify.token_layers, layer_tokens=h.verify.layer_tokens.tolist(),
+        prune_layer=predictor.layer if predictor is not None else -1,
+        pruned_share=predictor.n_pruned / max(predictor.n_scored, 1) if predictor is not None else 0.0,
+        temperature=g.temperature, lookahead_hit_share=h.expand.lookahead_hits / len(h.expand.tree_sizes) if h.expand.tree_sizes else 0.0,
+    )

@@ -1,0 +1,46 @@
+"""The acceptance table TreeExpand's gains go through: draft probability -> acceptance.
+
+A node's gain is the chance the target accepts it, which the draft's own probability only
+approximates: under greedy verification the draft's first choice is accepted more often than
+its probability says, its later choices far less. The table keeps, per rank (first child or
+not) and probability bin, how often the target accepted such nodes whenever it reached their
+parent. It starts as the identity (each cell holds `prior_weight` pseudo-observations at the
+node's own probability) and learns online from every cycle's outcome, so a run calibrates
+itself within a few cycles; `lever calibrate` fits it offline on a corpus, and
+`[tree_expand] acceptance = "calibrated"` starts from that table.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+
+@attrs.define
+class AcceptanceTable:
+    n_bins: int = 10
+    prior_weight: float = 4.0  # pseudo-observations at the identity, per cell
+    accepted: np.ndarray = attrs.field(init=False)  # (2, n_bins): first child, other children
+    trials: np.ndarray = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        self.accepted = np.zeros((2, self.n_bins))
+        self.trials = np.zeros((2, self.n_bins))
+
+    def _cell(self, q: float, rank: int) -> tuple[int, int]:
+        return min(rank, 1), min(int(q * self.n_bins), self.n_bins - 1)
+
+    def __call__(self, q: float, rank: int) -> float:
+        """Estimated acceptance of a node the draft gave probability q as its rank-th child."""
+        r, b = self._cell(q, rank)
+        return (self.accepted[r, b] + self.prior_weight * q) / (self.trials[r, b] + self.prior_weight)
+
+    def observe(self, q: float, rank: int, accepted: bool) -> None:
+        r, b = self._cell(q, rank)
+        self.trials[r, b] += 1
+        self.accepted[r, b] += accepted
+
+    def table(self) -> list[tuple[int, float, int, float]]:
+        """(rank, bin centre, observations, estimate) of every observed cell."""
+        return [(r, (b + 0.5) / self.n_bins, int(self.trials[r, b]), self((b + 0.5) / self.n_bins, r))
+                for r in range(2) for b in range(self.n_bins) if self.trials[r, b]]

@@ -1,0 +1,152 @@
+"""Memory: what a run needs in DRAM, computed from the files' headers before anything is loaded.
+
+`lever run` (and every bench run through it) asks `plan_memory` first, with the target's and
+draft's GGUF headers parsed and the prompt tokenized but no layer read and no cache allocated.
+The plan sums the target's resident layers, its output head, the staging window, both KV
+caches for the context, the draft's weights, activations for the largest pass, and the
+process as it stands (interpreter, libraries, tokenizer); `check` then refuses, with those
+figures, a plan over `[memory] limit` or over what the machine has available. During the run
+the summary sets peak RSS beside the plan; tests hold it within `plan + margin`.
+"""
+
+from __future__ import annotations
+
+import attrs
+import psutil
+
+from lever.backends.cpu.kv_cache import KVCache
+from lever.backends.cpu.layer import resident_layer_bytes, tiled_bytes
+from lever.backends.flash import FlashConfig
+from lever.backends.flash.config import parse_bytes, plan_residency
+from lever.backends.flash.layout import layer_extents
+from lever.errors import LeverError
+from lever.gguf.file import GGUFFile
+from lever.gguf.spec import ModelSpec
+from lever.model.transformer import Model
+
+F32 = 4
+# Allocator slack, thread stacks, numpy temporaries the activation estimate does not name:
+# measured peak RSS minus the named parts stayed under 40 MiB on every configuration tried
+# (2026-11-29, x86-64, `python -m pytest tests/policy/test_memory.py`).
+RUNTIME_SLACK_BYTES = 64 * 2**20
+MARGIN_SHARE = 0.10  # peak RSS may exceed the plan by this share (plus RUNTIME_SLACK_BYTES)
+
+
+@attrs.frozen
+class MemoryConfig:
+    """[memory]: the DRAM a run may use, checked before anything is loaded."""
+
+    limit: int | str = "auto"
+    """The whole run's DRAM: bytes (int, or "6GiB", "800MB"), or "auto": what the machine has
+    available now. A configuration whose plan exceeds it is refused with the figures."""
+
+    def __attrs_post_init__(self):
+        self.limit_bytes  # noqa: B018  (parses it, so a bad value fails when the config loads)
+
+    @property
+    def limit_bytes(self) -> int | None:
+        if self.limit == "auto":
+            return None
+        n = parse_bytes(self.limit)
+        if n is None or n <= 0:
+            raise LeverError(f"[memory] limit: must be \"auto\" or a positive size in bytes (e.g. 6GiB), got {self.limit!r}")
+        return n
+
+
+@attrs.frozen
+class MemoryPlan:
+    """Bytes a run needs, by part; `total_bytes` is what `check` holds against the limit."""
+
+    resident_layer_bytes: int  # target layers read once and kept (matrices in the tile layout)
+    head_bytes: int  # the target's output projection (and embeddings when tied), resident, tiled
+    window_bytes: int  # the staging window streamed layers pass through (+ mmap chunks in flight)
+    kv_cache_bytes: int  # the target's KV cache for the context and one tree
+    draft_bytes: int  # the draft's weights (Model.resident_bytes) and its KV cache
+    activation_bytes: int  # the largest pass's activations and logits, both models
+    process_bytes: int  # the process before loading: interpreter, libraries, tokenizer
+    slack_bytes: int = RUNTIME_SLACK_BYTES
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(attrs.astuple(self))
+
+    def describe(self) -> str:
+        parts = (("resident layers", self.resident_layer_bytes), ("head", self.head_bytes),
+                 ("window", self.window_bytes), ("KV cache", self.kv_cache_bytes), ("draft", self.draft_bytes),
+                 ("activations", self.activation_bytes), ("process", self.process_bytes),
+                 ("slack", self.slack_bytes))
+        return f"{mib(self.total_bytes)} = " + " + ".join(f"{name} {mib(n)}" for name, n in parts)
+
+    @property
+    def rss_bound_bytes(self) -> int:
+        """What peak RSS should stay under: the plan plus the stated margin."""
+        return int(self.total_bytes * (1 + MARGIN_SHARE)) + RUNTIME_SLACK_BYTES
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def activation_bytes(spec: ModelSpec, n_tok: int, n_rows: int, n_logit_rows: int) -> int:
+    """One layer's live arrays for n_tok tokens (residual, norm, q/k/v, attention, the FFN's
+    gate/up/product), the attention mask over n_rows, and n_logit_rows rows of vocabulary logits."""
+    per_tok = 4 * spec.n_embd + 2 * (spec.n_head + 2 * spec.n_head_kv) * spec.head_dim + 3 * spec.n_ff
+    return n_tok * per_tok * F32 + n_tok * n_rows + n_logit_rows * spec.n_vocab * F32
+
+
+def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx: int, n_pass_tokens: int,
+                tree_rows: int = 1, draft: GGUFFile | None = None, draft_spec: ModelSpec | None = None,
+                draft_rows: int = 0, process_bytes: int | None = None) -> MemoryPlan:
+    """The plan of one run: n_ctx context rows, passes of at most n_pass_tokens tokens (the
+    prompt's prefill or a tree of tree_rows), a draft's cache of n_ctx + draft_rows rows."""
+    extents = layer_extents(target)
+    layer_bytes = [e.buffer_bytes for e in extents]
+    resident = plan_residency(layer_bytes, flash.dram_budget)
+    streamed = [b for i, b in enumerate(layer_bytes) if i not in resident]
+    window = flash.window_layers * max(streamed, default=0)
+    if flash.mode == "mmap" and streamed:
+        window += flash.queue_depth * flash.chunk_bytes  # mapped pages of the chunks being copied
+    head = tiled_bytes(target, "output.weight" if "output.weight" in target.tensors else "token_embd.weight")
+    n_rows = n_ctx + tree_rows
+    acts = activation_bytes(spec, n_pass_tokens, n_rows, max(tree_rows, 1))
+    draft_total = 0
+    if draft is not None and draft_spec is not None:
+        draft_total = Model.resident_bytes(draft, draft_spec) + KVCache.bytes_for(draft_spec, n_ctx + draft_rows)
+        acts += activation_bytes(draft_spec, max(n_pass_tokens, draft_rows), n_ctx + draft_rows, draft_rows)
+    if process_bytes is None:
+        process_bytes = psutil.Process().memory_info().rss
+    return MemoryPlan(sum(resident_layer_bytes(target, spec, i) for i in resident), head, window, KVCache.bytes_for(spec, n_rows), draft_total,
+                      acts, process_bytes)
+
+
+# The parts a configuration sizes, and the keys that size them: what to lower when it does not fit.
+KEYS = {"resident_layer_bytes": ("resident layers", "[flash] dram_budget"), "head_bytes": ("head", "[model] target"),
+        "window_bytes": ("window", "[flash] window_layers"),
+        "kv_cache_bytes": ("KV cache", "[model] n_ctx or [tree_expand] max_nodes"),
+        "draft_bytes": ("draft", "[model] draft or [model] n_ctx"),
+        "activation_bytes": ("activations", "the prompt or [tree_expand] max_nodes")}
+
+
+def largest(plan: MemoryPlan) -> str:
+    name = max(KEYS, key=lambda k: getattr(plan, k))
+    label, keys = KEYS[name]
+    return f"the largest part a config sets is {label}, {mib(getattr(plan, name))}, by {keys}"
+
+
+def check(plan: MemoryPlan, cfg: MemoryConfig, where: str = "config") -> None:
+    """Refuse, with the figures, a plan over the configured limit or the machine's memory."""
+    limit = cfg.limit_bytes
+    if limit is not None and plan.total_bytes > limit:
+        raise LeverError(f"{where}: [memory] limit: this run needs {plan.describe()}, over the limit of {mib(limit)}; "
+                         f"{largest(plan)}")
+    # The process is already resident; what it still needs must come from what is available.
+    more = plan.total_bytes - plan.process_bytes
+    available = psutil.virtual_memory().available
+    if more > available:
+        raise LeverError(f"{where}: this run needs {plan.describe()}; {mib(more)} more than now, but the machine "
+                         f"has {mib(available)} available; {largest(plan)}")
+
+
+def peak_within(peak_rss_bytes: int, plan: MemoryPlan) -> bool:
+    return peak_rss_bytes <= plan.rss_bound_bytes
+

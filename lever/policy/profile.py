@@ -1,0 +1,203 @@
+"""Profiles: what this machine's flash and CPU cost, measured once and kept in a msgpack file.
+
+This module is the file format and the [profile] config section; `lever profile -c CONFIG`
+(lever/cli/profile.py) does the measuring: the configured flash (whole streamed passes through
+Prefetch, single small and chunk reads), one target layer of each tensor-type mix at
+token-count buckets over a realistic KV length, the resident draft's whole forward at batch
+buckets, and both output heads per row. lever.policy.cost_model turns a profile into the
+per-node latencies TreeExpand weighs drafted nodes by. Nothing here runs during generation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import types
+import typing
+from pathlib import Path
+
+import attrs
+import msgpack
+
+from lever.errors import LeverError
+from lever.gguf.identity import ModelIdentity
+
+FORMAT = "lever-profile"
+FORMAT_VERSION = 2  # 2: resident layers (tile layout) timed apart from streamed ones
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # tree sizes a verification pass sees; draft batches too
+HEAD_ROWS = (1, 8, 64)  # lm_head: one accepted row, a typical accepted path, a whole tree
+KV_ROWS = 256  # committed context rows every timed pass attends over
+SMALL_READ_BYTES = 4096  # one page: the smallest O_DIRECT read, so its time is the latency
+PROFILE_SUFFIX = ".lever-profile.msgpack"
+
+
+def _check_table(where: str, xs: tuple, ys: tuple) -> None:
+    if not xs or len(xs) != len(ys):
+        raise ValueError(f"{where}: {len(xs)} buckets for {len(ys)} timings")
+    if any(b <= a for a, b in itertools.pairwise(xs)) or xs[0] < 1:
+        raise ValueError(f"{where}: buckets must be ascending and >= 1, got {xs}")
+    if any(not y >= 0 for y in ys):  # also rejects NaN
+        raise ValueError(f"{where}: timings must be >= 0, got {ys}")
+
+
+@attrs.frozen
+class FlashProfile:
+    """The target's flash as configured (first five fields, FlashConfig's names) and as measured.
+
+    `read_*` and `*_read_s` are measured with the configured emulation (cap, latency);
+    `device_*` with the emulation off, so a cost model can apply a different cap to them.
+    """
+
+    mode: str
+    queue_depth: int
+    chunk_bytes: int
+    bandwidth_cap_bytes_per_s: float
+    read_latency_ms: float
+    pass_bytes: int  # what one pass reads with every layer streamed (dram_budget 0)
+    read_bytes_per_s: float  # pass_bytes / the pass's pure read time, through Prefetch
+    small_read_s: float  # one SMALL_READ_BYTES read, nothing else in flight: the per-read latency
+    chunk_read_s: float  # one chunk_bytes read, nothing else in flight
+    device_read_bytes_per_s: float
+    device_small_read_s: float
+
+
+@attrs.frozen
+class TargetProfile:
+    """The target: one layer's compute at token-count buckets, streamed (GGUF's row layout, as
+    a staging buffer holds it) and resident (packed into the tile layout at load, which the
+    kernels stream up to twice as fast at one token), and its lm_head."""
+
+    model: ModelIdentity
+    n_layer: int
+    kv_rows: int  # committed rows attended over while timing
+    tokens: tuple[int, ...]
+    layer_s: tuple[float, ...]  # seconds of one streamed layer over tokens[i] tokens (mean over the layer mix)
+    resident_layer_s: tuple[float, ...]  # the same of a resident layer
+    layers_timed: tuple[int, ...]  # a few layers of each tensor-type mix, weighted by the mix's count
+    head_rows: tuple[int, ...]
+    head_s: tuple[float, ...]  # Model.logits over head_rows[i] rows
+
+    def __attrs_post_init__(self):
+        _check_table("target layer_s", self.tokens, self.layer_s)
+        _check_table("target resident_layer_s", self.tokens, self.resident_layer_s)
+        _check_table("target head_s", self.head_rows, self.head_s)
+
+
+@attrs.frozen
+class DraftProfile:
+    """The resident draft: a whole forward (embedding and every layer) at batch buckets."""
+
+    model: ModelIdentity
+    n_layer: int
+    kv_rows: int
+    batch: tuple[int, ...]
+    forward_s: tuple[float, ...]  # Model.forward over batch[i] tokens
+    head_rows: tuple[int, ...]
+    head_s: tuple[float, ...]
+
+    def __attrs_post_init__(self):
+        _check_table("draft forward_s", self.batch, self.forward_s)
+        _check_table("draft head_s", self.head_rows, self.head_s)
+
+
+@attrs.frozen
+class Profile:
+    device: str  # CPU model
+    platform: str
+    threads: int  # compute threads the kernels ran on
+    date: str  # ISO 8601, UTC
+    method: str
+    lever_version: str
+    flash: FlashProfile
+    target: TargetProfile
+    draft: DraftProfile | None = None
+    load_avg_1min: tuple[float, ...] = ()  # the machine's load before and after: was it shared?
+
+
+# -- msgpack
+
+
+def write(profile: Profile, path: str | os.PathLike) -> Path:
+    """Writes atomically (a reader never sees half a profile)."""
+    path = Path(path)
+    data = {"format": FORMAT, "version": FORMAT_VERSION, "profile": attrs.asdict(profile)}
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_bytes(msgpack.packb(data, use_bin_type=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        raise LeverError(f"{path}: cannot write profile: {e.strerror or e}") from None
+    return path
+
+
+def read(path: str | os.PathLike) -> Profile:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise LeverError(f"{path}: no such profile file (make one with `lever profile -c CONFIG`)") from None
+    except OSError as e:
+        raise LeverError(f"{path}: cannot read profile: {e.strerror or e}") from None
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise LeverError(f"{path}: not a lever profile (corrupt msgpack: {e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise LeverError(f"{path}: not a lever profile (no '{FORMAT}' format marker)")
+    if data.get("version") != FORMAT_VERSION:
+        raise LeverError(f"{path}: profile format version {data.get('version')!r}, this lever reads "
+                         f"{FORMAT_VERSION}: re-run `lever profile`")
+    try:
+        return _structure(Profile, data.get("profile"), "profile")
+    except (ValueError, TypeError) as e:
+        raise LeverError(f"{path}: corrupt profile: {e}") from None
+
+
+def _structure(cls, value, where: str):
+    """A dict read back into the attrs class it was written from, every value type-checked."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{where}: expected a map, got {type(value).__name__}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in attrs.fields(cls):
+        if f.name in value:
+            kwargs[f.name] = _value(hints[f.name], value[f.name], f"{where}.{f.name}")
+        elif f.default is attrs.NOTHING:
+            raise ValueError(f"{where}.{f.name}: missing")
+    return cls(**kwargs)
+
+
+def _value(hint, v, where: str):
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if v is None and type(None) in args:
+            return None
+        (arm,) = [a for a in args if a is not type(None)]
+        return _value(arm, v, where)
+    if attrs.has(hint):
+        return _structure(hint, v, where)
+    if origin is tuple:
+        if not isinstance(v, (list, tuple)):
+            raise TypeError(f"{where}: expected a list, got {type(v).__name__}")
+        return tuple(_value(typing.get_args(hint)[0], x, f"{where}[{i}]") for i, x in enumerate(v))
+    if hint is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if hint in (int, str) and type(v) is hint:
+        return v
+    raise TypeError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {type(v).__name__} {v!r}")
+
+
+# -- the [profile] config section
+
+
+@attrs.frozen
+class ProfileConfig:
+    """Which measured profile the cost model reads."""
+
+    path: str = ""  # msgpack from `lever profile`, relative to the config file; "": no profile, analytic fallback
+
+
+def default_path(target: str | os.PathLike) -> Path:
+    """Next to the target model: a profile belongs to one model file (and one machine)."""
+    return Path(str(target) + PROFILE_SUFFIX)

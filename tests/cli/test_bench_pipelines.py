@@ -1,0 +1,48 @@
+"""`lever bench pipelines` end to end on a small real model (as its own draft), and its inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lever.cli.bench.pipelines import bench_pipelines, read_prompts
+from lever.cli.main import main
+from lever.errors import LeverError
+from lever.shipped import shipped
+
+
+def test_the_shipped_prompts_are_code(tmp_path):
+    prompts = read_prompts(shipped("prompts", "code.txt"))
+    assert len(prompts) >= 4 and all("def " in p or "class " in p for p in prompts)
+    f = tmp_path / "p.txt"
+    f.write_text("a\n---\n\n---\nb\nc\n")
+    assert read_prompts(f) == ["a\n", "b\nc\n"]
+    f.write_text("---\n")
+    with pytest.raises(LeverError, match="no prompts"):
+        read_prompts(f)
+    with pytest.raises(LeverError, match="missing.txt"):
+        read_prompts(tmp_path / "missing.txt")
+
+
+def test_bench_runs_every_pipeline_at_every_budget_losslessly(stories, tmp_path):
+    cfg = tmp_path / "pair.toml"
+    cfg.write_text(f'[model]\ntarget = "{stories}"\ndraft = "{stories}"\n[tree_expand]\nlookahead_nodes = 16\n')
+    lines: list[str] = []
+    res = bench_pipelines(str(cfg), ["Once upon a time", "The cat"], 16, budgets=(0.0, 0.5), chain_ks=(2,),
+                          json_path=tmp_path / "b.json", plot_path=tmp_path / "b.png", out=lines.append,
+                          progress=False)
+    assert res["lossless_mismatches"] == []
+    assert set(res["budgets"]) == {"0.0", "0.5"}
+    for rows in res["budgets"].values():
+        assert set(rows) == {"flash-ar", "chain-sd k=2", "edgellm-like", "lever"}
+        assert rows["flash-ar"]["speedup"] == 1.0 and rows["flash-ar"]["accepted_per_pass"] == 1.0
+        assert rows["lever"]["accepted_per_pass"] > 2  # its own draft: long paths are accepted
+    assert json.loads((tmp_path / "b.json").read_text())["summary"]["mean"]["flash-ar"] > 0
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    assert any("lossless: every pipeline" in line for line in lines)
+
+
+def test_bad_budgets_are_one_line(capsys, tmp_path):
+    assert main(["bench", "pipelines", "-c", str(tmp_path / "x.toml"), "--budgets", "0,half"]) == 1
+    assert "--budgets" in capsys.readouterr().err

@@ -1,0 +1,223 @@
+"""Pipelines end to end: lossless against `generate`, errors and cancellation through the graph."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import anyio
+import psutil
+import pytest
+
+from lever.config import load_config
+from lever.dataflow.trace import Tracer
+from lever.errors import LeverError
+from lever.gguf.tokenizer import Tokenizer
+from lever.model.generate import GREEDY, generate
+from lever.model.sampling import SamplingParams
+from lever.model.transformer import Model
+from lever.pipelines.compose import flash_ar
+from lever.pipelines.session import run_pipeline
+from lever.pipelines.target import FlashTarget
+
+PROMPT = "the theory in the thin"
+
+
+def config(path, *sets):
+    return load_config(None, [f'model.target="{path}"', "generate.n_predict=12", *sets])
+
+
+def reference_tokens(path, prompt=PROMPT, n=12, params=GREEDY):
+    model, tok = Model(path), Tokenizer.from_gguf(path)
+    return generate(model, tok.encode(prompt), n, params, eos_ids=frozenset(tok.eos_ids)).tokens
+
+
+@pytest.mark.parametrize("mode", ["direct", "mmap"])
+@pytest.mark.parametrize("budget", ["0", "0.5", "1.0"])
+@pytest.mark.parametrize("arch,wtype", [("llama", "F32"), ("qwen2", "Q4_K"), ("qwen3", "Q8_0")])
+def test_flash_ar_equals_autoregressive(tiny_model, arch, wtype, mode, budget):
+    path = tiny_model(arch, wtype, n_layer=4)
+    res = run_pipeline(config(path, f'flash.mode="{mode}"', f"flash.dram_budget={budget}"), PROMPT)
+    assert res.tokens == reference_tokens(path)
+    assert res.n_passes == len(res.tokens)
+
+
+def test_stories_flash_ar_reproduces_generate(stories):
+    cfg = config(stories, "generate.n_predict=40")
+    assert run_pipeline(cfg, "Once upon a time").tokens == reference_tokens(stories, "Once upon a time", 40)
+
+
+def test_resident_pipeline_reads_nothing_per_pass(tiny_model):
+    path = tiny_model("llama", "F32", n_layer=4)
+    res = run_pipeline(config(path, 'pipeline.kind="resident-ar"'), PROMPT)
+    assert res.tokens == reference_tokens(path) and res.streamed_bytes_per_pass == 0 and res.window_bytes == 0
+
+
+def test_sampling_with_seed_equals_generate(tiny_model):
+    path = tiny_model("qwen2", "Q4_0", n_layer=2)
+    sets = ["generate.temperature=0.8", "generate.top_k=50", "generate.seed=11"]
+    res = run_pipeline(config(path, *sets), PROMPT)
+    assert res.tokens == reference_tokens(path, params=SamplingParams(0.8, 50, 1.0, 11))
+
+
+def test_read_error_reaches_caller_naming_stage(tiny_model, monkeypatch):
+    from lever.backends.flash import FlashStore
+
+    path = tiny_model("llama", "F32", n_layer=4)
+    real_read, calls = FlashStore.read, []
+
+    def failing_read(self, r, buf):
+        calls.append(r)
+        if len(calls) > 6:
+            raise LeverError(f"{self.path}: layer {r.layer}, offset {r.file_offset}: read failed (EIO)")
+        return real_read(self, r, buf)
+
+    monkeypatch.setattr(FlashStore, "read", failing_read)
+    with pytest.raises(LeverError, match="read failed") as info:
+        run_pipeline(config(path), PROMPT)
+    assert any("in stage 'prefetch'" in n for n in info.value.__notes__)
+
+
+def test_cancellation_stops_within_a_second_and_releases_everything(tiny_model):
+    """A cancelled run (what Ctrl-C does) ends promptly, leaving no threads and no open files."""
+    path = tiny_model("llama", "F32", n_layer=4)
+    proc = psutil.Process(os.getpid())
+    threads0, files0 = threading.active_count(), {f.path for f in proc.open_files()}
+    cfg = config(path, "generate.n_predict=100000", "flash.read_latency_ms=5")
+    target = FlashTarget.open(path, cfg.flash)
+    tok = Tokenizer.from_gguf(path)
+    h = flash_ar(target, tok.encode(PROMPT), cfg, SamplingParams(), frozenset(), 256, Tracer())
+
+    async def main():
+        with anyio.move_on_after(0.5):
+            await h.pipeline.run()
+
+    t0 = time.perf_counter()
+    anyio.run(main)
+    stopped_s = time.perf_counter() - t0 - 0.5
+    target.close()
+    assert stopped_s < 1.0
+    assert 0 < len(h.output.tokens) < 100000
+    time.sleep(0.1)
+    assert threading.active_count() <= threads0
+    assert {f.path for f in proc.open_files()} <= files0
+
+
+SPEC = ['pipeline.kind="speculative"']
+
+
+@pytest.mark.parametrize("policy", ["chain", "kary", "confidence", "gain-cost"])
+@pytest.mark.parametrize("draft_seed", [0, 7], ids=["draft=target", "other-draft"])
+def test_speculative_greedy_equals_autoregressive(tiny_model, policy, draft_seed):
+    """Whatever the draft proposes, greedy output is the target's own greedy output."""
+    path = tiny_model("qwen2", "Q8_0", n_layer=3)
+    draft = tiny_model("qwen2", "Q8_0", n_layer=1, seed=draft_seed) if draft_seed else path
+    # a random tiny model's probabilities are flat: a low confidence bar lets its trees grow
+    res = run_pipeline(config(path, *SPEC, f'model.draft="{draft}"', f'tree_expand.policy="{policy}"',
+                              "generate.n_predict=40", "tree_expand.max_nodes=24", "tree_expand.confidence=0.001"),
+                       PROMPT)
+    assert res.tokens == reference_tokens(path, n=40)
+    if draft_seed == 0 and policy != "gain-cost":  # the draft is the target: the greedy path is accepted
+        assert res.accepted_per_pass > 1.5  # (gain-cost may rightly keep trees tiny for a flat random model)
+
+
+@pytest.mark.parametrize("policy", ["chain", "gain-cost"])
+def test_drafting_ahead_is_lossless_and_hits(stories, policy):
+    """With the flash slowed so that passes leave time idle, the draft works ahead during
+    verification; output is unchanged and some cycles start from rows drafted ahead."""
+    cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=60", f'tree_expand.policy="{policy}"',
+                 "tree_expand.lookahead_nodes=24", "flash.bandwidth_cap_bytes_per_s=2e6")
+    res = run_pipeline(cfg, "Once upon a time")
+    assert res.tokens == reference_tokens(stories, "Once upon a time", 60)
+    assert res.lookahead_hit_share > 0.2 and res.draft_hidden_share > 0.1
+
+
+def test_speculative_sampling_runs_on_real_models(stories):
+    """Sampled, with the draft equal to the target: its drawn tokens are the target's own
+    distribution, so rejection sampling accepts them and passes emit several tokens; the
+    same seed gives the same text."""
+    cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=40", "generate.temperature=0.8",
+                 "generate.seed=3")
+    a, b = run_pipeline(cfg, "Once upon a time"), run_pipeline(cfg, "Once upon a time")
+    assert a.tokens == b.tokens and len(a.tokens) == 40
+    assert a.accepted_per_pass > 2
+
+
+def test_speculative_on_stories_accepts_many_per_pass(stories):
+    """Its own draft, and a slow flash so that reads dominate: gain-cost grows deep trees."""
+    cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=60", "flash.bandwidth_cap_bytes_per_s=5e6")
+    res = run_pipeline(cfg, "Once upon a time")
+    assert res.tokens == reference_tokens(stories, "Once upon a time", 60)
+    assert res.accepted_per_pass > 4 and res.n_passes < 20
+
+
+def test_speculative_stops_at_context_like_generate(tiny_model):
+    path = tiny_model("llama", "F32", n_layer=2)
+    cfg = config(path, *SPEC, f'model.draft="{path}"', "model.n_ctx=40", "generate.n_predict=100")
+    res = run_pipeline(cfg, PROMPT)
+    model, tok = Model(path), Tokenizer.from_gguf(path)
+    want = generate(model, tok.encode(PROMPT), 100, n_ctx=40, eos_ids=frozenset(tok.eos_ids))
+    assert res.tokens == want.tokens and res.stop_reason == want.stop_reason == "context"
+
+
+def test_speculative_needs_a_draft(tiny_model):
+    with pytest.raises(LeverError, match=r"\[model\] draft"):
+        run_pipeline(config(tiny_model("llama", "F32"), *SPEC), PROMPT)
+
+
+def test_a_baseline_runs_after_on_the_same_prompt(stories):
+    """[pipeline] baseline: the summary's speedup is measured in the same run, tokens checked."""
+    cfg = config(stories, *SPEC, f'model.draft="{stories}"', 'pipeline.baseline="flash-ar"', "generate.n_predict=24")
+    res = run_pipeline(cfg, "Once upon a time")
+    assert res.baseline is not None and res.baseline.pipeline == "flash-ar"
+    assert res.baseline_tokens_equal and res.speedup > 0
+    assert res.as_json()["baseline"]["tokens"] == res.tokens
+
+
+def test_an_unknown_baseline_is_one_line():
+    with pytest.raises(LeverError, match=r"\[pipeline\] baseline: unknown pipeline 'fast'"):
+        load_config(None, ['pipeline.baseline="fast"'])
+
+
+PRUNE = ["predictor.enabled=true", "predictor.layer=1", "predictor.max_prune_share=1.0", "predictor.cost_aware=false"]
+
+
+@pytest.mark.parametrize("policy", ["chain", "kary", "confidence", "gain-cost"])
+def test_pruning_is_lossless_on_every_policy(tiny_model, policy):
+    """A predictor that prunes nearly everything it may can shorten what is accepted, never
+    change a token."""
+    path = tiny_model("qwen2", "Q8_0", n_layer=3)
+    draft = tiny_model("qwen2", "Q8_0", n_layer=1, seed=7)
+    res = run_pipeline(config(path, *SPEC, *PRUNE, "predictor.threshold=0.99", f'model.draft="{draft}"',
+                              f'tree_expand.policy="{policy}"', "generate.n_predict=40", "tree_expand.max_nodes=24",
+                              "tree_expand.confidence=0.001"), PROMPT)
+    assert res.tokens == reference_tokens(path, n=40)
+    if policy != "chain":  # a chain is all backbone: nothing to prune
+        assert res.pruned_share > 0.2
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.5])
+def test_pruning_on_the_shipped_pair_cuts_late_layers_and_keeps_tokens(threshold):
+    """The trained pair: real trees, real scores. Pruning cuts the verification compute after
+    the predictor's layer and the tokens stay the target's own."""
+    target, draft = (f"examples/models/stdlib-{n}.gguf" for n in ("target-q4_0", "draft-q8_0"))
+    prompt = "def read_config(path):\n"
+    base = [*SPEC, f'model.draft="{draft}"', "generate.n_predict=48", "tree_expand.max_nodes=32"]
+    plain = run_pipeline(config(target, *base), prompt)
+    pruned = run_pipeline(config(target, *base, *PRUNE, "predictor.layer=2", f"predictor.threshold={threshold}"),
+                          prompt)
+    assert pruned.tokens == plain.tokens == reference_tokens(target, prompt, 48)
+    assert pruned.pruned_share > 0
+    assert pruned.prune_layer == 2
+    late_share = [sum(r.layer_tokens[3:]) / sum(r.layer_tokens[:3]) for r in (plain, pruned)]
+    assert late_share[0] == pytest.approx(1.0)  # every node runs every layer
+    assert late_share[1] < 1.0
+
+
+def test_an_emulated_slow_verification_unit_slows_every_layer(tiny_model):
+    """[runtime] emulate_layer_ms_per_token: each layer of a pass lasts at least n x that."""
+    path = tiny_model("qwen2", "Q8_0", n_layer=3)
+    res = run_pipeline(config(path, "runtime.emulate_layer_ms_per_token=20.0", "generate.n_predict=6"), PROMPT)
+    assert res.ms_per_token >= 3 * 20.0
+    assert res.tokens == reference_tokens(path, n=6)

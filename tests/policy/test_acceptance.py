@@ -1,0 +1,22 @@
+"""The acceptance table: the identity before data, the observed rate once data outweighs it."""
+
+from __future__ import annotations
+
+import pytest
+
+from lever.policy.acceptance import AcceptanceTable
+
+
+def test_identity_until_observed():
+    c = AcceptanceTable()
+    assert c(0.37, 0) == pytest.approx(0.37) and c(0.05, 3) == pytest.approx(0.05)
+
+
+def test_learns_per_rank_and_bin():
+    c = AcceptanceTable(prior_weight=4)
+    for _ in range(96):
+        c.observe(0.65, 0, True)  # first choices at ~0.65: always accepted
+        c.observe(0.15, 2, False)  # later choices at ~0.15: never
+    assert c(0.62, 0) > 0.95 and c(0.12, 1) < 0.03
+    assert c(0.35, 0) == pytest.approx(0.35)  # other cells keep the identity
+    assert [(r, n) for r, _, n, _ in c.table()] == [(0, 96), (1, 96)]

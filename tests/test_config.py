@@ -1,0 +1,120 @@
+"""Configs: TOML into frozen sections; every wrong key, type or value is one line naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from lever.config import load_config
+from lever.errors import LeverError
+from tests.conftest import ROOT
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_overrides():
+    c = load_config(None, ["generate.temperature=0.7", 'flash.mode="mmap"', "flash.dram_budget=0.5", "channels.layers=3"])
+    assert c.generate.temperature == 0.7 and c.flash.mode == "mmap" and c.flash.dram_budget == 0.5
+    assert c.channels.layers == 3 and c.pipeline.kind == "flash-ar"
+
+
+def test_unknown_key_names_file_section_and_key(tmp_path):
+    p = write(tmp_path, "[flash]\nmod = 'direct'\n")
+    with pytest.raises(LeverError, match=rf"{p}: \[flash\] unknown key 'mod'"):
+        load_config(p)
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(LeverError, match=r"unknown section \[flsh\]"):
+        load_config(write(tmp_path, "[flsh]\nmode = 'direct'\n"))
+
+
+def test_wrong_type_names_key_and_value(tmp_path):
+    with pytest.raises(LeverError, match=r"\[generate\] n_predict: expected int, got str '12'"):
+        load_config(write(tmp_path, "[generate]\nn_predict = '12'\n"))
+
+
+def test_bad_value_names_key(tmp_path):
+    with pytest.raises(LeverError, match=r"\[flash\] mode"):
+        load_config(write(tmp_path, "[flash]\nmode = 'floppy'\n"))
+    with pytest.raises(LeverError, match=r"\[channels\] layers: capacity must be between 1 and 64"):
+        load_config(None, ["channels.layers=0"])
+    with pytest.raises(LeverError, match=r"\[pipeline\] kind: unknown pipeline 'magic'"):
+        load_config(None, ['pipeline.kind="magic"'])
+
+
+def test_not_toml_and_missing_file(tmp_path):
+    with pytest.raises(LeverError, match="not valid TOML"):
+        load_config(write(tmp_path, "[flash\n"))
+    with pytest.raises(LeverError, match="no such config file"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_bad_override_syntax():
+    with pytest.raises(LeverError, match="expected section.key=value"):
+        load_config(None, ["temperature=0.5"])
+
+
+def test_relative_model_paths_resolve_against_the_config(tmp_path):
+    c = load_config(write(tmp_path, "[model]\ntarget = 'm/t.gguf'\n"))
+    assert c.model.target == str(tmp_path / "m" / "t.gguf")
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_examples_load_and_every_line_says_why(path):
+    load_config(path)
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            assert "#" in line, f"{path.name}: no comment on {line!r}"
+
+
+# Values that are wrong for most keys of their type: each key must refuse them with one line
+# naming it, or run with them to the end; never another exception, never a hang.
+ABSURD = {int: [-1, 0, 10**12], float: [-1.0, 0.0, 1e12, "nan", "inf"], str: ['""', '"nonsense"'],
+          tuple: ["3", "[]", '["a"]', "[0]"]}
+SWEEP_TIMEOUT_S = 30
+
+
+def _sweep_cases():
+    import typing
+
+    import attrs
+
+    from lever.config import SECTIONS
+
+    for name, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in attrs.fields(cls):
+            if (name, f.name) in {("model", "target"), ("model", "draft")}:
+                continue
+            arms = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is not tuple else (tuple,)
+            for arm in arms or (hints[f.name],):
+                for v in ABSURD.get(typing.get_origin(arm) or arm, []):
+                    yield f"{name}.{f.name}={v}"
+
+
+@pytest.mark.parametrize("item", list(_sweep_cases()))
+def test_every_key_refuses_or_runs_with_an_absurd_value(item):
+    import signal
+
+    from lever.pipelines.session import run_pipeline
+
+    def hang(*_):
+        raise TimeoutError(f"{item}: no end within {SWEEP_TIMEOUT_S} s")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(SWEEP_TIMEOUT_S)
+    try:
+        cfg = load_config(ROOT / "examples" / "default.toml",
+                          ["generate.n_predict=3", "model.n_ctx=96", 'pipeline.baseline=""', item])
+        run_pipeline(cfg, "def f(x):")
+    except LeverError as e:
+        assert "\n" not in str(e) and item.split("=")[0].split(".")[1] in str(e), str(e)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
