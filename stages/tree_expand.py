@@ -3,7 +3,7 @@
 It starts the loop (the prompt is the first tree, prefilled by the target while the draft
 prefills too), then after every `Accepted` it roots a new tree at the newest token and grows it
 in rounds: the draft expands the nodes added last (one batched forward), their children become
-candidates, and the policy picks which candidates join the tree. The Lever policy picks by
+candidates, and the growth policy (lever.policy.growth) picks which join the tree. Lever's picks by
 gain/cost: a candidate's gain is its estimated acceptance probability (the product of draft
 probabilities along its path, mapped through the acceptance table), its cost the latency it
 adds: its share of drafting plus the growth of the verification pass at the new tree size,
@@ -35,8 +35,8 @@ from lever.dataflow.messages import Accepted, ExpandRequest, Expansion, TokenTre
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.policy.acceptance import AcceptanceTable
+from lever.policy.growth import POLICIES, Candidate, GrowthPolicy
 
-POLICIES = ("none", "chain", "kary", "confidence", "gain-cost")
 MAX_TREE_SIZE = 1024  # bound on a tree's nodes, depth and fan-out: one pass verifies it, one draft forward expands a round
 
 
@@ -56,7 +56,7 @@ class TreeExpandConfig:
     acceptance: str = "online"  # gain-cost: "online" learns draft probability -> acceptance from each cycle; "calibrated" starts from `lever calibrate`'s table and learns on; "identity"
 
     def __attrs_post_init__(self):
-        if self.policy not in POLICIES:
+        if self.policy not in POLICIES:  # the names: lever.policy.growth
             raise LeverError(f"[tree_expand] policy: unknown policy {self.policy!r} (known: {', '.join(POLICIES)})")
         for name in ("max_nodes", "max_depth", "top_k", "round_nodes", "chain_length", "kary_depth"):
             if not 1 <= getattr(self, name) <= MAX_TREE_SIZE:
@@ -65,6 +65,10 @@ class TreeExpandConfig:
             raise LeverError(f"[tree_expand] acceptance: {self.acceptance!r} is not 'online', 'identity' or 'calibrated'")
         if not 0 <= self.lookahead_nodes <= MAX_TREE_SIZE:
             raise LeverError(f"[tree_expand] lookahead_nodes: must be in [0, {MAX_TREE_SIZE}], got {self.lookahead_nodes}")
+
+    @property
+    def growth(self) -> GrowthPolicy:
+        return POLICIES[self.policy]
 
     @property
     def draft_rows(self) -> int:
@@ -122,7 +126,7 @@ class TreeBuilder:
     node_of_row: dict[int, int] = attrs.field(factory=dict)
     proposals: dict[int, tuple] = attrs.field(factory=dict)  # pending row -> (child tokens, draft probs, q or None)
     carried: dict[tuple[int, int], int] = attrs.field(factory=dict)  # (parent row, token) -> row drafted ahead
-    candidates: list = attrs.field(factory=list)  # heap of (-gain, seq, parent node, token, draft p, rank)
+    candidates: list[Candidate] = attrs.field(factory=list)  # a heap, best first
     q_draft: list[float] = attrs.field(factory=list)  # the draft's probability of each node given its parent
     rank: list[int] = attrs.field(factory=list)  # its place among its parent's proposals
     acceptance: AcceptanceTable | None = None  # draft p -> acceptance; None: the identity
@@ -142,8 +146,7 @@ class TreeBuilder:
     @property
     def limit(self) -> int:
         """Nodes this tree may reach: the caps, the context, and a chain's fixed length."""
-        cap = min(self.config.max_nodes, self.room)
-        return min(cap, self.config.chain_length + 1) if self.config.policy == "chain" else cap
+        return self.config.growth.limit(self.config, min(self.config.max_nodes, self.room))
 
     def add(self, token: int, parent: int, gain: float, q: float = 1.0, rank: int = 0) -> int:
         self.q_draft.append(q)
@@ -181,7 +184,7 @@ class TreeBuilder:
             if t < 0:  # fewer tokens had mass than were asked for
                 break
             p = self.acceptance(float(q), rank) if self.acceptance is not None else float(q)
-            heapq.heappush(self.candidates, (-self.gain[node] * p, self._seq, node, int(t), float(q), rank))
+            heapq.heappush(self.candidates, Candidate(-self.gain[node] * p, self._seq, node, int(t), float(q), rank))
             self._seq += 1
 
     def _carried_row(self, parent: int, token: int) -> int | None:
@@ -189,9 +192,7 @@ class TreeBuilder:
         return self.carried.get((r, token)) if r >= 0 else None
 
     def _expandable(self, n: int) -> bool:
-        if self.depth[n] >= self.config.max_depth:
-            return False
-        return self.config.policy != "kary" or self.depth[n] < self.config.kary_depth
+        return self.config.growth.expandable(self.config, self.depth[n])
 
     def _absorb_all(self, exp: Expansion) -> None:
         for i, row in enumerate(exp.rows):
@@ -208,7 +209,7 @@ class TreeBuilder:
         expand: list[int] = []
         while True:
             ready = []
-            for n in self.select_round():
+            for n in self.config.growth.select(self):
                 row = self._carried_row(self.parents[n], self.tokens[n])
                 if row is None:
                     expand.append(n)
@@ -224,76 +225,33 @@ class TreeBuilder:
                 break
             for n in ready:
                 self._absorb(self.row[n], *self.proposals[self.row[n]])
-        expand = [n for n in expand if self._expandable(n) and self._worth_expanding(n)]
+        expand = [n for n in expand if self._expandable(n) and self.config.growth.worth_expanding(self, n)]
         if expand or commit is not None:
             return self.request(expand, commit=commit, carry=carry)
         return None
 
-    def select_round(self) -> list[int]:
-        policy = self.config.policy
-        if policy == "chain":
-            return self._take(1)
-        if policy == "kary":
-            return self._take(len(self.candidates))
-        if policy == "gain-cost":
-            return self._take_while_worth(self.config.round_nodes)
-        if policy == "confidence":  # EdgeLLM-like: no latency model, a fixed bar on acceptance
-            return self._take_while_confident(self.config.round_nodes)
-        return []
+    # -- what a growth policy reads and does (lever.policy.growth.Builder)
 
-    def _take_while_confident(self, n: int) -> list[int]:
-        added = []
-        while self.candidates and len(added) < n and self.n_nodes < self.limit \
-                and -self.candidates[0][0] >= self.config.confidence:
-            neg_g, _, parent, tok, q, rank = heapq.heappop(self.candidates)
-            added.append(self.add(tok, parent, -neg_g, q, rank))
-        return added
+    def best_candidate(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
 
-    def _take(self, n: int) -> list[int]:
-        added = []
-        while self.candidates and len(added) < n and self.n_nodes < self.limit:
-            neg_g, _, parent, tok, q, rank = heapq.heappop(self.candidates)
-            added.append(self.add(tok, parent, -neg_g, q, rank))
-        if self.config.policy == "chain":
-            self.candidates.clear()  # a chain keeps only the best child of its last node
-        return added
+    def take(self, c: Candidate) -> int:
+        """The best candidate, c, joins the tree."""
+        assert self.candidates[0] is c
+        heapq.heappop(self.candidates)
+        return self.add(c.token, c.parent, c.gain, c.q, c.rank)
+
+    def drop_candidates(self) -> None:
+        self.candidates.clear()
+
+    def is_carried(self, c: Candidate) -> bool:
+        return self._carried_row(c.parent, c.token) is not None
 
     def expected_accepted(self) -> float:
         return float(sum(self.gain[1:]))
 
     def latency_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float:
         return self.draft_s + extra_draft_s + self.cost.verify_s(self.n_nodes if n_nodes is None else n_nodes)
-
-    def _take_while_worth(self, n: int) -> list[int]:
-        """Adds the best candidates while each raises (E + 1) / latency.
-
-        A node's drafting cost is what its expansion adds to the round's batched forward: the
-        whole forward for the round's first node (a draft forward costs nearly the same for 1
-        token as for 8, so a lone node per round is expensive), the increment for the others;
-        a node drafted ahead costs nothing, its expansion is done."""
-        added, batch, extra = [], 0, 0.0
-        while self.candidates and len(added) < n and self.n_nodes < self.limit:
-            g, _, parent, tok, q, rank = self.candidates[0]
-            g = -g
-            carried = self._carried_row(parent, tok) is not None
-            node_draft = 0.0 if carried else self.cost.expand_s(batch + 1) - self.cost.expand_s(batch)
-            e, lat = self.expected_accepted(), self.latency_s(extra_draft_s=extra)
-            new_lat = self.latency_s(self.n_nodes + 1, extra + node_draft)
-            if (e + 1 + g) / new_lat < (e + 1) / lat:
-                break
-            heapq.heappop(self.candidates)
-            added.append(self.add(tok, parent, g, q, rank))
-            batch += not carried
-            extra += node_draft
-        return added
-
-    def _worth_expanding(self, node: int) -> bool:
-        """Whether a child of `node` could ever join: even one as likely as the node itself
-        must pay for a draft forward of its own. Saves the forward that ends most trees."""
-        if self.config.policy != "gain-cost":
-            return True
-        e, lat = self.expected_accepted(), self.latency_s()
-        return (e + 1 + self.gain[node]) / (lat + self.cost.expand_s(1)) >= (e + 1) / lat
 
     def tree(self, pass_id: int, commit: tuple[int, ...]) -> TokenTree:
         self.n_sent = self.n_nodes
@@ -322,7 +280,7 @@ class TreeBuilder:
             return None
         # the n likeliest things to expand: unexpanded tree nodes and candidates, by gain
         leaves = [(-self.gain[i], i) for i in range(self.n_sent) if self.row[i] < 0]
-        best = heapq.nsmallest(n, leaves + [(g, -1 - k) for k, (g, *_) in enumerate(heapq.nsmallest(n, self.candidates))])
+        best = heapq.nsmallest(n, leaves + [(c.neg_gain, -1 - k) for k, c in enumerate(heapq.nsmallest(n, self.candidates))])
         # a forward's cost grows slowly with its batch: take the batch with the most gain per second
         gains = np.cumsum([-g for g, _ in best])
         if gains.size == 0:
@@ -337,8 +295,7 @@ class TreeBuilder:
             if i >= 0:
                 nodes.append(i)
             else:  # candidates leave the heap in gain order, as `best` took them
-                neg_g, _, parent, tok, q, rank = heapq.heappop(self.candidates)
-                nodes.append(self.add(tok, parent, -neg_g, q, rank))
+                nodes.append(self.take(self.candidates[0]))
         self.lookahead_s += self.cost.expand_s(len(nodes))
         self.n_ahead += len(nodes)
         return attrs.evolve(self.request(nodes), ahead=True)
@@ -410,12 +367,12 @@ class TreeExpand(Stage):
     _last: TreeBuilder | None = None
 
     def __attrs_post_init__(self):
-        if self.acceptance is None and self.config.policy == "gain-cost" and self.config.acceptance == "online":
+        if self.acceptance is None and self.config.growth.learns_acceptance and self.config.acceptance == "online":
             self.acceptance = AcceptanceTable()
 
     @property
     def drafting(self) -> bool:
-        return self.config.policy != "none"
+        return self.config.growth.drafts
 
     def learn(self, prev: TreeBuilder, acc: Accepted) -> None:
         """Every sent node whose parent the target reached was a trial, accepted or not (unless pruned)."""

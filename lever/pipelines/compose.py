@@ -69,7 +69,7 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
     verify = PrunedVerify("verify", spec, target.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
                           compute, predictor, tracer, observer, cfg.runtime.emulate_layer_ms_per_token / 1e3,
                           placement.verify_fn if placement is not None else layer_forward)
-    accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.policy == "confidence"),
+    accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.growth.full_lm_head),
                     params, target.model.logits, tracer)
     output = Output("output", on_tokens)
     ch = cfg.channels
@@ -81,7 +81,7 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
     p.connect(accept, "accepted", expand, "accepted", ch.tokens)
     p.connect(accept, "emitted", output, "emitted", 4)
     draft = None
-    if tree.policy != "none":
+    if tree.growth.drafts:
         if draft_model is None:
             raise LeverError(f"[tree_expand] policy {tree.policy!r} needs a draft model ([model] draft)")
         if draft_model.spec.n_vocab != spec.n_vocab:

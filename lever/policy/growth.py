@@ -1,0 +1,175 @@
+"""Tree-growth policies: which of the draft's candidates join a cycle's token tree.
+
+TreeExpand's builder (stages/tree_expand.py) keeps the tree and a heap of candidates (children
+the draft proposed, by estimated acceptance); each round it asks its policy which candidates
+join, and whether a node is worth a draft forward of its own. The policies are the paper's
+baselines and Lever's own:
+
+    none        autoregressive: the root alone, no draft (Flash-AR)
+    chain       the best child of the last node, k deep (Chain-SD)
+    kary        every candidate down to a fixed depth (a static tree)
+    confidence  candidates whose path probability stays above a bar, no latency model
+                (EdgeLLM-like; it verifies with the full output head, as EdgeLLM does)
+    gain-cost   the best candidate while it raises the tree's expected accepted tokens per
+                second of cycle, from the cost model (Lever)
+
+A policy is chosen once from `[tree_expand] policy` (`POLICIES[name]`); nothing else tests the
+name. The builder is reached through the small `Builder` protocol, so policies import no stage.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol
+
+import attrs
+
+
+@attrs.frozen(order=True)
+class Candidate:
+    """A child the draft proposed, waiting to join the tree. Ordered for the builder's heap:
+    highest gain first, ties in the order they were proposed."""
+
+    neg_gain: float  # minus its estimated acceptance (heapq pops the smallest)
+    seq: int
+    parent: int = attrs.field(order=False)  # its parent node in the tree
+    token: int = attrs.field(order=False)
+    q: float = attrs.field(order=False)  # the draft's probability of it, given its parent
+    rank: int = attrs.field(order=False)  # its place among its parent's proposals
+
+    @property
+    def gain(self) -> float:
+        return -self.neg_gain
+
+
+class Builder(Protocol):
+    """What a policy reads and does on a tree under construction (TreeBuilder)."""
+
+    config: object  # TreeExpandConfig
+    cost: object  # verify_s(n), expand_s(batch), idle_s(n)
+    gain: list[float]
+    depth: list[int]
+
+    @property
+    def n_nodes(self) -> int: ...
+
+    @property
+    def limit(self) -> int: ...
+
+    def best_candidate(self) -> Candidate | None: ...
+
+    def take(self, c: Candidate) -> int: ...  # pops c (the best) into the tree; its node
+
+    def drop_candidates(self) -> None: ...
+
+    def is_carried(self, c: Candidate) -> bool: ...  # drafted ahead: its expansion costs nothing
+
+    def expected_accepted(self) -> float: ...
+
+    def latency_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float: ...
+
+
+class GrowthPolicy:
+    """The default answers are a policy that drafts nothing."""
+
+    name: ClassVar[str]
+    drafts: ClassVar[bool] = True  # needs a draft model
+    full_lm_head: ClassVar[bool] = False  # Accept runs the output head over the whole tree
+    learns_acceptance: ClassVar[bool] = False  # gains go through the acceptance table, learned online
+
+    def limit(self, config, cap: int) -> int:
+        """Nodes a tree may reach, given the caps and the context (`cap`)."""
+        return cap
+
+    def select(self, b: Builder) -> list[int]:
+        """The nodes that join this round (added to the tree by `b.take`)."""
+        return []
+
+    def expandable(self, config, depth: int) -> bool:
+        """Whether a node at `depth` may have children."""
+        return depth < config.max_depth
+
+    def worth_expanding(self, b: Builder, node: int) -> bool:
+        """Whether a draft forward for `node`'s children could pay for itself."""
+        return True
+
+
+def take_best(b: Builder, n: int, bar: float = float("-inf")) -> list[int]:
+    """Up to n best candidates, while the tree has room and their gain is at least `bar`."""
+    added = []
+    while len(added) < n and b.n_nodes < b.limit:
+        c = b.best_candidate()
+        if c is None or c.gain < bar:
+            break
+        added.append(b.take(c))
+    return added
+
+
+class NoTree(GrowthPolicy):
+    name = "none"
+    drafts = False
+
+
+class Chain(GrowthPolicy):
+    name = "chain"
+
+    def limit(self, config, cap: int) -> int:
+        return min(cap, config.chain_length + 1)
+
+    def select(self, b: Builder) -> list[int]:
+        added = take_best(b, 1)
+        b.drop_candidates()  # a chain keeps only the best child of its last node
+        return added
+
+
+class Kary(GrowthPolicy):
+    name = "kary"
+
+    def select(self, b: Builder) -> list[int]:
+        return take_best(b, b.limit)
+
+    def expandable(self, config, depth: int) -> bool:
+        return depth < min(config.max_depth, config.kary_depth)
+
+
+class Confidence(GrowthPolicy):
+    name = "confidence"
+    full_lm_head = True
+
+    def select(self, b: Builder) -> list[int]:
+        return take_best(b, b.config.round_nodes, bar=b.config.confidence)
+
+
+class GainCost(GrowthPolicy):
+    name = "gain-cost"
+    learns_acceptance = True
+
+    def select(self, b: Builder) -> list[int]:
+        """Adds the best candidates while each raises (E + 1) / latency.
+
+        A node's drafting cost is what its expansion adds to the round's batched forward: the
+        whole forward for the round's first node (a draft forward costs nearly the same for 1
+        token as for 8, so a lone node per round is expensive), the increment for the others;
+        a node drafted ahead costs nothing, its expansion is done."""
+        added, batch, extra = [], 0, 0.0
+        while len(added) < b.config.round_nodes and b.n_nodes < b.limit:
+            c = b.best_candidate()
+            if c is None:
+                break
+            carried = b.is_carried(c)
+            node_draft = 0.0 if carried else b.cost.expand_s(batch + 1) - b.cost.expand_s(batch)
+            e, lat = b.expected_accepted(), b.latency_s(extra_draft_s=extra)
+            if (e + 1 + c.gain) / b.latency_s(b.n_nodes + 1, extra + node_draft) < (e + 1) / lat:
+                break
+            added.append(b.take(c))
+            batch += not carried
+            extra += node_draft
+        return added
+
+    def worth_expanding(self, b: Builder, node: int) -> bool:
+        """Even a child as likely as the node itself must pay for a draft forward of its own:
+        saves the forward that ends most trees."""
+        e, lat = b.expected_accepted(), b.latency_s()
+        return (e + 1 + b.gain[node]) / (lat + b.cost.expand_s(1)) >= (e + 1) / lat
+
+
+POLICIES: dict[str, GrowthPolicy] = {p.name: p for p in (NoTree(), Chain(), Kary(), Confidence(), GainCost())}
