@@ -10,6 +10,7 @@ which to keep (the accepted path), so the draft's cache follows the accepted tex
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 import attrs
@@ -46,6 +47,7 @@ class DraftModel:
     n_committed: int = 0
     pending_parents: list[int] = attrs.field(factory=list)  # parent pending row of each pending row
     forwards: int = 0  # batched forwards run (for the run summary)
+    forward_tokens: collections.Counter = attrs.field(factory=collections.Counter)  # tokens per forward -> forwards
     batch_layer_fn: Callable | None = None  # the backend of forwards over several tokens ([placement] draft_batch); None: CPU
     sampling: SamplingParams | None = None  # when the run samples: children are drawn from the draft's distribution
     rng: np.random.Generator = attrs.field(factory=np.random.default_rng)
@@ -93,6 +95,7 @@ class DraftModel:
         batched = req.tokens.size > 1
         hidden = self.model.forward(req.tokens, pos, mask, self.cache, self.batch_layer_fn if batched else None)
         self.forwards += 1
+        self.forward_tokens[n] += 1
         expand = np.arange(req.n_given, n)
         if expand.size == 0:
             empty = np.zeros((0, req.top_k))
@@ -116,6 +119,16 @@ class DraftModel:
         return tokens, probs, q
 
 
+@attrs.frozen
+class DraftStats:
+    """The draft's figures over a run."""
+
+    weights_bytes: int  # the resident draft model
+    kv_cache_bytes: int
+    forwards: int  # batched forwards run
+    forward_tokens: dict[int, int]  # tokens in a forward -> how many forwards had that many
+
+
 @attrs.define
 class Draft(Stage):
     """ExpandRequest -> Expansion."""
@@ -127,6 +140,10 @@ class Draft(Stage):
     ahead_threads: int = 1  # kernel threads when drafting ahead: leave the other cores to the pass it overlaps
     INPUTS = {"expand": ExpandRequest}
     OUTPUTS = {"expansion": Expansion}
+
+    def stats(self) -> DraftStats:
+        c = self.core
+        return DraftStats(c.model.nbytes, c.cache.nbytes, c.forwards, dict(sorted(c.forward_tokens.items())))
 
     def _expand(self, req: ExpandRequest) -> Expansion:
         with self.tracer.span(self.name, f"draft c{req.cycle}", batch=int(req.tokens.size)):  # not the wait for a slot

@@ -10,6 +10,15 @@ from lever.dataflow.graph import Stage
 from lever.dataflow.messages import Accepted
 
 
+@attrs.frozen
+class OutputStats:
+    """What a run emitted."""
+
+    tokens: tuple[int, ...]
+    accepted_per_pass: tuple[int, ...]  # tokens emitted by each pass, the prefill's first
+    stop_reason: str
+
+
 @attrs.define
 class Output(Stage):
     name: str
@@ -27,6 +36,9 @@ class Output(Stage):
             self.on_tokens(acc.tokens)
         if acc.done:
             self.stop_reason = acc.stop_reason
+
+    def stats(self) -> OutputStats:
+        return OutputStats(tuple(self.tokens), tuple(self.accepted_per_pass), self.stop_reason)
 
     async def run(self, inputs, outputs):
         async for acc in inputs["emitted"]:

@@ -45,6 +45,17 @@ class PassState:
     hidden: np.ndarray | None = None  # (n_nodes, n_embd) pruned nodes keep their state at the pruning layer
 
 
+@attrs.frozen
+class VerifyStats:
+    """Verification's figures over a run."""
+
+    token_layers: int  # nodes x layers the target computed
+    layer_tokens: tuple[int, ...]  # nodes computed at each layer, decoding passes only
+    kv_cache_bytes: int
+    prune_layer: int  # the predictor's layer (-1: no pruning)
+    pruned_share: float  # tree nodes past the root the predictor pruned
+
+
 @attrs.define
 class PrunedVerify(Stage):
     """TokenTree + streamed layers -> Verified."""
@@ -74,6 +85,11 @@ class PrunedVerify(Stage):
     def __attrs_post_init__(self):
         self.inv_freq = self.spec.inv_freq()
         self.layer_tokens = np.zeros(self.spec.n_layer, np.int64)
+
+    def stats(self) -> VerifyStats:
+        p = self.predictor
+        return VerifyStats(self.token_layers, tuple(int(n) for n in self.layer_tokens), self.cache.nbytes,
+                           p.layer if p is not None else -1, p.n_pruned / max(p.n_scored, 1) if p is not None else 0.0)
 
     def begin(self, tree: TokenTree) -> PassState:
         """Commits the previous pass's kept rows, then lays out this tree's rows and mask."""

@@ -334,6 +334,22 @@ class TreeBuilder:
         self._absorb(0, *self.proposals[0])
 
 
+@attrs.frozen
+class TreeStats:
+    """The trees a run grew."""
+
+    tree_sizes: tuple[int, ...]  # nodes of each speculative tree, root included
+    lookahead_hits: int  # cycles that started from rows drafted ahead
+
+    @property
+    def mean_nodes(self) -> float:
+        return sum(self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else 1.0
+
+    @property
+    def lookahead_hit_share(self) -> float:
+        return self.lookahead_hits / len(self.tree_sizes) if self.tree_sizes else 0.0
+
+
 async def _receive(stream) -> Accepted | None:
     try:
         return await stream.receive()
@@ -373,6 +389,9 @@ class TreeExpand(Stage):
     @property
     def drafting(self) -> bool:
         return self.config.growth.drafts
+
+    def stats(self) -> TreeStats:
+        return TreeStats(tuple(self.tree_sizes), self.lookahead_hits)
 
     def learn(self, prev: TreeBuilder, acc: Accepted) -> None:
         """Every sent node whose parent the target reached was a trial, accepted or not (unless pruned)."""

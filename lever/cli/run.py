@@ -70,6 +70,8 @@ def print_summary(res, file) -> None:
         p(f"  cycle       verify pass {res.verify_pass_s / n * 1e3:.0f} ms, accept {res.accept_s / n * 1e3:.0f} ms, "
           f"draft {res.draft_s / n * 1e3:.0f} ms of which {100 * res.draft_hidden_share:.0f}% ran during verification; "
           f"{100 * res.lookahead_hit_share:.0f}% of cycles started from rows drafted ahead")
+        p("  drafting    forwards by tokens in them: "
+          + ", ".join(f"{n} x{c}" for n, c in sorted(res.draft_forward_tokens.items())))
     if res.memory is not None:
         p(f"  memory      peak RSS {res.peak_rss_bytes / mib:.0f} MiB, planned before loading {res.memory.describe()}; "
           f"bound with margin {res.memory.rss_bound_bytes / mib:.0f} MiB")

@@ -7,7 +7,9 @@ buffered channel (a cycle of rendezvous channels could never start). `run` start
 in one task group: closing is the protocol (a stage ends when its inputs close and then its
 outputs close), an exception in any stage cancels the others and reaches the caller as the
 original exception with the stage's name in a note. The overlap of flash reads and compute
-comes from here: a stage blocked on a full channel waits while the others run.
+comes from here: a stage blocked on a full channel waits while the others run. Each run keeps
+per-channel figures (`channel_stats`: messages sent, the most ever waiting), and `to_mermaid`
+draws the graph as built, which is how the README's picture of the pipeline is made.
 """
 
 from __future__ import annotations
@@ -57,11 +59,48 @@ class Edge:
         return f"{self.src.name}.{self.src_port} -> {self.dst.name}.{self.dst_port}"
 
 
+@attrs.define
+class ChannelStats:
+    """One channel's traffic over a run."""
+
+    capacity: int
+    sent: int = 0  # messages through it
+    peak_waiting: int = 0  # the most messages ever buffered at once (at most capacity)
+    full_waits: int = 0  # sends that found the channel full and waited: where backpressure acted
+
+
+class _CountedSend:
+    """A send stream that keeps its channel's ChannelStats (anyio's own statistics() only says
+    what is buffered now, which at the end of a run is nothing)."""
+
+    def __init__(self, stream: ObjectSendStream, stats: ChannelStats):
+        self._stream, self._stats = stream, stats
+
+    async def send(self, item: Any) -> None:
+        st = self._stats
+        if self._stream.statistics().current_buffer_used >= st.capacity:
+            st.full_waits += 1
+        await self._stream.send(item)
+        st.sent += 1
+        st.peak_waiting = max(st.peak_waiting, self._stream.statistics().current_buffer_used)
+
+    def __enter__(self):
+        self._stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._stream.__exit__(*exc)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 class Pipeline:
     def __init__(self, name: str = "pipeline"):
         self.name = name
         self.stages: list[Stage] = []
         self.edges: list[Edge] = []
+        self.channel_stats: dict[str, ChannelStats] = {}  # edge.describe() -> its figures, from the last run
         self._built = False
 
     def add(self, *stages: Stage) -> Pipeline:
@@ -130,14 +169,29 @@ class Pipeline:
             if s.name not in state:
                 visit(s.name, [])
 
+    def to_mermaid(self) -> str:
+        """The graph as a Mermaid flowchart: a node per stage (name and class), an arrow per
+        channel labelled with its ports, message type and capacity."""
+        lines = ["flowchart LR"]
+        for s in self.stages:
+            lines.append(f'    {_node_id(s.name)}["{s.name}<br/><i>{type(s).__name__}</i>"]')
+        for e in self.edges:
+            kind = type(e.src).OUTPUTS.get(e.src_port, object).__name__
+            label = f"{e.src_port} → {e.dst_port}<br/>{kind} ×{e.capacity}" if e.src_port != e.dst_port \
+                else f"{e.src_port}<br/>{kind} ×{e.capacity}"
+            lines.append(f'    {_node_id(e.src.name)} -->|"{label}"| {_node_id(e.dst.name)}')
+        return "\n".join(lines)
+
     async def run(self) -> None:
         if not self._built:
             self.build()
         inputs: dict[str, dict[str, ObjectReceiveStream]] = {s.name: {} for s in self.stages}
         outputs: dict[str, dict[str, ObjectSendStream]] = {s.name: {} for s in self.stages}
+        self.channel_stats = {}
         for e in self.edges:
             send, recv = anyio.create_memory_object_stream[Any](max_buffer_size=e.capacity)
-            outputs[e.src.name][e.src_port] = send
+            stats = self.channel_stats[e.describe()] = ChannelStats(e.capacity)
+            outputs[e.src.name][e.src_port] = _CountedSend(send, stats)
             inputs[e.dst.name][e.dst_port] = recv
         try:
             async with anyio.create_task_group() as tg:
@@ -145,6 +199,10 @@ class Pipeline:
                     tg.start_soon(_run_stage, s, inputs[s.name], outputs[s.name], name=s.name)
         except BaseExceptionGroup as group:
             raise _first_cause(group) from None
+
+
+def _node_id(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
 
 
 async def _run_stage(stage: Stage, inputs: dict, outputs: dict) -> None:

@@ -68,6 +68,8 @@ class RunResult:
     draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
     lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead, of all decoding cycles
     placement: dict[str, str] = attrs.field(factory=dict)  # where each stage's work ran
+    draft_forward_tokens: dict[int, int] = attrs.field(factory=dict)  # tokens in a draft forward -> forwards
+    channels: dict[str, dict] = attrs.field(factory=dict)  # each channel's ChannelStats (messages, backlog)
     memory: MemoryPlan | None = None  # what lever.policy.memory planned before loading, checked against [memory] limit
     token_layers: int = 0  # nodes x layers the target computed, over the run
     layer_tokens: list[int] = attrs.field(factory=list)  # nodes computed at each target layer, decoding passes only
@@ -235,39 +237,39 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, tok: Tokenizer, p
     if on_text:
         on_text(stream.flush())
     dev_bytes = (process_read_bytes() or 0) - dev0
-    out = h.output
+    out, trees, verified = h.output.stats(), h.expand.stats(), h.verify.stats()
+    drafted = h.draft.stats() if h.draft is not None else None
     n_passes = len(out.accepted_per_pass)
     summary = tracer.summary()
-    kv_bytes = h.verify.cache.nbytes
-    draft_bytes = 0
-    if h.draft is not None:
-        draft_bytes = h.draft.core.model.nbytes + h.draft.core.cache.nbytes
+    draft_bytes = drafted.weights_bytes + drafted.kv_cache_bytes if drafted is not None else 0
     # The prefill pass reads the layers once too; decoding is the passes after it.
     decode_passes = max(n_passes - 1, 1)
     per_pass_bytes = target.store.streamed_bytes
-    stats = target.store.stats()
+    store = target.store.stats()
     if trace_path:
         tracer.write_chrome(trace_path)
     return RunResult(
-        pipeline=kind.name if tree is None else f"{kind.name}/{tree.policy}", prompt_tokens=prompt_ids, tokens=out.tokens,
-        text="".join(StreamDecoder(tok, at_start=False).push(t) for t in out.tokens),
+        pipeline=kind.name if tree is None else f"{kind.name}/{tree.policy}", prompt_tokens=prompt_ids,
+        tokens=list(out.tokens), text="".join(StreamDecoder(tok, at_start=False).push(t) for t in out.tokens),
         stop_reason=out.stop_reason, prefill_s=(t_first[0] if t_first else t1) - t0,
         decode_s=t1 - (t_first[0] if t_first else t1), n_passes=n_passes,
         accepted_per_pass=sum(out.accepted_per_pass[1:]) / decode_passes if n_passes > 1 else 0.0,
-        mean_tree_nodes=sum(h.expand.tree_sizes) / len(h.expand.tree_sizes) if h.expand.tree_sizes else 1.0,
-        dram_budget_bytes=target.resident_bytes + target.head_bytes + target.window_bytes + kv_bytes + draft_bytes,
-        draft_bytes=draft_bytes, memory=plan,
-        resident_layer_bytes=target.resident_bytes, head_bytes=target.head_bytes, window_bytes=target.window_bytes, kv_cache_bytes=kv_bytes,
-        streamed_bytes_per_pass=per_pass_bytes,
+        mean_tree_nodes=trees.mean_nodes,
+        dram_budget_bytes=target.resident_bytes + target.head_bytes + target.window_bytes + verified.kv_cache_bytes
+        + draft_bytes,
+        draft_bytes=draft_bytes, memory=plan, resident_layer_bytes=target.resident_bytes, head_bytes=target.head_bytes,
+        window_bytes=target.window_bytes, kv_cache_bytes=verified.kv_cache_bytes, streamed_bytes_per_pass=per_pass_bytes,
         flash_read_bytes=max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
-        flash_requested_bytes=stats.requested_bytes,
+        flash_requested_bytes=store.requested_bytes,
         peak_rss_bytes=_peak_rss_bytes(), stage_s=summary.stage_s, io_s=summary.io_s,
         compute_s=summary.compute_s, overlap_share=summary.overlap_share, flash_gbps=summary.flash_gbps,
-        draft_s=summary.stage_s.get(h.draft.name, 0.0) if h.draft else 0.0, accept_s=summary.stage_s.get(h.accept.name, 0.0), verify_pass_s=summary.pass_s(h.verify.name),
+        draft_s=summary.stage_s.get(h.draft.name, 0.0) if h.draft else 0.0,
+        accept_s=summary.stage_s.get(h.accept.name, 0.0), verify_pass_s=summary.pass_s(h.verify.name),
         draft_hidden_share=summary.hidden_share(h.draft.name, h.verify.name) if h.draft else 0.0,
+        draft_forward_tokens=drafted.forward_tokens if drafted is not None else {},
         placement=place.where | {f"qnn {i}": _qnn_figures(r) for i, r in enumerate(place.runners)},
-        token_layers=h.verify.token_layers, layer_tokens=h.verify.layer_tokens.tolist(),
-        prune_layer=predictor.layer if predictor is not None else -1,
-        pruned_share=predictor.n_pruned / max(predictor.n_scored, 1) if predictor is not None else 0.0,
-        temperature=g.temperature, lookahead_hit_share=h.expand.lookahead_hits / len(h.expand.tree_sizes) if h.expand.tree_sizes else 0.0,
+        token_layers=verified.token_layers, layer_tokens=list(verified.layer_tokens),
+        prune_layer=verified.prune_layer, pruned_share=verified.pruned_share,
+        temperature=g.temperature, lookahead_hit_share=trees.lookahead_hit_share,
+        channels={k: attrs.asdict(v) for k, v in h.pipeline.channel_stats.items()},
     )

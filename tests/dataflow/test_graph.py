@@ -11,6 +11,7 @@ import pytest
 
 from lever.dataflow.graph import GraphError, Pipeline, Stage
 from lever.dataflow.trace import Tracer
+from lever.stages import testing
 
 
 @attrs.frozen
@@ -23,15 +24,8 @@ class Text:
     value: str
 
 
-@attrs.define
-class Source(Stage):
-    name: str
-    n: int
-    OUTPUTS = {"out": Num}
-
-    async def run(self, inputs, outputs):
-        for i in range(self.n):
-            await outputs["out"].send(Num(i))
+def Source(name: str, n: int) -> Stage:  # noqa: N802 (the kit's stage, for Num)
+    return testing.Source.of(Num)(name, [Num(i) for i in range(n)])
 
 
 @attrs.define
@@ -51,15 +45,12 @@ class Double(Stage):
             await outputs["out"].send(self.step(x))
 
 
-@attrs.define
-class Sink(Stage):
-    name: str
-    got: list = attrs.field(factory=list)
-    INPUTS = {"inp": Num}
+def Sink(name: str) -> Stage:  # noqa: N802
+    return testing.Sink.of(Num)(name)
 
-    async def run(self, inputs, outputs):
-        async for x in inputs["inp"]:
-            self.got.append(x.value)
+
+def values(sink) -> list[int]:
+    return [x.value for x in sink.got]
 
 
 @attrs.define
@@ -81,7 +72,7 @@ def chain(fail_at=None, n=5):
 def test_runs_and_closes_in_order():
     p, sink = chain()
     anyio.run(p.run)
-    assert sink.got == [0, 2, 4, 6, 8]
+    assert values(sink) == [0, 2, 4, 6, 8]
 
 
 def test_type_mismatch_names_both_ports():
@@ -187,4 +178,25 @@ def test_bounded_channel_overlaps_io_with_compute(tmp_path):
     import json
 
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
-    assert len(events) == 16 and {e["cat"] for e in events} == {"io", "compute"}
+    spans = [e for e in events if e["ph"] == "X"]
+    tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert len(spans) == 16 and {e["cat"] for e in spans} == {"io", "compute"} and tracks == {"read", "comp"}
+
+
+def test_channel_stats_count_every_message_and_the_backlog():
+    src, dbl, sink = Source("src", 20), Double("dbl"), Sink("sink")
+    p = Pipeline().connect(src, "out", dbl, "inp", 3).connect(dbl, "out", sink, "inp", 1)
+    anyio.run(p.run)
+    first, second = p.channel_stats["src.out -> dbl.inp"], p.channel_stats["dbl.out -> sink.inp"]
+    assert first.sent == second.sent == 20 and values(sink) == [2 * i for i in range(20)]
+    assert 1 <= first.peak_waiting <= 3 and second.peak_waiting <= 1
+    anyio.run(p.run)  # a second run starts its figures afresh
+    assert p.channel_stats["src.out -> dbl.inp"].sent == 20
+
+
+def test_to_mermaid_draws_every_stage_and_channel():
+    p, _ = chain()
+    text = p.to_mermaid()
+    assert text.splitlines()[0] == "flowchart LR"
+    assert '    src["src<br/><i>Source[Num]</i>"]' in text
+    assert '    src -->|"out → inp<br/>Num ×1"| dbl' in text and '    dbl -->|"out → inp<br/>Num ×1"| sink' in text
