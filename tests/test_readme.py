@@ -1,6 +1,8 @@
-"""The README works as written: its two set-up commands are the ones CI runs, and every other
-block marked `sh` or `python` runs here from the repository root (`sh qwen` blocks need the
-Qwen2.5-Coder pair, which the `require` fixture fetches or skips with the reason)."""
+"""The README works as written: its two set-up commands are the ones CI runs, every other block
+marked `sh` or `python` (in the README and in docs/) runs here from the repository root (`sh qwen`
+blocks need the Qwen2.5-Coder pair, which the `require` fixture fetches or skips with the reason;
+`sh measure` blocks are benchmarks of minutes to an hour, run by hand), and its picture of the
+pipeline is the graph the code builds."""
 
 import os
 import re
@@ -11,7 +13,8 @@ import pytest
 from tests.conftest import ROOT
 
 README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"```(\w+)([^\n]*)\n(.*?)\n```", README, re.S)
+DOCS = [README] + [p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [b for text in DOCS for b in re.findall(r"```(\w+)([^\n]*)\n(.*?)\n```", text, re.S)]
 SETUP = README.split("## Two commands", 1)[1].split("\n## ", 1)[0]
 
 
@@ -45,7 +48,7 @@ def test_readme_command_on_the_qwen_pair_runs(line, qwen_target, qwen_draft):
 
 
 def test_readme_python_block_runs(capsys):
-    (code,) = [body for lang, _, body in BLOCKS if lang == "python"]
+    (code,) = [body for lang, _, body in re.findall(r"```(\w+)([^\n]*)\n(.*?)\n```", README, re.S) if lang == "python"]
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
@@ -53,3 +56,22 @@ def test_readme_python_block_runs(capsys):
     finally:
         os.chdir(cwd)
     assert "tokens in" in capsys.readouterr().out
+
+
+def test_readme_pipeline_picture_is_the_graph_compose_builds():
+    from lever.config import load_config
+    from lever.dataflow.trace import Tracer
+    from lever.model.sampling import SamplingParams
+    from lever.model.transformer import Model
+    from lever.pipelines.compose import compose
+    from lever.pipelines.target import FlashTarget
+
+    cfg = load_config(ROOT / "examples" / "default.toml")
+    target = FlashTarget.open(cfg.model.target, cfg.flash)
+    try:
+        c = compose(target, [1], cfg=cfg, params=SamplingParams(), eos_ids=frozenset(), n_ctx=128, tracer=Tracer(),
+                    draft_model=Model(cfg.model.draft), tree=cfg.tree_expand)
+    finally:
+        target.close()
+    (picture,) = [body for lang, _, body in BLOCKS if lang == "mermaid"]
+    assert picture == c.pipeline.to_mermaid(), "README's pipeline picture is stale; paste:\n" + c.pipeline.to_mermaid()
