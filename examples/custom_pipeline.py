@@ -45,7 +45,7 @@ def main(model_path: str, prompt: str, n: int = 32) -> list[int]:
     spec = target.model.spec
     expand = TreeExpand("expand", TreeExpandConfig(policy="none"), tok.encode(prompt))  # no draft: Flash-AR
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec, anyio.CapacityLimiter(4))
-    verify = PrunedVerify("verify", spec, target.model.embed, KVCache(spec, 512), target.resident)
+    verify = PrunedVerify("verify", spec, target.embed, KVCache(spec, 512), target.resident)
     accept = Accept("accept", AcceptConfig(n_predict=n), SamplingParams(), target.model.logits)
     printer = Printer("printer", StreamDecoder(tok, at_start=False))
     p = (Pipeline("my-flash-ar")

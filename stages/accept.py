@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 
 from lever.dataflow.graph import Stage
-from lever.dataflow.messages import Accepted, TokenTree, Verified, children_of
+from lever.dataflow.messages import Accepted, TokenTree, Verified, children_of, likely_path
 from lever.dataflow.trace import Tracer
 from lever.model.sampling import SamplingParams, distribution, rejection_sample, sample
 
@@ -31,16 +31,6 @@ class AcceptConfig:
     eos_ids: frozenset[int] = frozenset()  # tokens that end the generation
     n_ctx: int = 4096  # the target's context: stop before it is full
     full_lm_head: bool = False  # run the output projection on every node (EdgeLLM-like), not only the path
-
-
-def likely_path(tree: TokenTree, kids: list[list[int]], node: int, n: int) -> list[int]:
-    """`node`, then its most probable child by the draft, and so on: at most n nodes."""
-    path = [node]
-    while len(path) < n and kids[node]:
-        probs = tree.draft_probs
-        node = max(kids[node], key=lambda c: probs[c]) if probs is not None else kids[node][0]
-        path.append(node)
-    return path
 
 
 def choose(logits: np.ndarray, drafted, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -13,20 +13,10 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from lever.gguf.tokenizer import byte_level_chars
+
 QUANTIZABLE = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0"}  # gguf-py can quantize these
 K_QUANTS = {"Q4_K", "Q6_K"}  # random valid blocks (gguf-py only dequantizes them)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def random_k_blocks(qtype: str, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -131,8 +121,7 @@ def write_tiny_model(path: Path, arch: str = "llama", wtype: str = "F32", *, n_l
 
 def _add_byte_tokenizer(w: gguf.GGUFWriter, n_vocab: int) -> None:
     """Byte-level BPE: 256 byte tokens, a few merges, then filler tokens up to n_vocab, eos last."""
-    b2u = _bytes_to_unicode()
-    tokens = [b2u[b] for b in range(256)]
+    tokens = byte_level_chars()
     merges = []
     for a, b in (("t", "h"), ("th", "e"), ("Ġ", "t"), ("i", "n"), ("h", "e"), ("Ġt", "he")):
         merges.append(f"{a} {b}")

@@ -78,16 +78,6 @@ class FlashStats:
     elapsed_s: float
     latency_hist_us: tuple[int, ...]  # [i] = reads that took [2^i, 2^(i+1)) µs; [0] also < 1 µs
 
-    @property
-    def requested_bytes_per_s(self) -> float:
-        """Throughput over the wall-clock window (meaningful when reads kept the device busy)."""
-        return self.requested_bytes / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    @property
-    def mean_read_s(self) -> float:
-        return self.read_s / self.reads if self.reads else 0.0
-
-
 class Counters:
     """Thread-safe tallies behind FlashStats; reads finish on many worker threads at once."""
 

@@ -176,9 +176,6 @@ class FlashStore:
         """Bytes one pass asks of storage: every streamed layer's reads."""
         return sum(r.n_bytes for i in self.streamed for r in self._plans[i])
 
-    def is_resident(self, layer: int) -> bool:
-        return layer in self.resident
-
     def plan_reads(self, layer: int) -> list[Read]:
         """The reads that fill a buffer with `layer`, in file order; any order and any
         concurrency will do, as each writes its own part of the buffer."""

@@ -72,6 +72,16 @@ def children_of(tree: TokenTree) -> list[list[int]]:
     return kids
 
 
+def likely_path(tree: TokenTree, kids: list[list[int]], node: int, n: int | None = None) -> list[int]:
+    """`node`, then its child the draft found likeliest (the first without draft probabilities),
+    and so on down: at most n nodes (None: to a leaf)."""
+    path, probs = [node], tree.draft_probs
+    while (n is None or len(path) < n) and kids[node]:
+        node = max(kids[node], key=lambda c: probs[c]) if probs is not None else kids[node][0]
+        path.append(node)
+    return path
+
+
 @attrs.frozen
 class Verified:
     """The target's last-layer hidden states for every node of a tree (before the final norm)."""

@@ -1,6 +1,6 @@
 """Spans recorded by every stage, a Chrome/Perfetto trace, and the overlap figure.
 
-Stages wrap each piece of work in `tracer.span(stage, what, bytes=..., batch=...)`. The run
+Stages wrap each piece of work in `tracer.span(stage, what, kind=..., n_bytes=..., batch=...)`. The run
 summary reads the spans back: seconds per stage, the flash bandwidth achieved, and how much of
 the time spent reading was hidden under compute (the overlap that channel scheduling is for).
 `--trace out.json` writes them in the Trace Event format that chrome://tracing and Perfetto open.

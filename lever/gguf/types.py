@@ -33,11 +33,6 @@ class TypeTraits:
         """Bytes of an (n_rows, n_cols) matrix in the tile layout: whole tiles of TILE_ROWS rows."""
         return -(-n_rows // TILE_ROWS) * TILE_ROWS * self.row_bytes(n_cols)
 
-    @property
-    def bits_per_weight(self) -> float:
-        return 8.0 * self.block_bytes / self.block_elems
-
-
 TYPES: dict[str, TypeTraits] = {
     t.name: t
     for t in (

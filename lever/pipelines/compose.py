@@ -97,12 +97,6 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
     return Composition(p.build(), output, verify, accept, expand, draft, tracer)
 
 
-def flash_ar(target: FlashTarget, prompt: list[int], cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
-             n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None) -> Composition:
-    return compose(target, prompt, cfg=cfg, params=params, eos_ids=eos_ids, n_ctx=n_ctx, tracer=tracer,
-                   on_tokens=on_tokens)
-
-
 def read_only(store: FlashStore, file: GGUFFile, flash: FlashConfig, n_passes: int) -> tuple[Pipeline, Drain]:
     """Prefetch alone over the store, feeding a Drain: n_passes passes of reads, no compute."""
     prefetch = Prefetch("prefetch", store, file, read_spec(file), anyio.CapacityLimiter(flash.queue_depth))

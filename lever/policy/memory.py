@@ -146,7 +146,3 @@ def check(plan: MemoryPlan, cfg: MemoryConfig, where: str = "config") -> None:
         raise LeverError(f"{where}: this run needs {plan.describe()}; {mib(more)} more than now, but the machine "
                          f"has {mib(available)} available; {largest(plan)}")
 
-
-def peak_within(peak_rss_bytes: int, plan: MemoryPlan) -> bool:
-    return peak_rss_bytes <= plan.rss_bound_bytes
-

@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 
 from lever.backends.cpu import native
-from lever.dataflow.messages import TokenTree, children_of
+from lever.dataflow.messages import TokenTree, children_of, likely_path
 from lever.errors import LeverError
 from lever.gguf.identity import ModelIdentity
 from lever.policy.acceptance import AcceptanceTable
@@ -64,12 +64,7 @@ class Correction:
 
 def backbone(tree: TokenTree, kids: list[list[int]]) -> set[int]:
     """The draft's likeliest chain from the root: never pruned."""
-    probs = tree.draft_probs
-    node, chain = tree.n_given - 1, set(range(tree.n_given))
-    while kids[node]:
-        node = max(kids[node], key=lambda c: probs[c]) if probs is not None else kids[node][0]
-        chain.add(node)
-    return chain
+    return set(range(tree.n_given)) | set(likely_path(tree, kids, tree.n_given - 1))
 
 
 def candidates(tree: TokenTree, kids: list[list[int]], node: int) -> tuple[np.ndarray, np.ndarray, int]:

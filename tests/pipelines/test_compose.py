@@ -17,7 +17,7 @@ from lever.gguf.tokenizer import Tokenizer
 from lever.model.generate import GREEDY, generate
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
-from lever.pipelines.compose import flash_ar
+from lever.pipelines.compose import compose
 from lever.pipelines.session import run_pipeline
 from lever.pipelines.target import FlashTarget
 
@@ -87,7 +87,8 @@ def test_cancellation_stops_within_a_second_and_releases_everything(tiny_model):
     cfg = config(path, "generate.n_predict=100000", "flash.read_latency_ms=5")
     target = FlashTarget.open(path, cfg.flash)
     tok = Tokenizer.from_gguf(path)
-    h = flash_ar(target, tok.encode(PROMPT), cfg, SamplingParams(), frozenset(), 256, Tracer())
+    h = compose(target, tok.encode(PROMPT), cfg=cfg, params=SamplingParams(), eos_ids=frozenset(), n_ctx=256,
+                tracer=Tracer())
 
     async def main():
         with anyio.move_on_after(0.5):

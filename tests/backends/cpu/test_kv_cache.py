@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
 from lever.backends.cpu.kv_cache import KVCache
 
+SPEC = types.SimpleNamespace(n_layer=2, n_head_kv=2, head_dim=4)  # what a cache reads of a ModelSpec
+
 
 def cache(n_rows: int, seed: int) -> KVCache:
-    c = KVCache.__new__(KVCache)
+    """A cache of 64 rows with n_rows in use, filled with random values."""
+    c = KVCache(SPEC, 64)
     rng = np.random.default_rng(seed)
-    c.n_ctx = 64
-    c.k = [rng.standard_normal((64, 2, 4)).astype(np.float16) for _ in range(2)]
-    c.v = [rng.standard_normal((64, 2, 4)).astype(np.float16) for _ in range(2)]
-    c.n_rows = n_rows
+    for a in c.k + c.v:
+        a[:] = rng.standard_normal(a.shape)
+    c.reserve(n_rows)
     return c
 
 
