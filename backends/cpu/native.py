@@ -99,14 +99,29 @@ class LayerWeightsC(ctypes.Structure):
 
 
 _lib = _load()
-n_threads_default = 0  # 0: all cores
+n_threads_default = 0  # 0: all cores; set through default_threads
 _local = threading.local()
 
 
 @contextmanager
+def default_threads(n: int):
+    """Kernel threads for every call in the process inside the block (0: leave as it is):
+    `[runtime] threads` or `--threads` for one command or one run."""
+    global n_threads_default
+    prev = n_threads_default
+    if n:
+        n_threads_default = n
+    try:
+        yield
+    finally:
+        n_threads_default = prev
+
+
+@contextmanager
 def threads(n: int):
-    """Kernel threads for the calls this thread makes inside the block (0: all cores). Drafting
-    ahead runs on one core so that the reads it overlaps are not starved of CPU."""
+    """Kernel threads for the calls this thread makes inside the block (0: the process default,
+    all cores unless `default_threads` says otherwise). Drafting ahead runs on one core so that
+    the reads it overlaps are not starved of CPU."""
     prev = getattr(_local, "n", None)
     _local.n = n
     try:
@@ -119,7 +134,7 @@ def _threads(n_threads: int | None) -> int:
     if n_threads is not None:
         return n_threads
     local = getattr(_local, "n", None)
-    return n_threads_default if local is None else local
+    return local or n_threads_default
 
 
 def _check(rc: int, what: str) -> None:

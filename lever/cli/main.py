@@ -36,9 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads and hasattr(args, "set"):  # a command with a config: --threads is its [runtime] threads
+        args.set.append(f"runtime.threads={args.threads}")
     try:
-        native.n_threads_default = args.threads
-        return args.func(args)
+        with native.default_threads(args.threads):
+            return args.func(args)
     except LeverError as e:
         if args.debug:
             raise

@@ -319,13 +319,12 @@ def print_table(profile: Profile, out: Callable[[str], None] = print) -> None:
 
 def main(args) -> int:
     cfg = load_config(args.config, args.set)
-    if not args.threads and cfg.runtime.threads:
-        native.n_threads_default = cfg.runtime.threads
 
     def progress(line: str) -> None:  # stderr: stdout keeps only the table
         print(line, file=sys.stderr)
 
-    profile = measure(cfg, rounds=args.rounds, passes=args.passes, out=progress)
+    with native.default_threads(cfg.runtime.threads):
+        profile = measure(cfg, rounds=args.rounds, passes=args.passes, out=progress)
     path = write(profile, args.out or default_path(cfg.model.target))
     print_table(profile)
     _print_predictions(cfg, profile)

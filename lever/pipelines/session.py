@@ -15,6 +15,7 @@ import time
 import anyio
 import attrs
 
+from lever.backends.cpu import native
 from lever.backends.flash.device import process_read_bytes
 from lever.config import PIPELINE_KINDS, Config, PipelineKind
 from lever.dataflow.trace import Tracer
@@ -175,13 +176,14 @@ def _run_kind(cfg: Config, name: str, prompt: str, on_text, trace_path, observer
                        tree_rows=tree.max_nodes, draft=draft_file, draft_spec=draft_spec,
                        draft_rows=tree.draft_rows if kind.drafts else 0)
     check_memory(plan, cfg.memory, cfg.where)
-    target = FlashTarget.open(path, flash, file=f)
-    try:
-        # resident: read (not mapped) and packed, so its file may change under a long run without harm
-        draft = Model(file=draft_file) if draft_file is not None else None
-        return _run(cfg, kind, target, tok, prompt_ids, n_ctx, plan, draft, on_text, trace_path, observer)
-    finally:
-        target.close()
+    with native.default_threads(cfg.runtime.threads):
+        target = FlashTarget.open(path, flash, file=f)
+        try:
+            # resident: read (not mapped) and packed, so its file may change under a long run without harm
+            draft = Model(file=draft_file) if draft_file is not None else None
+            return _run(cfg, kind, target, tok, prompt_ids, n_ctx, plan, draft, on_text, trace_path, observer)
+        finally:
+            target.close()
 
 
 def _qnn_figures(runner) -> str:
