@@ -27,6 +27,7 @@ from lever.backends.flash import FlashConfig, FlashStore
 from lever.backends.flash.config import PAGE_BYTES
 from lever.backends.flash.layout import Read
 from lever.cli.common import add_common, add_set
+from lever.cli.table import show
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
@@ -306,11 +307,11 @@ def print_table(profile: Profile, out: Callable[[str], None] = print) -> None:
         f"{SMALL_READ_BYTES // 1024} KiB read {fl.small_read_s * 1e3:.3f} ms, chunk read {fl.chunk_read_s * 1e3:.2f} ms"
         + (f"; device alone {fl.device_read_bytes_per_s / 1e9:.2f} GB/s, {fl.device_small_read_s * 1e3:.3f} ms"
            if (fl.bandwidth_cap_bytes_per_s or fl.read_latency_ms) else ""))
-    out(f"{'tokens':<24}" + "".join(f"{n:>9}" for n in t.tokens))
-    out(f"{'target layer ms':<24}" + "".join(f"{s * 1e3:>9.2f}" for s in t.layer_s))
-    out(f"{'  resident (tiles)':<24}" + "".join(f"{s * 1e3:>9.2f}" for s in t.resident_layer_s))
+    ms = lambda xs: [f"{x * 1e3:.2f}" for x in xs]  # noqa: E731
+    rows = [("target layer ms", *ms(t.layer_s)), ("  resident (tiles)", *ms(t.resident_layer_s))]
     if d is not None:
-        out(f"{'draft forward ms':<24}" + "".join(f"{s * 1e3:>9.2f}" for s in d.forward_s))
+        rows.append(("draft forward ms", *ms(d.forward_s)))
+    show(("tokens", *map(str, t.tokens)), rows, out)
     heads = f"target {', '.join(f'{s / n * 1e3:.2f}' for n, s in zip(t.head_rows, t.head_s))}"
     if d is not None:
         heads += f"; draft {', '.join(f'{s / n * 1e3:.2f}' for n, s in zip(d.head_rows, d.head_s))}"

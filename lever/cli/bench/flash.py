@@ -14,6 +14,7 @@ import attrs
 
 from lever.cli.bench.child import run_json
 from lever.cli.common import add_common
+from lever.cli.table import show
 from lever.config import load_config
 from lever.pipelines.compose import read_pass_s
 
@@ -26,17 +27,19 @@ def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75,
 
     cfg = load_config(config)
     model_path = cfg.model.target
-    rows = []
-    out(f"{'budget':>7}{'ms/token':>10}{'flash MB/token':>16}{'streamed MB/pass':>18}{'device/streamed':>17}"
-        f"{'overlap':>9}{'wall/max(rd,cp)':>17}{'peak RSS MiB':>14}{'RSS bound MiB':>15}")
+    rows, lines = [], []
     for b in budgets:
         r = run_json(config, [*FLASH_AR, f"flash.dram_budget={b!r}"], prompt, n)
         bound = r["rss_bound_bytes"]  # lever.policy.memory's plan before loading, plus its stated margin
         dev_ratio = r["flash_mb_per_token"] * 1e6 / r["streamed_bytes_per_pass"] if r["streamed_bytes_per_pass"] else 0
-        out(f"{b:>7.0%}{r['ms_per_token']:>10.1f}{r['flash_mb_per_token']:>16.1f}{r['streamed_bytes_per_pass'] / 1e6:>18.1f}"
-            f"{dev_ratio:>17.3f}{r['overlap_share']:>9.0%}{r['pass_wall_ratio']:>17.2f}"
-            f"{r['peak_rss_bytes'] / 2**20:>14.0f}{bound / 2**20:>15.0f}")
+        lines.append((f"{b:.0%}", f"{r['ms_per_token']:.1f}", f"{r['flash_mb_per_token']:.1f}",
+                      f"{r['streamed_bytes_per_pass'] / 1e6:.1f}", f"{dev_ratio:.3f}", f"{r['overlap_share']:.0%}",
+                      f"{r['pass_wall_ratio']:.2f}", f"{r['peak_rss_bytes'] / 2**20:.0f}", f"{bound / 2**20:.0f}"))
         rows.append(r | {"budget": b})
+    # device/str: bytes the device read per token over bytes streamed per pass; wall/max: a pass's
+    # wall time over the larger of its read and compute; bound: the memory plan with its margin
+    show(("budget", "ms/tok", "MB/tok", "MB/pass", "dev/str", "overlap", "wall/max", "RSS MiB", "bound"), lines, out,
+         title="Flash-AR by DRAM budget (MB/tok from the device, MB/pass streamed)")
     compute_ms = rows[-1]["ms_per_token"] if budgets[-1] == 1.0 else None
     zero = rows[0]
     read_ms = read_pass_s(model_path, attrs.evolve(cfg.flash, dram_budget=budgets[0])) * 1e3

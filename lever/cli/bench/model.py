@@ -27,6 +27,7 @@ import numpy as np
 from lever.backends.cpu import native
 from lever.backends.cpu.kv_cache import causal_mask
 from lever.cli.common import add_common, add_set
+from lever.cli.table import show
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.gguf.tokenizer import Tokenizer
@@ -107,9 +108,7 @@ def bench_model(model_path: str, n_gen: int = 32, pp: tuple[int, ...] = PP_TOKEN
                 samples[f"llama_{t}"].append(v)
         out(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items() if v))
     med = {k: statistics.median(v) for k, v in samples.items() if v}
-    out(f"\nmodel: {model_path}")
-    out(f"{'test':<8}{'lever tok/s':>14}{'llama.cpp tok/s':>18}{'ratio':>8}")
-    rows = {}
+    rows, lines = {}, []
     for t in tests:
         ours, ref = med[f"lever_{t}"], med.get(f"llama_{t}")
         # The ratio is the median of each round's ratio: a round measures both within seconds,
@@ -117,7 +116,9 @@ def bench_model(model_path: str, n_gen: int = 32, pp: tuple[int, ...] = PP_TOKEN
         # 28-30 and 38-41 tok/s in consecutive processes of the same build).
         ratio = statistics.median(a / b for a, b in zip(samples[f"lever_{t}"], samples[f"llama_{t}"])) if ref else None
         rows[t] = {"lever_tps": ours, "llama_tps": ref, "ratio": ratio}
-        out(f"{t:<8}{ours:>14.1f}{(f'{ref:.1f}' if ref else 'n/a'):>18}{(f'{ratio:.2f}x' if ref else '-'):>8}")
+        lines.append((t, f"{ours:.1f}", f"{ref:.1f}" if ref else "n/a", f"{ratio:.2f}x" if ref else "-"))
+    out("")
+    show(("test", "lever tok/s", "llama.cpp tok/s", "ratio"), lines, out, title=f"model: {model_path}")
     if not lb:
         out("(no llama-bench found: pass --llama-bench PATH or set LLAMA_BENCH for the side-by-side ratio)")
     return {"model": model_path, "tests": rows, "samples": samples}
@@ -179,11 +180,12 @@ def bench_dram(config: str, sets: list[str], prompt: str, n: int, rounds: int = 
     ratio = {k: statistics.median(a / b for a, b in zip(samples[k], samples["llama"])) if samples["llama"] else None
              for k in ("generate", "pipeline")}
     out(f"\ndecoding {len(g.tokens)} tokens of {prompt!r} with everything in DRAM ({target})")
-    out(f"{'':<34}{'tok/s':>8}{'vs llama.cpp':>14}")
+    lines = []
     if "llama" in med:
-        out(f"{'llama.cpp llama-completion':<34}{med['llama']:>8.1f}{'1.00x':>14}")
+        lines.append(("llama.cpp llama-completion", f"{med['llama']:.1f}", "1.00x"))
     for k, label in (("generate", "lever generate (target alone)"), ("pipeline", f"lever run ({res.pipeline})")):
-        out(f"{label:<34}{med[k]:>8.1f}{(f'{ratio[k]:.2f}x' if ratio[k] else '-'):>14}")
+        lines.append((label, f"{med[k]:.1f}", f"{ratio[k]:.2f}x" if ratio[k] else "-"))
+    show(("", "tok/s", "vs llama.cpp"), lines, out)
     out(f"lever run's tokens {'equal' if same else 'DIFFER FROM'} lever generate's in every round; "
         f"{res.accepted_per_pass:.2f} tokens/pass from trees of {res.mean_tree_nodes:.1f} nodes")
     if not same:

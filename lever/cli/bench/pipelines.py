@@ -22,6 +22,7 @@ from rich.progress import Progress
 
 from lever.cli.bench.child import run_json
 from lever.cli.common import add_common, add_set, parse_floats
+from lever.cli.table import show
 from lever.errors import LeverError
 from lever.shipped import shipped
 
@@ -152,12 +153,11 @@ def _greedy(rs: list[dict]) -> bool:
 
 def _print_budget(b: float, rows: dict[str, Row], out) -> None:
     ar = rows["flash-ar"].ms_per_token
-    out(f"\nDRAM budget {b:.0%}")
-    out(f"{'pipeline':<16}{'ms/token':>10}{'tokens/s':>10}{'tokens/pass':>13}{'tree nodes':>12}{'flash MB/token':>16}"
-        f"{'speedup':>9}")
-    for name, r in rows.items():
-        out(f"{name:<16}{r.ms_per_token:>10.1f}{r.tps:>10.2f}{r.accepted_per_pass:>13.2f}{r.tree_nodes:>12.1f}"
-            f"{r.flash_mb_per_token:>16.1f}{ar / r.ms_per_token:>8.2f}x")
+    out("")
+    show(("pipeline", "ms/token", "tok/s", "tok/pass", "nodes", "flash MB/tok", "speedup"),
+         [(name, f"{r.ms_per_token:.1f}", f"{r.tps:.2f}", f"{r.accepted_per_pass:.2f}", f"{r.tree_nodes:.1f}",
+           f"{r.flash_mb_per_token:.1f}", f"{ar / r.ms_per_token:.2f}x") for name, r in rows.items()],
+         out, title=f"DRAM budget {b:.0%}")
     if "lever+pruning" in rows:
         p, lv = rows["lever+pruning"], rows["lever"]
         m = p.prune_layer
@@ -181,13 +181,15 @@ def _summary(table: dict[float, dict[str, Row]]) -> dict:
 
 
 def _print_summary(summary: dict, mismatches: list[str], out) -> None:
-    out("\nLever's speedup (Chain-SD: the best k at each budget)")
-    out(f"{'budget':<8}{'vs Flash-AR':>13}{'vs Chain-SD':>13}{'vs EdgeLLM-like':>17}")
-    for b, v in summary["per_budget"].items():
-        out(f"{float(b):<8.0%}{v['flash-ar']:>12.2f}x{v['chain-sd']:>12.2f}x{v['edgellm-like']:>16.2f}x  ({v['best_chain']})")
+    x = lambda v: f"{v:.2f}x"  # noqa: E731
+    rows = [(f"{float(b):.0%}", x(v["flash-ar"]), x(v["chain-sd"]), x(v["edgellm-like"]), v["best_chain"])
+            for b, v in summary["per_budget"].items()]
     m = summary["mean"]
-    out(f"{'mean':<8}{m['flash-ar']:>12.2f}x{m['chain-sd']:>12.2f}x{m['edgellm-like']:>16.2f}x")
-    out(f"{'paper':<8}{PAPER['flash-ar']:>12.2f}x{PAPER['chain-sd']:>12.2f}x{PAPER['edgellm-like']:>16.2f}x")
+    rows += [("mean", x(m["flash-ar"]), x(m["chain-sd"]), x(m["edgellm-like"]), ""),
+             ("paper", x(PAPER["flash-ar"]), x(PAPER["chain-sd"]), x(PAPER["edgellm-like"]), "")]
+    out("")
+    show(("budget", "vs Flash-AR", "vs Chain-SD", "vs EdgeLLM-like", "best chain"), rows, out,
+         title="Lever's speedup (Chain-SD: its best k at each budget)")
     if mismatches:
         out("LOSSLESS CHECK FAILED: tokens differ from Flash-AR's for " + ", ".join(mismatches))
     else:
