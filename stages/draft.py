@@ -39,7 +39,7 @@ def softmax_top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @attrs.define
-class DraftModel:
+class Drafter:
     """The synchronous core: a model, its cache, and the parents of this cycle's pending rows."""
 
     model: Model
@@ -52,16 +52,17 @@ class DraftModel:
     sampling: SamplingParams | None = None  # when the run samples: children are drawn from the draft's distribution
     rng: np.random.Generator = attrs.field(factory=np.random.default_rng)
 
-    def commit(self, keep: tuple[int, ...], carry: tuple[int, ...] = ()) -> None:
-        """A new cycle: of the pending rows, `keep` (ascending) join the committed prefix and
-        `carry` (ascending, after keep: a subtree drafted ahead) stay pending, renumbered from 0.
+    def keep(self, rows: tuple[int, ...], carry: tuple[int, ...] = ()) -> None:
+        """A new cycle: of the pending rows, `rows` (ascending: the accepted path) join the
+        committed prefix and `carry` (ascending, after them: a subtree drafted ahead) stay
+        pending, renumbered from 0.
 
         The carried rows need no recomputing: they were drafted seeing the committed prefix,
         the kept path and their own ancestors, which is what they see from now on too."""
         new_index = {old: i for i, old in enumerate(carry)}
         parents = [new_index.get(self.pending_parents[old], -1) for old in carry]
-        self.cache.keep_after(self.n_committed, np.asarray([*keep, *carry], np.int64))
-        self.n_committed += len(keep)
+        self.cache.keep_after(self.n_committed, np.asarray([*rows, *carry], np.int64))
+        self.n_committed += len(rows)
         self.pending_parents = parents
 
     def _ancestors(self, i: int) -> list[int]:
@@ -72,10 +73,10 @@ class DraftModel:
         return out
 
     def expand(self, req: ExpandRequest) -> Expansion:
-        if req.commit is not None:
-            self.commit(req.commit, req.carry)
+        if req.keep is not None:
+            self.keep(req.keep, req.carry)
         n = req.tokens.size
-        if n == 0:  # a commit alone: the next tree grew from rows drafted ahead
+        if n == 0:  # only rows kept: the next tree grew from rows drafted ahead
             empty = np.zeros((0, req.top_k))
             return Expansion(req.cycle, np.zeros(0, np.int32), empty.astype(np.int64), empty.astype(np.float32))
         first = len(self.pending_parents)
@@ -134,7 +135,7 @@ class Draft(Stage):
     """ExpandRequest -> Expansion."""
 
     name: str
-    core: DraftModel
+    core: Drafter
     slot: ComputeSlot | None = None  # the compute slot, shared with the target's layers
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
     ahead_threads: int = 1  # kernel threads when drafting ahead: leave the other cores to the pass it overlaps

@@ -4,7 +4,7 @@ Resident layers come from DRAM; every other layer arrives from Prefetch's channe
 `StreamedLayer` and its window buffer goes back as soon as the layer is computed, so reading
 the next layers overlaps this one's compute. Each node attends to the committed prefix and to
 its own ancestors (positions by depth), so a whole tree costs one streamed pass. The KV cache
-belongs to this stage: it changes only by the `commit` each tree carries from Accept.
+belongs to this stage: it changes only by the `keep` each tree carries from Accept.
 With a predictor (`lever/policy/predictor.py`), after its layer m the nodes it prunes leave the pass:
 layers m+1.. run on the survivors only, and the pruned rows of those layers are zeroed, never
 committed, and masked from every survivor (a pruned node's subtree goes with it, so no survivor
@@ -78,7 +78,7 @@ class PrunedVerify(Stage):
 
     token_layers: int = 0  # sum over passes of nodes x layers computed (verification compute)
     layer_tokens: np.ndarray = attrs.field(init=False)  # (n_layer,) nodes computed at each layer in decoding passes
-    _last_n_nodes: int = 0  # nodes of the previous pass, whose rows the next commit selects from
+    _last_n_nodes: int = 0  # nodes of the previous pass, whose rows the next keep selects from
     inv_freq: np.ndarray = attrs.field(init=False)
     _mask_buf: np.ndarray | None = attrs.field(init=False, default=None)  # (max n_tok seen, n_ctx) bool
 
@@ -93,9 +93,9 @@ class PrunedVerify(Stage):
 
     def begin(self, tree: TokenTree) -> PassState:
         """Commits the previous pass's kept rows, then lays out this tree's rows and mask."""
-        if tree.commit is not None:
+        if tree.keep is not None:
             base = self.cache.n_rows - self._last_n_nodes
-            self.cache.keep_after(base, np.asarray(tree.commit, np.int64))
+            self.cache.keep_after(base, np.asarray(tree.keep, np.int64))
         n_past = self.cache.n_rows
         rows = self.cache.reserve(tree.n_nodes)
         mask = self._mask(tree.n_nodes, n_past + tree.n_nodes)

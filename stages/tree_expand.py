@@ -158,7 +158,7 @@ class TreeBuilder:
         self.row.append(-1)
         return self.n_nodes - 1
 
-    def request(self, nodes: list[int], given: list[int] = (), commit: tuple[int, ...] | None = None,
+    def request(self, nodes: list[int], given: list[int] = (), keep: tuple[int, ...] | None = None,
                 carry: tuple[int, ...] = ()) -> ExpandRequest:
         """Ask the draft to expand `nodes` (after extending its cache with `given` tokens)."""
         first = self.n_pending
@@ -174,7 +174,7 @@ class TreeBuilder:
         if toks:
             self.draft_s += self.cost.expand_s(len(toks))
         return ExpandRequest(self.cycle, np.asarray(toks, np.int64), np.asarray(parents, np.int32),
-                             self.config.top_k, len(given), commit, carry)
+                             self.config.top_k, len(given), keep, carry)
 
     def _absorb(self, row: int, toks, probs, q_dist=None) -> None:
         """A node's children from the draft become candidates."""
@@ -203,9 +203,9 @@ class TreeBuilder:
         self._absorb_all(exp)
         return self.next_round()
 
-    def next_round(self, commit: tuple[int, ...] | None = None, carry: tuple[int, ...] = ()) -> ExpandRequest | None:
+    def next_round(self, keep: tuple[int, ...] | None = None, carry: tuple[int, ...] = ()) -> ExpandRequest | None:
         """Picks the next nodes; those drafted ahead bring their children at once, the rest
-        go to the draft. A cycle's first round always reaches the draft (it carries the commit)."""
+        go to the draft. A cycle's first round always reaches the draft (it carries the rows to keep)."""
         expand: list[int] = []
         while True:
             ready = []
@@ -226,8 +226,8 @@ class TreeBuilder:
             for n in ready:
                 self._absorb(self.row[n], *self.proposals[self.row[n]])
         expand = [n for n in expand if self._expandable(n) and self.config.growth.worth_expanding(self, n)]
-        if expand or commit is not None:
-            return self.request(expand, commit=commit, carry=carry)
+        if expand or keep is not None:
+            return self.request(expand, keep=keep, carry=carry)
         return None
 
     # -- what a growth policy reads and does (lever.policy.growth.Builder)
@@ -253,7 +253,7 @@ class TreeBuilder:
     def latency_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float:
         return self.draft_s + extra_draft_s + self.cost.verify_s(self.n_nodes if n_nodes is None else n_nodes)
 
-    def tree(self, pass_id: int, commit: tuple[int, ...]) -> TokenTree:
+    def tree(self, pass_id: int, keep: tuple[int, ...]) -> TokenTree:
         self.n_sent = self.n_nodes
         drafts = {}
         for n, r in enumerate(self.row):
@@ -261,7 +261,7 @@ class TreeBuilder:
                 toks, probs, q = self.proposals[r]
                 drafts[n] = (toks[toks >= 0], q, np.asarray(probs)[toks >= 0])
         return TokenTree(pass_id, np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), 1,
-                         np.asarray(self.gain, np.float32), commit, drafts, self.latency_s())
+                         np.asarray(self.gain, np.float32), keep, drafts, self.latency_s())
 
     # -- drafting ahead, while the target verifies the sent tree
 
@@ -358,7 +358,7 @@ async def _receive(stream) -> Accepted | None:
 
 
 def prefill_tree(prompt: list[int]) -> TokenTree:
-    return TokenTree.chain(0, prompt, n_given=len(prompt), commit=())
+    return TokenTree.chain(0, prompt, n_given=len(prompt), keep=())
 
 
 @attrs.define
@@ -406,7 +406,7 @@ class TreeExpand(Stage):
         """The draft prefills the prompt while the target does."""
         n = len(self.prompt)
         return ExpandRequest(0, np.asarray(self.prompt, np.int64), np.arange(-1, n - 1, dtype=np.int32),
-                             self.config.top_k, n, commit=())
+                             self.config.top_k, n, keep=())
 
     def start_cycle(self, acc: Accepted) -> tuple[TreeBuilder, ExpandRequest | None]:
         """A new tree rooted at the newest token, and the draft request that starts it."""
@@ -423,14 +423,14 @@ class TreeExpand(Stage):
             return b, b.request([0], [], tuple(range(len(self.prompt))))
         # the accepted path's expanded rows stay; an accepted leaf the draft never ran joins now
         rows = [prev.row[n] for n in acc.keep]
-        commit = tuple(r for r in rows if r >= 0)
+        keep = tuple(r for r in rows if r >= 0)
         given = [prev.tokens[n] for n, r in zip(acc.keep, rows) if r < 0]
         carry = () if given else prev.carry_for(acc)
         if not carry:
-            return b, b.request([0], given, commit)
+            return b, b.request([0], given, keep)
         self.lookahead_hits += 1
         b.adopt(prev, carry)
-        return b, b.next_round(commit, carry)
+        return b, b.next_round(keep, carry)
 
     async def lookahead(self, b: TreeBuilder, expand_out, expansions, accepted) -> Accepted | None:
         """Drafts ahead until the target's answer arrives (or there is nothing worth drafting)."""

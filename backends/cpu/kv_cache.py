@@ -2,8 +2,8 @@
 
 A pass reserves rows for its tokens, each layer writes its keys/values there, and attention
 reads rows through an explicit mask. After a pass the caller decides what stays: everything
-(`commit` of autoregressive decoding), a prefix (`truncate`), or only some rows (`keep`, for
-the accepted path of a token tree). Rows are stored as float16, as llama.cpp stores them.
+(autoregressive decoding), a prefix (`truncate`), or only some rows (`keep`, `keep_after`: the
+accepted path of a token tree). Rows are stored as float16, as llama.cpp stores them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ TreeExpand and Draft trade `ExpandRequest`s and `Expansion`s. Beside the loop,
 Prefetch streams `StreamedLayer`s (a layer's weights, read from flash into a window buffer) to
 PrunedVerify, which hands each buffer back as a `FreeBuffer` once the layer is computed.
 Ownership follows the messages: the target's KV cache belongs to PrunedVerify and changes only
-by the `commit` a TokenTree carries, so no two stages share mutable state.
+by the `keep` a TokenTree carries, so no two stages share mutable state.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class TokenTree:
     parents: np.ndarray = attrs.field(eq=False)  # (n_nodes,) int32
     n_given: int = 1
     draft_probs: np.ndarray | None = attrs.field(default=None, eq=False)  # (n_nodes,) draft p of each node
-    commit: tuple[int, ...] | None = None  # rows of the previous pass to keep; None keeps all
+    keep: tuple[int, ...] | None = None  # rows of the previous pass to keep; None keeps all
     # node -> (the draft's tokens for its children in the order drawn, (n_vocab,) float32 the
     # distribution they were drawn from, or None when chosen by rank, the draft's probability
     # of each token): what speculative sampling needs at each expanded node, and the pruning
@@ -58,10 +58,10 @@ class TokenTree:
         return m
 
     @staticmethod
-    def chain(pass_id: int, tokens, n_given: int | None = None, commit=None) -> TokenTree:
+    def chain(pass_id: int, tokens, n_given: int | None = None, keep=None) -> TokenTree:
         t = np.asarray(tokens, np.int64)
         return TokenTree(pass_id, t, np.arange(-1, t.size - 1, dtype=np.int32),
-                         t.size if n_given is None else n_given, commit=commit)
+                         t.size if n_given is None else n_given, keep=keep)
 
 
 def children_of(tree: TokenTree) -> list[list[int]]:
@@ -111,7 +111,7 @@ class ExpandRequest:
 
     The nodes are appended to the draft's pending rows of this cycle, in order; parents index
     those pending rows (-1: the node follows the committed prefix directly). The first request
-    of a cycle carries `commit`, the previous cycle's pending rows to keep (the accepted path),
+    of a cycle carries `keep`, the previous cycle's pending rows to keep (the accepted path),
     and may start with tokens already accepted that the draft has not seen (`n_given`); the
     other requests of a cycle carry None. It may also carry rows drafted ahead while the target
     verified (`carry`: the new root and its subtree), which stay pending, renumbered from 0 in
@@ -123,8 +123,8 @@ class ExpandRequest:
     parents: np.ndarray = attrs.field(eq=False)  # (n,) int32, into this cycle's pending rows
     top_k: int = 4  # children to return for each node that is not given
     n_given: int = 0  # leading nodes that only extend the cache (no children returned)
-    commit: tuple[int, ...] | None = None
-    carry: tuple[int, ...] = ()  # previous pending rows (ascending) that stay pending, after `commit`
+    keep: tuple[int, ...] | None = None
+    carry: tuple[int, ...] = ()  # previous pending rows (ascending) that stay pending, after `keep`
     ahead: bool = False  # drafted ahead while the target verifies: runs only when verification waits
 
 

@@ -33,7 +33,7 @@ from lever.policy.acceptance import AcceptanceTable
 from lever.policy.placement import Placement
 from lever.policy.predictor import Predictor
 from lever.stages.accept import Accept, AcceptConfig
-from lever.stages.draft import Draft, DraftModel
+from lever.stages.draft import Draft, Drafter
 from lever.stages.output import Output
 from lever.stages.prefetch import Prefetch
 from lever.stages.pruned_verify import PrunedVerify
@@ -88,7 +88,7 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
             raise LeverError(f"[model] draft: vocabulary of {draft_model.spec.n_vocab} tokens, the target has {spec.n_vocab}")
         if tree.top_k > spec.n_vocab:
             raise LeverError(f"[tree_expand] top_k: {tree.top_k} children per node, but the vocabulary has {spec.n_vocab} tokens")
-        core = DraftModel(draft_model, draft_model.new_cache(n_ctx + tree.draft_rows), sampling=params,
+        core = Drafter(draft_model, draft_model.new_cache(n_ctx + tree.draft_rows), sampling=params,
                           rng=np.random.default_rng(None if params.seed is None else [params.seed, 1]),
                           batch_layer_fn=placement.draft_batch_fn if placement is not None else None)
         draft = Draft("draft", core, compute, tracer)

@@ -18,7 +18,7 @@ import pytest
 
 from lever.backends.flash import Faults, inject
 from lever.pipelines.session import run_pipeline
-from lever.stages.draft import DraftModel
+from lever.stages.draft import Drafter
 from lever.stages.pruned_verify import PrunedVerify
 from tests.backends.test_flash import disk_dir  # noqa: F401 (a fixture)
 from tests.backends.test_flash_faults import (  # noqa: F401 (fixtures)
@@ -49,7 +49,7 @@ class Interrupt:
 
 def hook_phase(monkeypatch, phase: str, interrupt: Interrupt) -> Faults:
     """Interrupt in `phase`; the returned faults record the run's store (and time the I/O)."""
-    layer, expand = PrunedVerify.layer, DraftModel.expand
+    layer, expand = PrunedVerify.layer, Drafter.expand
 
     def verify_layer(self, st, i, weights):
         if i == 2 and st.tree.pass_id == (0 if phase == "prefill" else 2):  # layer 2 is streamed
@@ -68,7 +68,7 @@ def hook_phase(monkeypatch, phase: str, interrupt: Interrupt) -> Faults:
     if phase in ("prefill", "verification"):
         monkeypatch.setattr(PrunedVerify, "layer", verify_layer)
     if phase == "drafting":
-        monkeypatch.setattr(DraftModel, "expand", draft_expand)
+        monkeypatch.setattr(Drafter, "expand", draft_expand)
     return Faults(on_read=on_read if phase == "io" else None, slow_every=31 if phase == "io" else 0)
 
 

@@ -28,8 +28,8 @@ def test_depths_children_and_ancestors():
 
 
 def test_a_chain_is_a_tree_of_one_path():
-    t = TokenTree.chain(0, [7, 8, 9], commit=())
-    assert t.parents.tolist() == [-1, 0, 1] and t.n_given == 3 and t.commit == ()
+    t = TokenTree.chain(0, [7, 8, 9], keep=())
+    assert t.parents.tolist() == [-1, 0, 1] and t.n_given == 3 and t.keep == ()
     assert t.ancestor_mask().sum() == 6  # lower triangle: causal
 
 

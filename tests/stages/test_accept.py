@@ -80,7 +80,7 @@ class SamplingDraft:
         self.prefix, self.rng, self.paths = tuple(prefix), rng, []
 
     def __call__(self, req):
-        if req.commit is not None:
+        if req.keep is not None:
             self.paths = []
         for tok, parent in zip(req.tokens.tolist(), req.parents.tolist()):
             self.paths.append(self.prefix if parent < 0 else self.paths[parent] + (tok,))
@@ -102,7 +102,7 @@ def speculative_sample(rng, config, prune: bool = False) -> tuple[int, ...]:
         b = TreeBuilder(config, FlatCost(read_s=1.0, compute_per_token_s=1e-4, draft_step_s=1e-3), 1, room=100)
         b.add(prefix[-1], -1, 1.0)
         draft = SamplingDraft(prefix, rng)
-        req = b.request([0], [], commit=())
+        req = b.request([0], [], keep=())
         while req is not None:
             req = b.on_expansion(draft(req))
         t = b.tree(1, ())

@@ -18,7 +18,7 @@ class FakeDraft:
         self.p_first, self.n_pending = p_first, 0
 
     def __call__(self, req) -> Expansion:
-        if req.commit is not None:
+        if req.keep is not None:
             self.n_pending = len(req.carry)  # carried rows stay pending, renumbered from 0
         first = self.n_pending + req.n_given
         self.n_pending += req.tokens.size
@@ -33,7 +33,7 @@ def grow(config: TreeExpandConfig, cost=FlatCost(), room=1000) -> TreeBuilder:
     b = TreeBuilder(config, cost, cycle=1, room=room)
     b.add(5, -1, 1.0)
     draft = FakeDraft()
-    req = b.request([0], given=[], commit=())
+    req = b.request([0], given=[], keep=())
     while req is not None:
         req = b.on_expansion(draft(req))
     return b
@@ -73,21 +73,21 @@ def test_caps_and_room_bound_every_policy():
 def test_draft_rows_and_parents_follow_expansion_order():
     b = grow(TreeExpandConfig(policy="chain", chain_length=2))
     assert b.row == [0, 1, -1]  # root and the first node expanded in turn; the full chain's leaf never
-    tree = b.tree(pass_id=3, commit=(0,))
-    assert tree.n_given == 1 and tree.parents.tolist() == [-1, 0, 1] and tree.commit == (0,)
+    tree = b.tree(pass_id=3, keep=(0,))
+    assert tree.n_given == 1 and tree.parents.tolist() == [-1, 0, 1] and tree.keep == (0,)
 
 
 def test_next_cycle_commits_the_expanded_accepted_path_and_feeds_an_unexpanded_leaf():
     stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=2), prompt=[1, 2, 3])
     b, req = stage.start_cycle(Accepted(0, (5,), (0, 1, 2)))  # after the prefill of 3 tokens
-    assert req.commit == (0, 1, 2) and req.tokens.tolist() == [5]
+    assert req.keep == (0, 1, 2) and req.tokens.tolist() == [5]
     draft = FakeDraft()
     while req is not None:
         req = b.on_expansion(draft(req))
     stage._last = b
     # the target accepted root, node 1, node 2 (a leaf the draft never ran), then emitted 42
     b2, req2 = stage.start_cycle(Accepted(1, (10, 10, 42), (0, 1, 2)))
-    assert req2.commit == (0, 1) and req2.n_given == 1 and req2.tokens.tolist() == [10, 42]
+    assert req2.keep == (0, 1) and req2.n_given == 1 and req2.tokens.tolist() == [10, 42]
     assert req2.parents.tolist() == [-1, 0]
 
 
@@ -98,7 +98,7 @@ def chain_cycle(stage: TreeExpand, lookahead_rounds: int) -> TreeBuilder:
     while req is not None:
         req = b.on_expansion(draft(req))
     stage._last = b
-    b.tree(pass_id=1, commit=(0, 1, 2))
+    b.tree(pass_id=1, keep=(0, 1, 2))
     for _ in range(lookahead_rounds):
         req = b.lookahead_request()
         if req is None:
@@ -140,7 +140,7 @@ def test_a_right_guess_starts_the_next_tree_from_rows_drafted_ahead():
     carry = b.carry_for(acc)
     assert carry[0] == b.row[root] and all(r > b.row[root] for r in carry[1:])
     b2, req = stage.start_cycle(acc)
-    assert req.commit == (0, 1, 2) and req.carry == carry and req.n_given == 0
+    assert req.keep == (0, 1, 2) and req.carry == carry and req.n_given == 0
     assert b2.n_carried_used >= 1 and b2.n_nodes == 3  # the chain's first node came drafted ahead
     assert req.tokens.size < 2  # so at most the second is left to draft
     assert stage.lookahead_hits == 1
@@ -150,7 +150,7 @@ def test_a_wrong_guess_starts_from_scratch():
     stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=2, lookahead_nodes=8), prompt=[1, 2, 3])
     chain_cycle(stage, 10)
     b2, req = stage.start_cycle(Accepted(1, (10, 10, 99), (0, 1, 2)))  # 99 was never drafted
-    assert req.carry == () and req.commit == (0, 1, 2) and req.tokens.tolist() == [99]
+    assert req.carry == () and req.keep == (0, 1, 2) and req.tokens.tolist() == [99]
     assert stage.lookahead_hits == 0
 
 
@@ -162,7 +162,7 @@ def test_online_calibration_learns_from_each_cycle():
     while req is not None:
         req = b.on_expansion(draft(req))
     stage._last = b
-    b.tree(pass_id=1, commit=(0, 1, 2))
+    b.tree(pass_id=1, keep=(0, 1, 2))
     first = [i for i in range(1, b.n_nodes) if b.parents[i] == 0 and b.rank[i] == 0]
     stage.start_cycle(Accepted(1, (10, 99), (0, first[0])))  # the first child accepted, nothing below
     c = stage.acceptance
