@@ -57,29 +57,30 @@ def main(args) -> int:
 def print_summary(res, file) -> None:
     mib = 2**20
     p = lambda *a: print(*a, file=file)  # noqa: E731
-    p(f"pipeline {res.pipeline}: {len(res.tokens)} tokens in {res.n_passes} passes, stop: {res.stop_reason}")
-    p(f"  decode      {res.decode_tps:.2f} tok/s ({res.ms_per_token:.1f} ms/token), prefill {res.prefill_s:.2f} s, "
-      f"{res.accepted_per_pass:.2f} tokens/pass from trees of {res.mean_tree_nodes:.1f} nodes")
+    t, fl, mem, tr = res.timing, res.flash, res.memory, res.tree
+    n = max(t.n_passes, 1)
+    p(f"pipeline {res.pipeline}: {len(res.tokens)} tokens in {t.n_passes} passes, stop: {res.stop_reason}")
+    p(f"  decode      {res.decode_tps:.2f} tok/s ({res.ms_per_token:.1f} ms/token), prefill {t.prefill_s:.2f} s, "
+      f"{tr.accepted_per_pass:.2f} tokens/pass from trees of {tr.mean_nodes:.1f} nodes")
     p(f"  flash       {res.flash_mb_per_token:.1f} MB/token from the device "
-      f"({res.streamed_bytes_per_pass / 1e6:.1f} MB streamed per pass), {res.flash_gbps:.2f} GB/s while reading")
-    p(f"  overlap     {100 * res.overlap_share:.0f}% of read time hidden under compute; per pass: "
-      f"read {res.io_s / max(res.n_passes, 1) * 1e3:.1f} ms, compute {res.compute_s / max(res.n_passes, 1) * 1e3:.1f} ms, "
-      f"wall {res.pass_wall_ratio:.2f}x max(read, compute)")
-    if res.draft_s:
-        n = max(res.n_passes, 1)
-        p(f"  cycle       verify pass {res.verify_pass_s / n * 1e3:.0f} ms, accept {res.accept_s / n * 1e3:.0f} ms, "
-          f"draft {res.draft_s / n * 1e3:.0f} ms of which {100 * res.draft_hidden_share:.0f}% ran during verification; "
-          f"{100 * res.lookahead_hit_share:.0f}% of cycles started from rows drafted ahead")
+      f"({fl.streamed_bytes_per_pass / 1e6:.1f} MB streamed per pass), {fl.gbps:.2f} GB/s while reading")
+    p(f"  overlap     {100 * t.overlap_share:.0f}% of read time hidden under compute; per pass: "
+      f"read {t.io_s / n * 1e3:.1f} ms, compute {t.compute_s / n * 1e3:.1f} ms, "
+      f"wall {t.pass_wall_ratio:.2f}x max(read, compute)")
+    if t.draft_s:
+        p(f"  cycle       verify pass {t.verify_pass_s / n * 1e3:.0f} ms, accept {t.accept_s / n * 1e3:.0f} ms, "
+          f"draft {t.draft_s / n * 1e3:.0f} ms of which {100 * t.draft_hidden_share:.0f}% ran during verification; "
+          f"{100 * tr.lookahead_hit_share:.0f}% of cycles started from rows drafted ahead")
         p("  drafting    forwards by tokens in them: "
-          + ", ".join(f"{n} x{c}" for n, c in sorted(res.draft_forward_tokens.items())))
-    if res.memory is not None:
-        p(f"  memory      peak RSS {res.peak_rss_bytes / mib:.0f} MiB, planned before loading {res.memory.describe()}; "
-          f"bound with margin {res.memory.rss_bound_bytes / mib:.0f} MiB")
-    p("  stages      " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(res.stage_s.items())))
+          + ", ".join(f"{k} x{c}" for k, c in sorted(tr.draft_forward_tokens.items())))
+    if mem.plan is not None:
+        p(f"  memory      peak RSS {mem.peak_rss_bytes / mib:.0f} MiB, planned before loading {mem.plan.describe()}; "
+          f"bound with margin {mem.rss_bound_bytes / mib:.0f} MiB")
+    p("  stages      " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(t.stage_s.items())))
     if res.placement:
         p("  placement   " + ", ".join(f"{k}: {v}" for k, v in res.placement.items()))
     if res.baseline is not None:
         b = res.baseline
         same = "the same tokens" if res.baseline_tokens_equal else "DIFFERENT tokens"
-        p(f"  vs {b.pipeline:<8} {res.speedup:.2f}x faster: {b.ms_per_token:.1f} ms/token on the same prompt, "
+        p(f"  vs {b.pipeline:<8} {res.speedup:.2f}x its speed: {b.ms_per_token:.1f} ms/token on the same prompt, "
           f"{b.flash_mb_per_token:.1f} MB/token from the device, {same}")

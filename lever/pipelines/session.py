@@ -37,45 +37,85 @@ from lever.stages.tree_expand import TreeExpandConfig
 
 
 @attrs.frozen
+class Timing:
+    """Where a run's time went (wall seconds; spans from the tracer)."""
+
+    prefill_s: float
+    decode_s: float
+    n_passes: int  # verification passes, the prefill's first
+    stage_s: dict[str, float]  # each stage's busy time
+    io_s: float  # time with a flash read under way
+    compute_s: float  # time with compute under way
+    overlap_share: float  # share of read time hidden under compute
+    verify_pass_s: float = 0.0  # time with a verification pass under way (reads and waits included)
+    draft_s: float = 0.0  # time the draft model computed
+    accept_s: float = 0.0  # Accept: the output head along the accepted path
+    draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
+
+    @property
+    def pass_wall_ratio(self) -> float:
+        """Wall time per pass over the larger of a pass's read and compute time: 1.0 is perfect overlap."""
+        per_pass = max(self.io_s, self.compute_s) / self.n_passes if self.n_passes else 0.0
+        return (self.prefill_s + self.decode_s) / self.n_passes / per_pass if per_pass else 0.0
+
+
+@attrs.frozen
+class FlashFigures:
+    """What the target's storage did."""
+
+    streamed_bytes_per_pass: int  # layer bytes one pass reads
+    read_bytes: int  # read from the device during decoding (the process's counter, not what was asked)
+    requested_bytes: int  # what the store asked for
+    gbps: float  # while reading
+
+
+@attrs.frozen
+class MemoryFigures:
+    """DRAM: what the configuration accounts for, what was planned before loading, what was used."""
+
+    budget_bytes: int  # resident layers + head + window + KV cache + draft
+    resident_layer_bytes: int
+    head_bytes: int  # the output projection, resident
+    window_bytes: int  # staging buffers for streamed layers
+    kv_cache_bytes: int
+    draft_bytes: int  # the draft model's weights and KV cache, all resident
+    peak_rss_bytes: int
+    plan: MemoryPlan | None = None  # lever.policy.memory's plan, checked against [memory] limit
+
+    @property
+    def rss_bound_bytes(self) -> int:
+        return self.plan.rss_bound_bytes if self.plan is not None else 0
+
+
+@attrs.frozen
+class TreeFigures:
+    """The trees and what verification made of them."""
+
+    accepted_per_pass: float  # tokens emitted per decoding pass (1.0 for autoregressive)
+    mean_nodes: float  # nodes verified per decoding pass, root included
+    lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead
+    token_layers: int = 0  # nodes x layers the target computed
+    layer_tokens: list[int] = attrs.field(factory=list)  # nodes computed at each target layer, decoding passes
+    prune_layer: int = -1  # the pruning predictor's layer (-1: none)
+    pruned_share: float = 0.0  # tree nodes (past the root) the predictor pruned
+    draft_forward_tokens: dict[int, int] = attrs.field(factory=dict)  # tokens in a draft forward -> forwards
+
+
+@attrs.frozen
 class RunResult:
+    """One generation: its tokens, and its figures in records assembled from the stages' own."""
+
     pipeline: str
     prompt_tokens: list[int]
     tokens: list[int]
     text: str
     stop_reason: str
-    prefill_s: float
-    decode_s: float
-    n_passes: int
-    accepted_per_pass: float  # tokens emitted per decoding pass (1.0 for autoregressive)
-    mean_tree_nodes: float  # nodes verified per decoding pass, root included
-    dram_budget_bytes: int  # what the configuration accounts for: resident layers, head, window, KV cache
-    resident_layer_bytes: int
-    head_bytes: int  # the output projection, resident
-    window_bytes: int
-    kv_cache_bytes: int
-    draft_bytes: int  # the draft model's weights and KV cache, all resident
-    streamed_bytes_per_pass: int
-    flash_read_bytes: int  # read from the device during decoding (process counter)
-    flash_requested_bytes: int
-    peak_rss_bytes: int
-    stage_s: dict[str, float]
-    io_s: float
-    compute_s: float
-    overlap_share: float
-    flash_gbps: float
-    draft_s: float = 0.0  # wall seconds the draft model computed
-    accept_s: float = 0.0  # wall seconds Accept took (the output head along the accepted path)
-    verify_pass_s: float = 0.0  # wall seconds with a verification pass under way (reads and waits included)
-    draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
-    lookahead_hit_share: float = 0.0  # cycles that started from rows drafted ahead, of all decoding cycles
+    timing: Timing
+    flash: FlashFigures
+    memory: MemoryFigures
+    tree: TreeFigures
     placement: dict[str, str] = attrs.field(factory=dict)  # where each stage's work ran
-    draft_forward_tokens: dict[int, int] = attrs.field(factory=dict)  # tokens in a draft forward -> forwards
     channels: dict[str, dict] = attrs.field(factory=dict)  # each channel's ChannelStats (messages, backlog)
-    memory: MemoryPlan | None = None  # what lever.policy.memory planned before loading, checked against [memory] limit
-    token_layers: int = 0  # nodes x layers the target computed, over the run
-    layer_tokens: list[int] = attrs.field(factory=list)  # nodes computed at each target layer, decoding passes only
-    prune_layer: int = -1  # the pruning predictor's layer (-1: none)
-    pruned_share: float = 0.0  # tree nodes (past the root) the predictor pruned
     temperature: float = 0.0  # 0: greedy, so the tokens must equal the target's own greedy decoding
     baseline: RunResult | None = None  # [pipeline] baseline run on the same prompt, when configured
 
@@ -90,7 +130,7 @@ class RunResult:
 
     @property
     def decode_tps(self) -> float:
-        return len(self.tokens[1:]) / self.decode_s if self.decode_s > 0 else 0.0
+        return len(self.tokens[1:]) / self.timing.decode_s if self.timing.decode_s > 0 else 0.0
 
     @property
     def ms_per_token(self) -> float:
@@ -98,21 +138,13 @@ class RunResult:
 
     @property
     def flash_mb_per_token(self) -> float:
-        return self.flash_read_bytes / max(len(self.tokens) - 1, 1) / 1e6
-
-    @property
-    def pass_wall_ratio(self) -> float:
-        """Wall time per pass over the larger of a pass's read and compute time: 1.0 is perfect overlap."""
-        if not self.n_passes:
-            return 0.0
-        per_pass = max(self.io_s, self.compute_s) / self.n_passes
-        return (self.prefill_s + self.decode_s) / self.n_passes / per_pass if per_pass else 0.0
+        return self.flash.read_bytes / max(len(self.tokens) - 1, 1) / 1e6
 
     def as_json(self) -> dict:
         d = attrs.asdict(self, filter=lambda a, _: a.name != "baseline")
-        d.update(decode_tps=self.decode_tps, ms_per_token=self.ms_per_token, flash_mb_per_token=self.flash_mb_per_token,
-                 pass_wall_ratio=self.pass_wall_ratio,
-                 rss_bound_bytes=self.memory.rss_bound_bytes if self.memory is not None else 0)
+        d["timing"]["pass_wall_ratio"] = self.timing.pass_wall_ratio
+        d["memory"]["rss_bound_bytes"] = self.memory.rss_bound_bytes
+        d.update(decode_tps=self.decode_tps, ms_per_token=self.ms_per_token, flash_mb_per_token=self.flash_mb_per_token)
         if self.baseline is not None:
             d.update(baseline=self.baseline.as_json(), speedup=self.speedup, baseline_tokens_equal=self.baseline_tokens_equal)
         return d
@@ -250,28 +282,30 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, tok: Tokenizer, p
     store = target.store.stats()
     if trace_path:
         tracer.write_chrome(trace_path)
+    first = t_first[0] if t_first else t1
+    timing = Timing(prefill_s=first - t0, decode_s=t1 - first, n_passes=n_passes, stage_s=summary.stage_s,
+                    io_s=summary.io_s, compute_s=summary.compute_s, overlap_share=summary.overlap_share,
+                    verify_pass_s=summary.pass_s(h.verify.name),
+                    draft_s=summary.stage_s.get(h.draft.name, 0.0) if h.draft else 0.0,
+                    accept_s=summary.stage_s.get(h.accept.name, 0.0),
+                    draft_hidden_share=summary.hidden_share(h.draft.name, h.verify.name) if h.draft else 0.0)
+    flash = FlashFigures(per_pass_bytes, max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
+                         store.requested_bytes, summary.flash_gbps)
+    memory = MemoryFigures(
+        budget_bytes=target.resident_bytes + target.head_bytes + target.window_bytes + verified.kv_cache_bytes
+        + draft_bytes, resident_layer_bytes=target.resident_bytes, head_bytes=target.head_bytes,
+        window_bytes=target.window_bytes, kv_cache_bytes=verified.kv_cache_bytes, draft_bytes=draft_bytes,
+        peak_rss_bytes=_peak_rss_bytes(), plan=plan)
+    trees_run = TreeFigures(
+        accepted_per_pass=sum(out.accepted_per_pass[1:]) / decode_passes if n_passes > 1 else 0.0,
+        mean_nodes=trees.mean_nodes, lookahead_hit_share=trees.lookahead_hit_share,
+        token_layers=verified.token_layers, layer_tokens=list(verified.layer_tokens),
+        prune_layer=verified.prune_layer, pruned_share=verified.pruned_share,
+        draft_forward_tokens=drafted.forward_tokens if drafted is not None else {})
     return RunResult(
         pipeline=kind.name if tree is None else f"{kind.name}/{tree.policy}", prompt_tokens=prompt_ids,
         tokens=list(out.tokens), text="".join(StreamDecoder(tok, at_start=False).push(t) for t in out.tokens),
-        stop_reason=out.stop_reason, prefill_s=(t_first[0] if t_first else t1) - t0,
-        decode_s=t1 - (t_first[0] if t_first else t1), n_passes=n_passes,
-        accepted_per_pass=sum(out.accepted_per_pass[1:]) / decode_passes if n_passes > 1 else 0.0,
-        mean_tree_nodes=trees.mean_nodes,
-        dram_budget_bytes=target.resident_bytes + target.head_bytes + target.window_bytes + verified.kv_cache_bytes
-        + draft_bytes,
-        draft_bytes=draft_bytes, memory=plan, resident_layer_bytes=target.resident_bytes, head_bytes=target.head_bytes,
-        window_bytes=target.window_bytes, kv_cache_bytes=verified.kv_cache_bytes, streamed_bytes_per_pass=per_pass_bytes,
-        flash_read_bytes=max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
-        flash_requested_bytes=store.requested_bytes,
-        peak_rss_bytes=_peak_rss_bytes(), stage_s=summary.stage_s, io_s=summary.io_s,
-        compute_s=summary.compute_s, overlap_share=summary.overlap_share, flash_gbps=summary.flash_gbps,
-        draft_s=summary.stage_s.get(h.draft.name, 0.0) if h.draft else 0.0,
-        accept_s=summary.stage_s.get(h.accept.name, 0.0), verify_pass_s=summary.pass_s(h.verify.name),
-        draft_hidden_share=summary.hidden_share(h.draft.name, h.verify.name) if h.draft else 0.0,
-        draft_forward_tokens=drafted.forward_tokens if drafted is not None else {},
+        stop_reason=out.stop_reason, timing=timing, flash=flash, memory=memory, tree=trees_run,
         placement=place.where | {f"qnn {i}": _qnn_figures(r) for i, r in enumerate(place.runners)},
-        token_layers=verified.token_layers, layer_tokens=list(verified.layer_tokens),
-        prune_layer=verified.prune_layer, pruned_share=verified.pruned_share,
-        temperature=g.temperature, lookahead_hit_share=trees.lookahead_hit_share,
-        channels={k: attrs.asdict(v) for k, v in h.pipeline.channel_stats.items()},
+        channels={k: attrs.asdict(v) for k, v in h.pipeline.channel_stats.items()}, temperature=g.temperature,
     )

@@ -131,9 +131,13 @@ def test_run_json_and_trace(tiny_model, tmp_path):
                    str(trace), "--set", f'model.target="{path}"')
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    for key in ("pipeline", "dram_budget_bytes", "flash_read_bytes", "peak_rss_bytes", "stage_s", "tokens", "text"):
-        assert key in out
-    assert out["pipeline"] == "flash-ar" and len(out["tokens"]) == 6 and {"verify", "prefetch"} <= out["stage_s"].keys()
+    for part, keys in (("memory", ("budget_bytes", "peak_rss_bytes", "rss_bound_bytes", "plan")),
+                       ("flash", ("read_bytes", "streamed_bytes_per_pass")), ("timing", ("stage_s", "pass_wall_ratio")),
+                       ("tree", ("accepted_per_pass", "layer_tokens"))):
+        assert set(keys) <= out[part].keys(), part
+    assert out["pipeline"] == "flash-ar" and len(out["tokens"]) == 6 and out["text"]
+    assert {"verify", "prefetch"} <= out["timing"]["stage_s"].keys() and out["ms_per_token"] > 0
+    assert out["channels"]["prefetch.layers -> verify.layers"]["sent"] > 0
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["cat"] for e in events} >= {"io", "compute"}
 

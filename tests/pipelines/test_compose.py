@@ -40,7 +40,7 @@ def test_flash_ar_equals_autoregressive(tiny_model, arch, wtype, mode, budget):
     path = tiny_model(arch, wtype, n_layer=4)
     res = run_pipeline(config(path, f'flash.mode="{mode}"', f"flash.dram_budget={budget}"), PROMPT)
     assert res.tokens == reference_tokens(path)
-    assert res.n_passes == len(res.tokens)
+    assert res.timing.n_passes == len(res.tokens)
 
 
 def test_stories_flash_ar_reproduces_generate(stories):
@@ -51,7 +51,7 @@ def test_stories_flash_ar_reproduces_generate(stories):
 def test_resident_pipeline_reads_nothing_per_pass(tiny_model):
     path = tiny_model("llama", "F32", n_layer=4)
     res = run_pipeline(config(path, 'pipeline.kind="resident-ar"'), PROMPT)
-    assert res.tokens == reference_tokens(path) and res.streamed_bytes_per_pass == 0 and res.window_bytes == 0
+    assert res.tokens == reference_tokens(path) and res.flash.streamed_bytes_per_pass == 0 and res.memory.window_bytes == 0
 
 
 def test_sampling_with_seed_equals_generate(tiny_model):
@@ -120,7 +120,7 @@ def test_speculative_greedy_equals_autoregressive(tiny_model, policy, draft_seed
                        PROMPT)
     assert res.tokens == reference_tokens(path, n=40)
     if draft_seed == 0 and policy != "gain-cost":  # the draft is the target: the greedy path is accepted
-        assert res.accepted_per_pass > 1.5  # (gain-cost may rightly keep trees tiny for a flat random model)
+        assert res.tree.accepted_per_pass > 1.5  # (gain-cost may rightly keep trees tiny for a flat random model)
 
 
 @pytest.mark.parametrize("policy", ["chain", "gain-cost"])
@@ -131,7 +131,7 @@ def test_drafting_ahead_is_lossless_and_hits(stories, policy):
                  "tree_expand.lookahead_nodes=24", "flash.bandwidth_cap_bytes_per_s=2e6")
     res = run_pipeline(cfg, "Once upon a time")
     assert res.tokens == reference_tokens(stories, "Once upon a time", 60)
-    assert res.lookahead_hit_share > 0.2 and res.draft_hidden_share > 0.1
+    assert res.tree.lookahead_hit_share > 0.2 and res.timing.draft_hidden_share > 0.1
 
 
 def test_speculative_sampling_runs_on_real_models(stories):
@@ -142,7 +142,7 @@ def test_speculative_sampling_runs_on_real_models(stories):
                  "generate.seed=3")
     a, b = run_pipeline(cfg, "Once upon a time"), run_pipeline(cfg, "Once upon a time")
     assert a.tokens == b.tokens and len(a.tokens) == 40
-    assert a.accepted_per_pass > 2
+    assert a.tree.accepted_per_pass > 2
 
 
 def test_speculative_on_stories_accepts_many_per_pass(stories):
@@ -150,7 +150,7 @@ def test_speculative_on_stories_accepts_many_per_pass(stories):
     cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=60", "flash.bandwidth_cap_bytes_per_s=5e6")
     res = run_pipeline(cfg, "Once upon a time")
     assert res.tokens == reference_tokens(stories, "Once upon a time", 60)
-    assert res.accepted_per_pass > 4 and res.n_passes < 20
+    assert res.tree.accepted_per_pass > 4 and res.timing.n_passes < 20
 
 
 def test_speculative_stops_at_context_like_generate(tiny_model):
@@ -195,7 +195,7 @@ def test_pruning_is_lossless_on_every_policy(tiny_model, policy):
                               "tree_expand.confidence=0.001"), PROMPT)
     assert res.tokens == reference_tokens(path, n=40)
     if policy != "chain":  # a chain is all backbone: nothing to prune
-        assert res.pruned_share > 0.2
+        assert res.tree.pruned_share > 0.2
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.5])
@@ -209,9 +209,9 @@ def test_pruning_on_the_shipped_pair_cuts_late_layers_and_keeps_tokens(threshold
     pruned = run_pipeline(config(target, *base, *PRUNE, "predictor.layer=2", f"predictor.threshold={threshold}"),
                           prompt)
     assert pruned.tokens == plain.tokens == reference_tokens(target, prompt, 48)
-    assert pruned.pruned_share > 0
-    assert pruned.prune_layer == 2
-    late_share = [sum(r.layer_tokens[3:]) / sum(r.layer_tokens[:3]) for r in (plain, pruned)]
+    assert pruned.tree.pruned_share > 0
+    assert pruned.tree.prune_layer == 2
+    late_share = [sum(r.tree.layer_tokens[3:]) / sum(r.tree.layer_tokens[:3]) for r in (plain, pruned)]
     assert late_share[0] == pytest.approx(1.0)  # every node runs every layer
     assert late_share[1] < 1.0
 

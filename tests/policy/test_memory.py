@@ -44,13 +44,13 @@ def lever_json(*args: str) -> dict:
 ])
 def test_plan_parts_equal_what_the_run_allocates(sets):
     res = run_pipeline(load_config(DEFAULT, ["generate.n_predict=8", 'pipeline.baseline=""', *sets]), "def f(x):")
-    plan = res.memory
-    assert plan.resident_layer_bytes == res.resident_layer_bytes
-    assert plan.head_bytes == res.head_bytes
-    assert plan.kv_cache_bytes == res.kv_cache_bytes
-    assert plan.draft_bytes == res.draft_bytes
-    chunks = 0 if "mmap" not in str(sets) else res.memory.window_bytes - res.window_bytes
-    assert plan.window_bytes == res.window_bytes + chunks
+    plan, used = res.memory.plan, res.memory
+    assert plan.resident_layer_bytes == used.resident_layer_bytes
+    assert plan.head_bytes == used.head_bytes
+    assert plan.kv_cache_bytes == used.kv_cache_bytes
+    assert plan.draft_bytes == used.draft_bytes
+    chunks = 0 if "mmap" not in str(sets) else plan.window_bytes - used.window_bytes
+    assert plan.window_bytes == used.window_bytes + chunks
     assert plan.total_bytes == sum(attrs.astuple(plan)) and plan.total_bytes > plan.process_bytes
 
 
@@ -65,7 +65,7 @@ def test_peak_rss_within_the_plan_and_margin(sets):
     the test runner's peak as the run's."""
     ballast = np.ones(BALLAST_BYTES // 8)  # noqa: F841 (touched, so resident)
     r = lever_json("-n", "48", *(a for s in sets for a in ("--set", s)))
-    assert r["peak_rss_bytes"] <= r["rss_bound_bytes"], (r["peak_rss_bytes"] >> 20, r["memory"])
+    assert r["memory"]["peak_rss_bytes"] <= r["memory"]["rss_bound_bytes"], (r["memory"]["peak_rss_bytes"] >> 20, r["memory"])
 
 
 def test_over_the_limit_is_refused_before_loading(monkeypatch):
@@ -118,11 +118,11 @@ def test_long_run_does_not_grow(tiny_model):
     out, err = proc.communicate()
     assert proc.returncode == 0, err
     r = json.loads(out)
-    assert len(r["tokens"]) == n and r["peak_rss_bytes"] <= r["rss_bound_bytes"]
+    assert len(r["tokens"]) == n and r["memory"]["peak_rss_bytes"] <= r["memory"]["rss_bound_bytes"]
     # Decoding, without the start (imports, prefill) and the end (the result and its text): RSS
     # over the last stretch against the first, each a median of samples so one spike is not growth.
     rss = [b for _, b in samples]
     assert len(rss) >= 40, "the run was too short to sample"
     k = len(rss) // 10
     early, late = sorted(rss[2 * k : 3 * k])[k // 2], sorted(rss[8 * k : 9 * k])[k // 2]
-    assert late - early <= r["memory"]["kv_cache_bytes"] + GROWTH_SLACK_BYTES, (early >> 20, late >> 20)
+    assert late - early <= r["memory"]["plan"]["kv_cache_bytes"] + GROWTH_SLACK_BYTES, (early >> 20, late >> 20)

@@ -30,11 +30,13 @@ def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75,
     rows, lines = [], []
     for b in budgets:
         r = run_json(config, [*FLASH_AR, f"flash.dram_budget={b!r}"], prompt, n)
-        bound = r["rss_bound_bytes"]  # lever.policy.memory's plan before loading, plus its stated margin
-        dev_ratio = r["flash_mb_per_token"] * 1e6 / r["streamed_bytes_per_pass"] if r["streamed_bytes_per_pass"] else 0
+        bound = r["memory"]["rss_bound_bytes"]  # lever.policy.memory's plan before loading, plus its stated margin
+        streamed = r["flash"]["streamed_bytes_per_pass"]
+        dev_ratio = r["flash_mb_per_token"] * 1e6 / streamed if streamed else 0
         lines.append((f"{b:.0%}", f"{r['ms_per_token']:.1f}", f"{r['flash_mb_per_token']:.1f}",
-                      f"{r['streamed_bytes_per_pass'] / 1e6:.1f}", f"{dev_ratio:.3f}", f"{r['overlap_share']:.0%}",
-                      f"{r['pass_wall_ratio']:.2f}", f"{r['peak_rss_bytes'] / 2**20:.0f}", f"{bound / 2**20:.0f}"))
+                      f"{streamed / 1e6:.1f}", f"{dev_ratio:.3f}", f"{r['timing']['overlap_share']:.0%}",
+                      f"{r['timing']['pass_wall_ratio']:.2f}", f"{r['memory']['peak_rss_bytes'] / 2**20:.0f}",
+                      f"{bound / 2**20:.0f}"))
         rows.append(r | {"budget": b})
     # device/str: bytes the device read per token over bytes streamed per pass; wall/max: a pass's
     # wall time over the larger of its read and compute; bound: the memory plan with its margin

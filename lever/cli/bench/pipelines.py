@@ -90,13 +90,15 @@ class Row:
 
 
 def aggregate(runs: list[dict]) -> Row:
+    """One pipeline's runs (`lever run --json`, one per prompt) as one row."""
     n_tok = sum(len(r["tokens"]) - 1 for r in runs)
-    mean = lambda key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
-    n_pass = sum(max(r["n_passes"] - 1, 1) for r in runs)
-    layers = [sum(col) / n_pass for col in zip(*(r.get("layer_tokens", []) for r in runs))]
-    return Row(1000 * sum(r["decode_s"] for r in runs) / max(n_tok, 1), mean("accepted_per_pass"),
-               mean("mean_tree_nodes"), sum(r["flash_read_bytes"] for r in runs) / max(n_tok, 1) / 1e6,
-               mean("draft_hidden_share"), mean("lookahead_hit_share"), tuple(layers), runs[0].get("prune_layer", -1))
+    mean = lambda part, key: sum(r[part][key] for r in runs) / len(runs)  # noqa: E731
+    n_pass = sum(max(r["timing"]["n_passes"] - 1, 1) for r in runs)
+    layers = [sum(col) / n_pass for col in zip(*(r["tree"]["layer_tokens"] for r in runs))]
+    return Row(1000 * sum(r["timing"]["decode_s"] for r in runs) / max(n_tok, 1), mean("tree", "accepted_per_pass"),
+               mean("tree", "mean_nodes"), sum(r["flash"]["read_bytes"] for r in runs) / max(n_tok, 1) / 1e6,
+               mean("timing", "draft_hidden_share"), mean("tree", "lookahead_hit_share"), tuple(layers),
+               runs[0]["tree"]["prune_layer"])
 
 
 def best_chain(rows: dict[str, Row]) -> str:
