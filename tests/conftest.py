@@ -100,3 +100,12 @@ def llama_cpp():
     except Exception as e:  # missing package, or it cannot find libllama
         pytest.skip(f"llama-cpp-python not usable ({type(e).__name__}: {e}); to compare with llama.cpp, "
                     "pip install llama-cpp-python (or its Python part, with LLAMA_CPP_LIB_PATH set to a libllama build)")
+
+
+@pytest.fixture
+def qwen_small() -> Path:
+    return require(QWEN_DRAFT)
+
+
+# Files on a real disk (O_DIRECT needs one): the flash, convert and cancellation tests share them.
+from tests.backends.flash.files import disk_dir, stories_aligned, stories_copy, streaming_model  # noqa: E402, F401

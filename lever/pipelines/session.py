@@ -174,14 +174,14 @@ def _peak_rss_bytes() -> int:
 def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None, observer=None) -> RunResult:
     """One generation through the configured pipeline; then its [pipeline] baseline, if any,
     on the same prompt (not streamed to on_text), attached to the result."""
-    res = _run_kind(cfg, cfg.pipeline.kind, prompt, on_text, trace_path, observer)
+    res = _run_kind(cfg, cfg.pipeline.kind, prompt, on_text=on_text, trace_path=trace_path, observer=observer)
     if not cfg.pipeline.baseline:
         return res
-    base = _run_kind(cfg, cfg.pipeline.baseline, prompt, None, None)
+    base = _run_kind(cfg, cfg.pipeline.baseline, prompt)
     return attrs.evolve(res, baseline=base)
 
 
-def _run_kind(cfg: Config, name: str, prompt: str, on_text, trace_path, observer=None) -> RunResult:
+def _run_kind(cfg: Config, name: str, prompt: str, *, on_text=None, trace_path=None, observer=None) -> RunResult:
     kind = PIPELINE_KINDS[name]
     if not cfg.model.target:
         raise LeverError(f"{cfg.where}: [model] target: no target model given")
@@ -213,7 +213,8 @@ def _run_kind(cfg: Config, name: str, prompt: str, on_text, trace_path, observer
         try:
             # resident: read (not mapped) and packed, so its file may change under a long run without harm
             draft = Model(file=draft_file) if draft_file is not None else None
-            return _run(cfg, kind, target, tok, prompt_ids, n_ctx, plan, draft, on_text, trace_path, observer)
+            return _run(cfg, kind, target, tok=tok, prompt_ids=prompt_ids, n_ctx=n_ctx, plan=plan, draft=draft,
+                        on_text=on_text, trace_path=trace_path, observer=observer)
         finally:
             target.close()
 
@@ -239,8 +240,8 @@ def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None
     return pred, copy.deepcopy(art.acceptance) if want_table else None
 
 
-def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, tok: Tokenizer, prompt_ids: list[int], n_ctx: int,
-         plan: MemoryPlan, draft: Model | None, on_text, trace_path, observer=None) -> RunResult:
+def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer, prompt_ids: list[int], n_ctx: int,
+         plan: MemoryPlan, draft: Model | None, on_text, trace_path, observer) -> RunResult:
     spec = target.model.spec
     g = cfg.generate
     params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed)

@@ -20,8 +20,7 @@ from lever.backends.flash import Faults, inject
 from lever.pipelines.session import run_pipeline
 from lever.stages.draft import Drafter
 from lever.stages.pruned_verify import PrunedVerify
-from tests.backends.test_flash import disk_dir  # noqa: F401 (a fixture)
-from tests.backends.test_flash_faults import (  # noqa: F401 (fixtures)
+from tests.backends.flash.test_faults import (  # noqa: F401 (fixtures)
     DRAFT,
     PROMPT,
     TARGET,

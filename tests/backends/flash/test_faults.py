@@ -28,7 +28,7 @@ from lever.backends.flash import Faults, FlashConfig, FlashStore, inject
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.pipelines.session import run_pipeline
-from tests.backends.test_flash import disk_dir  # noqa: F401 (a fixture
+from tests.backends.flash.files import disk_dir  # noqa: F401 (a fixture
 from tests.conftest import ROOT
 
 MODELS = ROOT / "examples" / "models"
