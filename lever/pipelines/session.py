@@ -51,6 +51,7 @@ class Timing:
     draft_s: float = 0.0  # time the draft model computed
     accept_s: float = 0.0  # Accept: the output head along the accepted path
     draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
+    decode_cpu_s: float = 0.0  # CPU seconds the process spent decoding, every thread (an energy proxy)
 
     @property
     def pass_wall_ratio(self) -> float:
@@ -137,6 +138,11 @@ class RunResult:
         return 1000.0 / self.decode_tps if self.decode_tps else 0.0
 
     @property
+    def cpu_ms_per_token(self) -> float:
+        """CPU time per generated token, all threads: what the paper's energy row stands for."""
+        return 1e3 * self.timing.decode_cpu_s / max(len(self.tokens) - 1, 1)
+
+    @property
     def flash_mb_per_token(self) -> float:
         return self.flash.read_bytes / max(len(self.tokens) - 1, 1) / 1e6
 
@@ -144,7 +150,8 @@ class RunResult:
         d = attrs.asdict(self, filter=lambda a, _: a.name != "baseline")
         d["timing"]["pass_wall_ratio"] = self.timing.pass_wall_ratio
         d["memory"]["rss_bound_bytes"] = self.memory.rss_bound_bytes
-        d.update(decode_tps=self.decode_tps, ms_per_token=self.ms_per_token, flash_mb_per_token=self.flash_mb_per_token)
+        d.update(decode_tps=self.decode_tps, ms_per_token=self.ms_per_token, flash_mb_per_token=self.flash_mb_per_token,
+                 cpu_ms_per_token=self.cpu_ms_per_token)
         if self.baseline is not None:
             d.update(baseline=self.baseline.as_json(), speedup=self.speedup, baseline_tokens_equal=self.baseline_tokens_equal)
         return d
@@ -156,6 +163,12 @@ def cost_model(cfg: Config) -> CostModel:
         raise LeverError(f"{cfg.where}: [model] target is not set")
     return cost_model_for(target=cfg.model.target, draft=cfg.model.draft or None, flash=cfg.flash,
                           profile=cfg.profile, emulate_layer_ms_per_token=cfg.runtime.emulate_layer_ms_per_token)
+
+
+def _cpu_s() -> float:
+    """This process's user + system CPU seconds, every thread (the kernels' pool and the readers)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _peak_rss_bytes() -> int:
@@ -248,10 +261,12 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
     tracer = Tracer(keep_spans=bool(trace_path))
     stream = StreamDecoder(tok, at_start=False)
     t_first: list[float] = []
+    cpu_first: list[float] = []  # the process's CPU seconds at the first token: decoding's start
 
     def on_tokens(ts):
         if not t_first:
             t_first.append(time.perf_counter())
+            cpu_first.append(_cpu_s())
         if on_text:
             on_text("".join(stream.push(t) for t in ts))
 
@@ -268,7 +283,7 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
     dev0 = process_read_bytes() or 0
     t0 = time.perf_counter()
     anyio.run(h.pipeline.run)
-    t1 = time.perf_counter()
+    t1, cpu1 = time.perf_counter(), _cpu_s()
     if on_text:
         on_text(stream.flush())
     dev_bytes = (process_read_bytes() or 0) - dev0
@@ -289,7 +304,8 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
                     verify_pass_s=summary.pass_s(h.verify.name),
                     draft_s=summary.stage_s.get(h.draft.name, 0.0) if h.draft else 0.0,
                     accept_s=summary.stage_s.get(h.accept.name, 0.0),
-                    draft_hidden_share=summary.hidden_share(h.draft.name, h.verify.name) if h.draft else 0.0)
+                    draft_hidden_share=summary.hidden_share(h.draft.name, h.verify.name) if h.draft else 0.0,
+                    decode_cpu_s=cpu1 - (cpu_first[0] if cpu_first else cpu1))
     flash = FlashFigures(per_pass_bytes, max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
                          store.requested_bytes, summary.flash_gbps)
     memory = MemoryFigures(

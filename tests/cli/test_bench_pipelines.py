@@ -38,6 +38,7 @@ def test_bench_runs_every_pipeline_at_every_budget_losslessly(stories, tmp_path)
         assert set(rows) == {"flash-ar", "chain-sd k=2", "edgellm-like", "lever"}
         assert rows["flash-ar"]["speedup"] == 1.0 and rows["flash-ar"]["accepted_per_pass"] == 1.0
         assert rows["lever"]["accepted_per_pass"] > 2  # its own draft: long paths are accepted
+        assert all(r["cpu_ms_per_token"] > 0 for r in rows.values())
     assert json.loads((tmp_path / "b.json").read_text())["summary"]["mean"]["flash-ar"] > 0
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert any("lossless: every pipeline" in line for line in lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -137,6 +138,8 @@ def test_run_json_and_trace(tiny_model, tmp_path):
         assert set(keys) <= out[part].keys(), part
     assert out["pipeline"] == "flash-ar" and len(out["tokens"]) == 6 and out["text"]
     assert {"verify", "prefetch"} <= out["timing"]["stage_s"].keys() and out["ms_per_token"] > 0
+    # CPU time over the decode: positive, and no more than every core busy for the whole of it
+    assert 0 < out["timing"]["decode_cpu_s"] <= out["timing"]["decode_s"] * os.cpu_count() + 0.05
     assert out["channels"]["prefetch.layers -> verify.layers"]["sent"] > 0
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["cat"] for e in events} >= {"io", "compute"}

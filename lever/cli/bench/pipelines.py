@@ -79,6 +79,7 @@ class Row:
     lookahead_hit_share: float
     layer_tokens_per_pass: tuple[float, ...] = ()  # nodes computed at each target layer per decoding pass
     prune_layer: int = -1  # the predictor's layer, for pipelines that prune
+    cpu_ms_per_token: float = 0.0  # process CPU time per generated token, every thread (an energy proxy)
 
     def late_token_layers(self, m: int) -> float:
         """Verification compute after layer m: token-layers per pass."""
@@ -98,7 +99,8 @@ def aggregate(runs: list[dict]) -> Row:
     return Row(1000 * sum(r["timing"]["decode_s"] for r in runs) / max(n_tok, 1), mean("tree", "accepted_per_pass"),
                mean("tree", "mean_nodes"), sum(r["flash"]["read_bytes"] for r in runs) / max(n_tok, 1) / 1e6,
                mean("timing", "draft_hidden_share"), mean("tree", "lookahead_hit_share"), tuple(layers),
-               runs[0]["tree"]["prune_layer"])
+               runs[0]["tree"]["prune_layer"],
+               1000 * sum(r["timing"]["decode_cpu_s"] for r in runs) / max(n_tok, 1))
 
 
 def best_chain(rows: dict[str, Row]) -> str:
@@ -156,10 +158,11 @@ def _greedy(rs: list[dict]) -> bool:
 def _print_budget(b: float, rows: dict[str, Row], out) -> None:
     ar = rows["flash-ar"].ms_per_token
     out("")
-    show(("pipeline", "ms/token", "tok/s", "tok/pass", "nodes", "flash MB/tok", "speedup"),
+    show(("pipeline", "ms/token", "tok/s", "tok/pass", "nodes", "MB/tok", "CPU ms/tok", "speedup"),
          [(name, f"{r.ms_per_token:.1f}", f"{r.tps:.2f}", f"{r.accepted_per_pass:.2f}", f"{r.tree_nodes:.1f}",
-           f"{r.flash_mb_per_token:.1f}", f"{ar / r.ms_per_token:.2f}x") for name, r in rows.items()],
-         out, title=f"DRAM budget {b:.0%}")
+           f"{r.flash_mb_per_token:.1f}", f"{r.cpu_ms_per_token:.1f}", f"{ar / r.ms_per_token:.2f}x")
+          for name, r in rows.items()],
+         out, title=f"DRAM budget {b:.0%} (MB/tok: read from flash; CPU ms/tok: every thread, an energy proxy)")
     if "lever+pruning" in rows:
         p, lv = rows["lever+pruning"], rows["lever"]
         m = p.prune_layer
