@@ -18,6 +18,13 @@ from lever.dataflow.graph import Stage
 from lever.dataflow.messages import FreeBuffer, StreamedLayer
 
 
+@functools.cache
+def _typed(cls: type, ports: str, message_type: type) -> type:
+    """cls with its one port (in `ports`, INPUTS or OUTPUTS) carrying message_type."""
+    (port,) = getattr(cls, ports)
+    return attrs.define(type(f"{cls.__name__}[{message_type.__name__}]", (cls,), {ports: {port: message_type}}))
+
+
 @attrs.define
 class Source(Stage):
     """Sends `items` on "out", in order, then closes."""
@@ -27,9 +34,8 @@ class Source(Stage):
     OUTPUTS = {"out": object}
 
     @classmethod
-    @functools.cache
     def of(cls, message_type: type) -> type[Source]:
-        return attrs.define(type(f"Source[{message_type.__name__}]", (cls,), {"OUTPUTS": {"out": message_type}}))
+        return _typed(cls, "OUTPUTS", message_type)
 
     async def run(self, inputs, outputs):
         for item in self.items:
@@ -45,9 +51,8 @@ class Sink(Stage):
     INPUTS = {"inp": object}
 
     @classmethod
-    @functools.cache
     def of(cls, message_type: type) -> type[Sink]:
-        return attrs.define(type(f"Sink[{message_type.__name__}]", (cls,), {"INPUTS": {"inp": message_type}}))
+        return _typed(cls, "INPUTS", message_type)
 
     async def run(self, inputs, outputs):
         async for item in inputs["inp"]:

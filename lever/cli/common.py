@@ -3,8 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import platform
 
 from lever.errors import LeverError
+
+
+def cpu_model() -> str:
+    """The CPU's name, as profiles and benchmark reports record it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key.lower() in ("model name", "hardware", "cpu model") or key == "Model":  # "model" alone: x86's number
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def lever_version() -> str:
+    try:
+        return importlib.metadata.version("lever")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def add_common(p: argparse.ArgumentParser) -> None:

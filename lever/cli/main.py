@@ -8,26 +8,19 @@ becomes one line on stderr and a non-zero exit, with the traceback only under --
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import sys
 
 from lever.backends.cpu import native
 from lever.cli import bench, calibrate, convert, generate, inspect, logits, profile, run
+from lever.cli.common import lever_version
 from lever.errors import LeverError
 
 COMMANDS = (run, generate, inspect, logits, calibrate, profile, convert, bench)
 
 
-def version() -> str:
-    try:
-        return importlib.metadata.version("lever")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lever", description="Flash-resident speculative decoding of LLMs.")
-    parser.add_argument("--version", action="version", version=f"lever {version()}")
+    parser.add_argument("--version", action="version", version=f"lever {lever_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)

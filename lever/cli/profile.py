@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import os
 import platform
 import statistics
@@ -26,7 +25,7 @@ from lever.backends.cpu.layer import layer_forward, layer_tensor_names, load_lay
 from lever.backends.flash import FlashConfig, FlashStore
 from lever.backends.flash.config import PAGE_BYTES
 from lever.backends.flash.layout import Read
-from lever.cli.common import add_common, add_set
+from lever.cli.common import add_common, add_set, cpu_model, lever_version
 from lever.cli.table import show
 from lever.config import load_config
 from lever.errors import LeverError
@@ -239,26 +238,8 @@ def measure_draft(path: str | os.PathLike, rounds: int = 5, kv_rows: int = KV_RO
                         tuple(head_rows), tuple(head[n] for n in head_rows))
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith(("model name", "hardware", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def compute_threads() -> int:
     return native.n_threads_default or os.cpu_count() or 1
-
-
-def lever_version() -> str:
-    try:
-        return importlib.metadata.version("lever")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def measure(cfg, rounds: int = 5, passes: int = 3, n_reads: int = 32,

@@ -255,10 +255,13 @@ class GGUFFile:
 
     def floats(self, name: str) -> np.ndarray:
         """A small float tensor (norm weight, rope factors) as a float32 array (copied). These are
-        stored as F32 or F16 by every converter; a quantized one is refused, not dequantized here
+        stored as F32 (or F16, BF16) by every converter; a quantized one is refused, not dequantized here
         (the kernels sit above the file format)."""
         info = self.tensor(name)
+        raw = self.raw(name)
+        if info.type.name == "BF16":  # the top half of a float32
+            return (np.array(raw.view(np.uint16), dtype=np.uint32) << 16).view(np.float32).reshape(info.shape)
         dtype = _FLOAT_DTYPES.get(info.type.name)
         if dtype is None:
-            raise LeverError(f"{self.path}: tensor {name} is {info.type.name}; a norm or factor tensor must be F32 or F16")
-        return np.array(self.raw(name).view(dtype), dtype=np.float32).reshape(info.shape)  # a copy, not a memmap
+            raise LeverError(f"{self.path}: tensor {name} is {info.type.name}; a norm or factor tensor must be F32, F16 or BF16")
+        return np.array(raw.view(dtype), dtype=np.float32).reshape(info.shape)  # a copy, not a memmap

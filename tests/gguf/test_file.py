@@ -126,3 +126,23 @@ def test_boolean_alignment_is_refused(tmp_path):
     d = tiny_desc()
     d.set("general.alignment", BOOL, 1)
     one_line_error(write_desc(tmp_path, d), "general.alignment: True is not a power of two")
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16"])
+def test_floats_reads_every_float_type_as_the_kernels_dequantize_it(tmp_path, qtype):
+    from lever.backends.cpu import native
+
+    path, rng = tmp_path / f"n-{qtype}.gguf", np.random.default_rng(0)
+    values = rng.standard_normal(64).astype(np.float32)
+    w = gguf.GGUFWriter(str(path), "llama")
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = {"F32": values, "F16": values.astype(np.float16),
+           "BF16": (values.view(np.uint32) >> 16).astype(np.uint16)}[qtype]
+    w.add_tensor("norm.weight", raw, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(path)
+    want = native.dequantize(int(t), f.raw("norm.weight"), 1, 64).reshape(-1)
+    np.testing.assert_array_equal(f.floats("norm.weight"), want)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -26,7 +25,7 @@ import numpy as np
 
 from lever.backends.cpu import native
 from lever.backends.cpu.kv_cache import causal_mask
-from lever.cli.common import add_common, add_set
+from lever.cli.common import add_common, add_set, cpu_model
 from lever.cli.table import show
 from lever.config import load_config
 from lever.errors import LeverError
@@ -78,17 +77,6 @@ def find_llama_bench(explicit: str | None) -> str | None:
             raise LeverError(f"--llama-bench: {explicit} is not an executable file")
         return explicit
     return os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "Model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def bench_model(model_path: str, n_gen: int = 32, pp: tuple[int, ...] = PP_TOKENS, rounds: int = 3,
@@ -200,7 +188,7 @@ def bench_models(paths: list[str], n_gen: int = 32, pp: tuple[int, ...] = PP_TOK
     """bench_model for each file (a config's target and draft), one after the other; then, with
     `dram` (bench_dram's config, sets, prompt, n and llama_completion_path), the config's
     decoding with everything in DRAM; with json_path, every figure and where they were measured."""
-    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "isa": native.isa(), "threads": threads or os.cpu_count(),
+    report = {"cpu": cpu_model(), "cores": os.cpu_count(), "isa": native.isa(), "threads": threads or os.cpu_count(),
               "date": time.strftime("%Y-%m-%d"), "models": []}
     out(f"cpu: {report['cpu']}, {report['cores']} cores, kernels {report['isa']}, {report['threads']} threads")
     for i, path in enumerate(paths):
