@@ -11,6 +11,7 @@ which tree rows the KV caches keep and sends that back to Draft, and emits the t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import anyio
@@ -132,8 +133,11 @@ class Accept(Stage):
     async def run(self, inputs, outputs):
         emitted = outputs.get("emitted")
         async for v in inputs["verified"]:
+            t0 = time.perf_counter()
             with self.tracer.span(self.name, f"accept {v.tree.pass_id}", batch=v.tree.n_nodes):
                 acc = await anyio.to_thread.run_sync(self.step, v)
+            if v.timing is not None:
+                acc = attrs.evolve(acc, timing=attrs.evolve(v.timing, accept_s=time.perf_counter() - t0))
             if emitted is not None:
                 await emitted.send(acc)
             await outputs["accepted"].send(acc)

@@ -11,6 +11,7 @@ being read. It ends when its consumer goes away.
 from __future__ import annotations
 
 import itertools
+import time
 from functools import partial
 
 import anyio
@@ -74,11 +75,13 @@ class Prefetch(Stage):
                     buf_id = free.pop(0)
                     buf = buffers[buf_id]
                     n_bytes = sum(r.n_bytes for r in self.store.plan_reads(layer))
+                    t0 = time.perf_counter()
                     with self.tracer.span(self.name, f"read p{pass_id} L{layer}", kind="io", n_bytes=n_bytes):
                         weights = await self._read(layer, buf)
+                    read_s = time.perf_counter() - t0
                     holding[buf_id] = layer
                     try:
-                        await outputs["layers"].send(StreamedLayer(pass_id, layer, weights, buf_id, n_bytes))
+                        await outputs["layers"].send(StreamedLayer(pass_id, layer, weights, buf_id, n_bytes, read_s))
                     except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                         return
         finally:

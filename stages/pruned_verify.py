@@ -25,7 +25,7 @@ from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.cpu.layer import LayerWeights, layer_forward
 from lever.dataflow.compute import VERIFY, ComputeSlot
 from lever.dataflow.graph import Stage
-from lever.dataflow.messages import FreeBuffer, StreamedLayer, TokenTree, Verified
+from lever.dataflow.messages import FreeBuffer, PassTiming, StreamedLayer, TokenTree, Verified
 from lever.dataflow.trace import Tracer
 from lever.gguf.spec import ModelSpec
 from lever.policy.predictor import Predictor
@@ -146,11 +146,11 @@ class PrunedVerify(Stage):
             if self.emulate_layer_s_per_token:  # a slower unit: the layer ends when it would have there
                 time.sleep(max(0.0, t0 + n * self.emulate_layer_s_per_token - time.perf_counter()))
 
-    def finish(self, st: PassState) -> Verified:
+    def finish(self, st: PassState, timing: PassTiming | None = None) -> Verified:
         if st.alive is None:
-            return Verified(st.tree, st.x)
+            return Verified(st.tree, st.x, timing=timing)
         st.hidden[st.alive] = st.x
-        return Verified(st.tree, st.hidden, st.alive)
+        return Verified(st.tree, st.hidden, st.alive, timing)
 
     def verify(self, tree: TokenTree, layers: dict[int, LayerWeights]) -> Verified:
         """The whole pass at once, with every layer given (tests, and memory-resident use)."""
@@ -170,6 +170,8 @@ class PrunedVerify(Stage):
         """One pass. The compute slot is held from layer to layer while weights are ready and
         let go only to wait for a read, which is when drafting ahead may use the cores."""
         st, slot, held = self.begin(tree), self.slot, False
+        compute_s = wait_s = read_s = 0.0
+        read_bytes = 0
         try:
             for i in range(self.spec.n_layer):
                 msg = None
@@ -182,17 +184,23 @@ class PrunedVerify(Stage):
                         if held:
                             slot.release(VERIFY)
                             held = False
+                        t0 = time.perf_counter()
                         msg = await layers_in.receive()
+                        wait_s += time.perf_counter() - t0
                     assert msg.layer == i, f"expected layer {i}, Prefetch sent {msg.layer}"
                     weights = msg.weights
+                    read_s += msg.read_s
+                    read_bytes += msg.n_bytes
                 if slot is not None and not held:
                     await slot.acquire(VERIFY)
                     held = True
                 n_threads = slot.threads(VERIFY) if slot is not None else 0  # fewer while drafting ahead runs beside
+                t0 = time.perf_counter()
                 await anyio.to_thread.run_sync(self._traced_layer, st, i, weights, n_threads)
+                compute_s += time.perf_counter() - t0
                 if msg is not None:
                     await free_out.send(FreeBuffer(msg.buffer_id))
         finally:
             if held:
                 slot.release(VERIFY)
-        return self.finish(st)
+        return self.finish(st, PassTiming(tree.n_nodes, compute_s, wait_s, read_s, read_bytes))

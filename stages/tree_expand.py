@@ -35,7 +35,9 @@ from lever.dataflow.messages import Accepted, ExpandRequest, Expansion, TokenTre
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.policy.acceptance import AcceptanceTable
+from lever.policy.cost_model import CostModel
 from lever.policy.growth import POLICIES, Candidate, GrowthPolicy
+from lever.policy.online import OnlineCost, Scales
 
 MAX_TREE_SIZE = 1024  # bound on a tree's nodes, depth and fan-out: one pass verifies it, one draft forward expands a round
 
@@ -54,6 +56,7 @@ class TreeExpandConfig:
     confidence: float = 0.3  # confidence: add nodes whose path probability stays above this
     lookahead_nodes: int = 0  # nodes drafted ahead while the target verifies (0: off), within the pass's idle time
     acceptance: str = "online"  # gain-cost: "online" learns draft probability -> acceptance from each cycle; "calibrated" starts from `lever calibrate`'s table and learns on; "identity"
+    adapt: bool = True  # correct the cost model from each cycle's measured pass, Accept and draft times (lever.policy.online); a seeded sampled run keeps the profile, to stay reproducible
 
     def __attrs_post_init__(self):
         if self.policy not in POLICIES:  # the names: lever.policy.growth
@@ -85,6 +88,8 @@ class Cost(Protocol):
 
     def idle_s(self, n_tokens: int) -> float: ...
 
+    def cycle_s(self, n_tokens: int, draft_s: float, accept_rows: float) -> float: ...  # drafting in turns, pass, Accept
+
 
 @attrs.frozen
 class FlatCost:
@@ -103,6 +108,9 @@ class FlatCost:
 
     def idle_s(self, n_tokens: int) -> float:
         return max(0.0, self.read_s - self.compute_per_token_s * n_tokens)
+
+    def cycle_s(self, n_tokens: int, draft_s: float, accept_rows: float) -> float:
+        return draft_s + self.verify_s(n_tokens)
 
 
 @attrs.define
@@ -137,6 +145,8 @@ class TreeBuilder:
     lookahead_s: float = 0.0  # estimated drafting time spent ahead
     n_ahead: int = 0  # nodes expanded ahead
     n_carried_used: int = 0  # nodes of this tree that came drafted ahead
+    sent_s: float = 0.0  # the cycle's predicted time when the tree was sent
+    sent_tokens: float = 0.0  # its expected tokens then
     _seq: int = 0
 
     @property
@@ -251,7 +261,10 @@ class TreeBuilder:
         return float(sum(self.gain[1:]))
 
     def latency_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float:
-        return self.draft_s + extra_draft_s + self.cost.verify_s(self.n_nodes if n_nodes is None else n_nodes)
+        """The cycle's time by the cost model: drafting in turns so far (and `extra_draft_s`),
+        the pass over `n_nodes`, Accept along the expected path."""
+        return self.cost.cycle_s(self.n_nodes if n_nodes is None else n_nodes, self.draft_s + extra_draft_s,
+                                 self.expected_accepted() + 1)
 
     def tree(self, pass_id: int, keep: tuple[int, ...]) -> TokenTree:
         self.n_sent = self.n_nodes
@@ -335,11 +348,24 @@ class TreeBuilder:
 
 
 @attrs.frozen
+class CycleRecord:
+    """One decoding cycle, as the cost model predicted it and as it went."""
+
+    nodes: int  # the tree's nodes, root included
+    predicted_s: float  # drafting in turns, the pass and Accept, by the cost model of that cycle
+    predicted_tokens: float  # expected accepted tokens + the bonus token
+    measured_s: float  # from the previous Accepted to this one
+    tokens: int  # tokens the cycle emitted
+    scales: Scales  # the online corrections the tree was priced with
+
+
+@attrs.frozen
 class TreeStats:
     """The trees a run grew."""
 
     tree_sizes: tuple[int, ...]  # nodes of each speculative tree, root included
     lookahead_hits: int  # cycles that started from rows drafted ahead
+    cycles: tuple[CycleRecord, ...] = ()  # every decoding cycle the run finished
 
     @property
     def mean_nodes(self) -> float:
@@ -348,6 +374,10 @@ class TreeStats:
     @property
     def lookahead_hit_share(self) -> float:
         return self.lookahead_hits / len(self.tree_sizes) if self.tree_sizes else 0.0
+
+    def mean(self, field: str) -> float:
+        """A CycleRecord field's mean over the cycles (0 without any)."""
+        return sum(getattr(c, field) for c in self.cycles) / len(self.cycles) if self.cycles else 0.0
 
 
 async def _receive(stream) -> Accepted | None:
@@ -379,19 +409,39 @@ class TreeExpand(Stage):
     lookahead_hits: int = 0  # cycles that started from rows drafted ahead
     acceptance: AcceptanceTable | None = None  # gain-cost with acceptance "online": learned from each cycle
     ahead_beside: bool = False  # drafting ahead runs on cores of its own beside the pass ([runtime] ahead_cores)
+    online: OnlineCost | None = None  # the cost model corrected by measurements ([tree_expand] adapt)
+    cycles: list[CycleRecord] = attrs.field(factory=list)
     _committed: int = 0  # target rows committed, to keep trees inside the context
     _last: TreeBuilder | None = None
+    _last_accepted_t: float | None = None  # when the previous Accepted arrived
 
     def __attrs_post_init__(self):
         if self.acceptance is None and self.config.growth.learns_acceptance and self.config.acceptance == "online":
             self.acceptance = AcceptanceTable()
+        if self.online is None and self.config.adapt and isinstance(self.cost, CostModel):
+            self.online = OnlineCost(self.cost)
+
+    @property
+    def priced_by(self) -> Cost:
+        """The cost model the next tree is priced with: the measured corrections applied."""
+        return self.online.model if self.online is not None else self.cost
 
     @property
     def drafting(self) -> bool:
         return self.config.growth.drafts
 
     def stats(self) -> TreeStats:
-        return TreeStats(tuple(self.tree_sizes), self.lookahead_hits)
+        return TreeStats(tuple(self.tree_sizes), self.lookahead_hits, tuple(self.cycles))
+
+    def observe(self, acc: Accepted, now_s: float) -> None:
+        """What the cycle that `acc` ends measured: into the online estimates and the record."""
+        prev = self._last
+        if prev is not None and prev.n_sent and self._last_accepted_t is not None and self.drafting:
+            self.cycles.append(CycleRecord(prev.n_sent, prev.sent_s, prev.sent_tokens, now_s - self._last_accepted_t,
+                                           len(acc.tokens), self.online.scales if self.online else Scales()))
+        self._last_accepted_t = now_s
+        if self.online is not None and acc.timing is not None and acc.pass_id > 0:  # the prefill is not a cycle
+            self.online.observe_pass(acc.timing, len(acc.tokens))
 
     def learn(self, prev: TreeBuilder, acc: Accepted) -> None:
         """Every sent node whose parent the target reached was a trial, accepted or not (unless pruned)."""
@@ -413,7 +463,7 @@ class TreeExpand(Stage):
         self._committed += len(acc.keep)
         if self._last is not None:
             self.learn(self._last, acc)
-        b = TreeBuilder(self.config, self.cost, acc.pass_id + 1, room=self.n_ctx - self._committed,
+        b = TreeBuilder(self.config, self.priced_by, acc.pass_id + 1, room=self.n_ctx - self._committed,
                         acceptance=self.acceptance, ahead_beside=self.ahead_beside)
         b.add(acc.tokens[-1], -1, 1.0)
         if not self.drafting:
@@ -434,7 +484,7 @@ class TreeExpand(Stage):
 
     async def lookahead(self, b: TreeBuilder, expand_out, expansions, accepted) -> Accepted | None:
         """Drafts ahead until the target's answer arrives (or there is nothing worth drafting)."""
-        end_s = time.perf_counter() + self.cost.verify_s(b.n_sent)  # when the pass should be done
+        end_s = time.perf_counter() + b.cost.verify_s(b.n_sent)  # when the pass should be done
         while True:
             try:
                 return accepted.receive_nowait()
@@ -459,13 +509,22 @@ class TreeExpand(Stage):
             await expand_out.send(self.first_request())
             await expansions.receive()
         acc = await _receive(accepted)
-        while acc is not None and not acc.done:
+        while acc is not None:
+            self.observe(acc, time.perf_counter())
+            if acc.done:
+                break
             with self.tracer.span(self.name, f"expand {acc.pass_id + 1}"):
                 b, req = self.start_cycle(acc)
                 while req is not None:
+                    t0 = time.perf_counter()
                     await expand_out.send(req)
-                    req = b.on_expansion(await expansions.receive())
+                    exp = await expansions.receive()
+                    if self.online is not None:  # drafted in turns: the cores were the draft's alone
+                        self.online.observe_draft(time.perf_counter() - t0, req.tokens.size)
+                    req = b.on_expansion(exp)
             self._last = b
             self.tree_sizes.append(b.n_nodes)
-            await tree_out.send(b.tree(acc.pass_id + 1, acc.keep))
+            tree = b.tree(acc.pass_id + 1, acc.keep)
+            b.sent_s, b.sent_tokens = tree.cycle_s, b.expected_accepted() + 1
+            await tree_out.send(tree)
             acc = await self.lookahead(b, expand_out, expansions, accepted)

@@ -54,6 +54,9 @@ class Faults:
     """Every this-many-th read (0: none) takes `slow_s` longer: a latency spike (garbage
     collection in the flash controller, thermal throttling)."""
     slow_s: float = 0.3
+    slow_from: int | None = None
+    """From this read on, every read takes `slow_s` longer: a flash that stays slower (thermal
+    throttling, another app reading), which a run's online estimates must follow."""
     on_read: Callable[[int, Read], None] | None = None
     """Called before each read, in the reading thread: tests act at a chosen moment."""
 
@@ -92,7 +95,8 @@ class Faults:
             tmp = f"{path}.replacing"
             shutil.copyfile(path, tmp)
             os.replace(tmp, path)
-        if self.slow_every and n % self.slow_every == self.slow_every - 1:
+        if (self.slow_every and n % self.slow_every == self.slow_every - 1) or \
+                (self.slow_from is not None and n >= self.slow_from):
             self._fire("slow", n)
             time.sleep(self.slow_s)
 

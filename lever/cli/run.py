@@ -71,6 +71,10 @@ def print_summary(res, file) -> None:
         p(f"  cycle       verify pass {t.verify_pass_s / n * 1e3:.0f} ms, accept {t.accept_s / n * 1e3:.0f} ms, "
           f"draft {t.draft_s / n * 1e3:.0f} ms of which {100 * t.draft_hidden_share:.0f}% ran during verification; "
           f"{100 * tr.lookahead_hit_share:.0f}% of cycles started from rows drafted ahead")
+        if tr.cycles:
+            p(f"  model       cycle predicted {tr.predicted_cycle_s * 1e3:.0f} ms, measured {tr.measured_cycle_s * 1e3:.0f} ms; "
+              f"tokens/cycle predicted {tr.predicted_tokens:.2f}, measured {tr.measured_tokens:.2f}; "
+              f"flash busy {100 * t.flash_busy_share:.0f}% of the run")
         p("  drafting    forwards by tokens in them: "
           + ", ".join(f"{k} x{c}" for k, c in sorted(tr.draft_forward_tokens.items())))
     if mem.plan is not None:

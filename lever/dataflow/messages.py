@@ -83,6 +83,19 @@ def likely_path(tree: TokenTree, kids: list[list[int]], node: int, n: int | None
 
 
 @attrs.frozen
+class PassTiming:
+    """What one cycle's verification measured, for the cost model's online estimates
+    (lever.policy.online): the pass's compute and reads, and Accept's time after it."""
+
+    n_tokens: int  # nodes the pass ran
+    compute_s: float  # wall time of the pass's layer computations
+    wait_s: float  # time the pass waited for a streamed layer to land
+    read_s: float  # wall time of the reads of the pass's streamed layers, one after another
+    read_bytes: int  # bytes those reads moved
+    accept_s: float = 0.0  # Accept's output head and walk along the accepted path
+
+
+@attrs.frozen
 class Verified:
     """The target's last-layer hidden states for every node of a tree (before the final norm)."""
 
@@ -91,6 +104,7 @@ class Verified:
     # (n_nodes,) bool: nodes verified to the last layer; pruned ones hold a middle layer's state
     # and must not be descended into. None: all of them.
     alive: np.ndarray | None = attrs.field(default=None, eq=False)
+    timing: PassTiming | None = None  # what the pass measured
 
 
 @attrs.frozen
@@ -103,6 +117,7 @@ class Accepted:
     done: bool = False
     stop_reason: str = ""  # "eos", "length", "context" when done
     pruned: tuple[int, ...] = ()  # tree nodes the predictor pruned: whether the target took them is unknown
+    timing: PassTiming | None = None  # the pass's and Accept's measured times
 
 
 @attrs.frozen
@@ -150,6 +165,7 @@ class StreamedLayer:
     weights: LayerWeights
     buffer_id: int  # which window buffer holds the bytes (returned as a FreeBuffer)
     n_bytes: int
+    read_s: float = 0.0  # wall time of its read
 
 
 @attrs.frozen

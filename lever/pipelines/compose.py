@@ -61,6 +61,10 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
             placement: Placement | None = None) -> Composition:
     spec = target.model.spec
     tree = tree or TreeExpandConfig(policy="none")
+    if tree.adapt and not params.greedy and params.seed is not None:
+        # the trees would follow the machine's timing, and the draws with them: a seed must
+        # give the same text every time, so a seeded sampled run prices trees by the profile
+        tree = attrs.evolve(tree, adapt=False)
     compute = ComputeSlot(cfg.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
     expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer,
                         acceptance=acceptance, ahead_beside=bool(compute.ahead_cores))

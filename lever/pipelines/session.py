@@ -33,7 +33,7 @@ from lever.policy.memory import MemoryPlan, plan_memory
 from lever.policy.memory import check as check_memory
 from lever.policy.placement import placement_for
 from lever.policy.predictor import Artifact, Predictor, artifact_path, predictor_for
-from lever.stages.tree_expand import TreeExpandConfig
+from lever.stages.tree_expand import CycleRecord, TreeExpandConfig
 
 
 @attrs.frozen
@@ -52,6 +52,12 @@ class Timing:
     accept_s: float = 0.0  # Accept: the output head along the accepted path
     draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
     decode_cpu_s: float = 0.0  # CPU seconds the process spent decoding, every thread (an energy proxy)
+
+    @property
+    def flash_busy_share(self) -> float:
+        """Share of the run's wall time with a flash read under way (1.0: reads never paused)."""
+        wall = self.prefill_s + self.decode_s
+        return min(self.io_s / wall, 1.0) if wall > 0 else 0.0
 
     @property
     def pass_wall_ratio(self) -> float:
@@ -100,6 +106,28 @@ class TreeFigures:
     prune_layer: int = -1  # the pruning predictor's layer (-1: none)
     pruned_share: float = 0.0  # tree nodes (past the root) the predictor pruned
     draft_forward_tokens: dict[int, int] = attrs.field(factory=dict)  # tokens in a draft forward -> forwards
+    cycles: list[CycleRecord] = attrs.field(factory=list)  # each decoding cycle, predicted and measured
+
+    @property
+    def predicted_cycle_s(self) -> float:
+        return _mean(c.predicted_s for c in self.cycles)
+
+    @property
+    def measured_cycle_s(self) -> float:
+        return _mean(c.measured_s for c in self.cycles)
+
+    @property
+    def predicted_tokens(self) -> float:
+        return _mean(c.predicted_tokens for c in self.cycles)
+
+    @property
+    def measured_tokens(self) -> float:
+        return _mean(c.tokens for c in self.cycles)
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else 0.0
 
 
 @attrs.frozen
@@ -149,6 +177,10 @@ class RunResult:
     def as_json(self) -> dict:
         d = attrs.asdict(self, filter=lambda a, _: a.name != "baseline")
         d["timing"]["pass_wall_ratio"] = self.timing.pass_wall_ratio
+        d["timing"]["flash_busy_share"] = self.timing.flash_busy_share
+        tr = self.tree
+        d["tree"].update(predicted_cycle_s=tr.predicted_cycle_s, measured_cycle_s=tr.measured_cycle_s,
+                         predicted_tokens=tr.predicted_tokens, measured_tokens=tr.measured_tokens)
         d["memory"]["rss_bound_bytes"] = self.memory.rss_bound_bytes
         d.update(decode_tps=self.decode_tps, ms_per_token=self.ms_per_token, flash_mb_per_token=self.flash_mb_per_token,
                  cpu_ms_per_token=self.cpu_ms_per_token)
@@ -318,7 +350,7 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
         mean_nodes=trees.mean_nodes, lookahead_hit_share=trees.lookahead_hit_share,
         token_layers=verified.token_layers, layer_tokens=list(verified.layer_tokens),
         prune_layer=verified.prune_layer, pruned_share=verified.pruned_share,
-        draft_forward_tokens=drafted.forward_tokens if drafted is not None else {})
+        draft_forward_tokens=drafted.forward_tokens if drafted is not None else {}, cycles=list(trees.cycles))
     return RunResult(
         pipeline=kind.name if tree is None else f"{kind.name}/{tree.policy}", prompt_tokens=prompt_ids,
         tokens=list(out.tokens), text="".join(StreamDecoder(tok, at_start=False).push(t) for t in out.tokens),

@@ -208,8 +208,10 @@ class CostModel:
 
     # -- what TreeExpand asks
 
-    def verify_s(self, n_tokens: int, n_after: int | None = None, after_layer: int = -1) -> float:
-        """Latency of one target pass verifying n tokens (a tree of n nodes), started cold.
+    def verify_s(self, n_tokens: int, n_after: int | None = None, after_layer: int = -1,
+                 head_start_s: float = 0.0) -> float:
+        """Latency of one target pass verifying n tokens (a tree of n nodes), its reads started
+        `head_start_s` before its compute (0: cold).
 
         The pass is a two-stage pipeline: Prefetch reads the streamed layers back to back
         (the first one after `read_latency_s`), and a layer is computed once its read has
@@ -238,7 +240,7 @@ class CostModel:
         # (streamed, resident) layer compute, before and after the pruning layer
         c_all = (self.layer_compute_s(n_tokens), self.layer_compute_s(n_tokens, resident=True))
         c_late = (self.layer_compute_s(n_late), self.layer_compute_s(n_late, resident=True))
-        read_free = self.read_latency_s  # when the reader may start the next streamed layer
+        read_free = self.read_latency_s - head_start_s  # when the reader may start the next streamed layer
         done = 0.0  # when compute finished the previous layer
         computed: list[float] = []  # compute end of each streamed layer, in read order
         for i, b in enumerate(self.layer_read_bytes):
@@ -281,6 +283,30 @@ class CostModel:
     def lm_head_s(self, rows: int) -> float:
         """The target's output projection over `rows` rows (Accept: one per accepted token)."""
         return self._sized("lm_head_s", self.head_rows, self.head_s, rows)
+
+    def accept_s(self, rows: float) -> float:
+        """Accept after a pass: the output head along an accepted path of `rows` rows."""
+        return interpolate(self.head_rows, self.head_s, max(rows, 1.0))
+
+    def cycle_s(self, n_tokens: int, draft_s: float, accept_rows: float, head_start_s: float | None = None) -> float:
+        """One cycle: the tree drafted in turns (`draft_s`), its pass, Accept on `accept_rows`.
+
+        The cores do the drafting and Accept; meanwhile the reader runs into the pass, as far
+        as the window lets it (`head_start_s`: the time it had, by default this cycle's
+        drafting and an Accept of the same length before it)."""
+        accept = self.accept_s(accept_rows)
+        head = draft_s + accept if head_start_s is None else head_start_s
+        return draft_s + self.verify_s(n_tokens, head_start_s=head) + accept
+
+    def scaled(self, *, read: float = 1.0, compute: float = 1.0, draft: float = 1.0, head: float = 1.0) -> CostModel:
+        """The same tables with measured corrections: reads `read` times as long, target
+        layers `compute` times, draft forwards `draft` times, the output head `head` times
+        (lever.policy.online keeps them)."""
+        times = lambda ys, k: tuple(y * k for y in ys)  # noqa: E731
+        return attrs.evolve(self, read_bytes_per_s=self.read_bytes_per_s / read,
+                            layer_s=times(self.layer_s, compute), resident_layer_s=times(self.resident_layer_s, compute),
+                            draft_forward_s=times(self.draft_forward_s, draft), draft_head_s=times(self.draft_head_s, draft),
+                            head_s=times(self.head_s, head))
 
     @staticmethod
     def _sized(what: str, xs, ys, n: int) -> float:

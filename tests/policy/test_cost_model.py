@@ -208,3 +208,36 @@ def test_resident_layers_are_priced_by_their_own_table():
     assert half.compute_s(8) == pytest.approx(14 * resident_layer_s(8) + 14 * layer_s(8))
     assert half.verify_s(8) == pytest.approx(half.compute_s(8), rel=1e-3)  # 1-byte reads: compute-bound
     assert everything_resident.layer_compute_s(4) == pytest.approx(layer_s(4))  # a streamed layer, asked alone
+
+
+def test_a_head_start_takes_the_window_off_a_read_bound_pass():
+    window = SLOW.window_layers * LAYER_BYTES / SLOW.read_bytes_per_s
+    cold = SLOW.verify_s(8)
+    assert SLOW.verify_s(8, head_start_s=window / 2) == pytest.approx(cold - window / 2)
+    # the reader stops when the window is full: a longer head start hides no more, and the
+    # next read waits for the first layer's compute to free its buffer
+    full = cold - window - SLOW.read_latency_s + layer_s(8)
+    assert SLOW.verify_s(8, head_start_s=10 * window) == pytest.approx(full)
+    assert SLOW.verify_s(8, head_start_s=2 * window) == pytest.approx(full)
+    # compute bound: the first layer's read was the only wait, and it is gone
+    assert FAST.verify_s(8, head_start_s=1.0) == pytest.approx(FAST.compute_s(8))
+
+
+def test_a_cycle_is_drafting_the_pass_and_accept():
+    draft_s = 0.05
+    c = SLOW.cycle_s(16, draft_s, accept_rows=5)
+    assert c == pytest.approx(draft_s + SLOW.verify_s(16, head_start_s=draft_s + SLOW.accept_s(5)) + SLOW.accept_s(5))
+    # drafting in turns costs less than its own length while the reader fills the window meanwhile
+    assert SLOW.cycle_s(16, draft_s, 5) - SLOW.cycle_s(16, 0.0, 5) < draft_s
+    assert FAST.cycle_s(16, draft_s, 5) - FAST.cycle_s(16, 0.0, 5) == pytest.approx(draft_s, rel=0.05)
+
+
+def test_scaled_models_stretch_each_part_alone():
+    cm = model(bw=2e9)
+    slow_reads = cm.scaled(read=2.0)
+    assert slow_reads.read_s == pytest.approx(2 * cm.read_s)
+    assert slow_reads.compute_s(8) == cm.compute_s(8) and slow_reads.expand_s(4) == cm.expand_s(4)
+    busy = cm.scaled(compute=1.5, draft=2.0, head=3.0)
+    assert busy.compute_s(8) == pytest.approx(1.5 * cm.compute_s(8))
+    assert busy.expand_s(4) == pytest.approx(2.0 * cm.expand_s(4))
+    assert busy.accept_s(3) == pytest.approx(3.0 * cm.accept_s(3)) and busy.read_s == cm.read_s

@@ -175,3 +175,43 @@ def test_online_calibration_learns_from_each_cycle():
 def test_unknown_policy_is_an_error():
     with pytest.raises(LeverError, match=r"\[tree_expand\] policy"):
         TreeExpandConfig(policy="magic")
+
+
+def test_measured_slow_reads_grow_the_next_trees_within_a_few_cycles():
+    """[tree_expand] adapt: each Accepted's PassTiming corrects the cost model the next tree is priced with."""
+    from lever.dataflow.messages import PassTiming
+    from tests.policy.test_cost_model import model
+
+    cm = model(bw=20e9)  # a fast flash: a pass is mostly compute, and nodes cost
+    stage = TreeExpand("x", TreeExpandConfig(policy="gain-cost", max_nodes=64, max_depth=16), prompt=[1, 2, 3], cost=cm)
+    assert stage.online is not None
+    draft, sizes, t = FakeDraft(p_first=0.8), [], 0.0
+    acc = Accepted(0, (5,), (0, 1, 2))
+    for cycle in range(1, 8):
+        stage.observe(acc, t)
+        b, req = stage.start_cycle(acc)
+        while req is not None:
+            req = b.on_expansion(draft(req))
+        stage._last = b
+        tree = b.tree(cycle, acc.keep)
+        b.sent_s, b.sent_tokens = tree.cycle_s, b.expected_accepted() + 1
+        sizes.append(b.n_nodes)
+        slow = 8 if cycle >= 3 else 1  # from the third pass on, reads take 8x the profile's
+        read_bytes = sum(cm.layer_read_bytes)
+        timing = PassTiming(b.n_nodes, cm.compute_s(b.n_nodes), 0.0, slow * read_bytes / cm.read_bytes_per_s,
+                            read_bytes, cm.accept_s(2))
+        t += 0.5
+        acc = Accepted(cycle, (10, 77), (0, 1), timing=timing)  # one accepted, then a token never drafted
+    assert stage.online.scales.read == pytest.approx(8, rel=0.1)
+    assert max(sizes[:3]) < min(sizes[5:])  # bigger trees within three cycles of the slowdown
+    rec = stage.stats().cycles
+    assert len(rec) == 6 and all(r.measured_s == pytest.approx(0.5) and r.tokens == 2 for r in rec)
+    assert rec[-1].scales.read > rec[0].scales.read and rec[0].nodes == sizes[0]
+    assert all(r.predicted_s > 0 and r.predicted_tokens >= 1 for r in rec)
+
+
+def test_without_adapt_the_profile_prices_every_tree():
+    from tests.policy.test_cost_model import model
+
+    stage = TreeExpand("x", TreeExpandConfig(policy="gain-cost", adapt=False), prompt=[1], cost=model())
+    assert stage.online is None and stage.priced_by is stage.cost

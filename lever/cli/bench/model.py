@@ -142,6 +142,23 @@ def llama_completion(binary: str, model_path: str, prompt: str, n: int, threads:
     return float(m[2])
 
 
+_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
+
+
+def llama_speculative(binary: str, target: str, draft: str, prompt: str, n: int, n_draft: int) -> float:
+    """Decode tokens/s of one greedy llama-speculative run (its 'decoded' line: prompt excluded)."""
+    cmd = [binary, "-m", target, "-md", draft, "-p", prompt, "-n", str(n), "--temp", "0",
+           "--spec-draft-n-max", str(n_draft)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    except (subprocess.TimeoutExpired, OSError) as e:
+        raise LeverError(f"llama-speculative failed ({binary}): {e}") from None
+    m = _DECODED.search(proc.stderr + proc.stdout)
+    if proc.returncode != 0 or not m:
+        raise LeverError(f"llama-speculative failed ({binary}): exit {proc.returncode}, no 'decoded' line")
+    return float(m[3])
+
+
 def bench_dram(config: str, sets: list[str], prompt: str, n: int, rounds: int = 3, llama_completion_path=None,
                threads: int = 0, out=print) -> dict:
     """Decoding a prompt with everything in DRAM, in alternating rounds: llama.cpp's

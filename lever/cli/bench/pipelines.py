@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -21,12 +22,14 @@ import attrs
 from rich.progress import Progress
 
 from lever.cli.bench.child import run_json
+from lever.cli.bench.model import llama_completion, llama_speculative
 from lever.cli.common import add_common, add_set, parse_floats
 from lever.cli.table import show
+from lever.config import load_config
 from lever.errors import LeverError
 from lever.shipped import shipped
 
-DEFAULT_BUDGETS = (0.0, 0.25, 0.5, 0.75)
+DEFAULT_BUDGETS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_CHAIN_KS = (2, 4, 6, 8)
 PAPER = {"flash-ar": 2.93, "chain-sd": 1.50, "edgellm-like": 1.27}  # Lever's speedups in the paper
 
@@ -80,6 +83,9 @@ class Row:
     layer_tokens_per_pass: tuple[float, ...] = ()  # nodes computed at each target layer per decoding pass
     prune_layer: int = -1  # the predictor's layer, for pipelines that prune
     cpu_ms_per_token: float = 0.0  # process CPU time per generated token, every thread (an energy proxy)
+    flash_busy_share: float = 0.0  # share of the run with a flash read under way
+    predicted_cycle_ms: float = 0.0  # the cost model's cycle (drafting in turns, pass, Accept), mean over cycles
+    measured_cycle_ms: float = 0.0
 
     def late_token_layers(self, m: int) -> float:
         """Verification compute after layer m: token-layers per pass."""
@@ -96,11 +102,38 @@ def aggregate(runs: list[dict]) -> Row:
     mean = lambda part, key: sum(r[part][key] for r in runs) / len(runs)  # noqa: E731
     n_pass = sum(max(r["timing"]["n_passes"] - 1, 1) for r in runs)
     layers = [sum(col) / n_pass for col in zip(*(r["tree"]["layer_tokens"] for r in runs))]
+    cycles = [c for r in runs for c in r["tree"]["cycles"]]
+    cycle_ms = lambda key: 1000 * sum(c[key] for c in cycles) / len(cycles) if cycles else 0.0  # noqa: E731
     return Row(1000 * sum(r["timing"]["decode_s"] for r in runs) / max(n_tok, 1), mean("tree", "accepted_per_pass"),
                mean("tree", "mean_nodes"), sum(r["flash"]["read_bytes"] for r in runs) / max(n_tok, 1) / 1e6,
                mean("timing", "draft_hidden_share"), mean("tree", "lookahead_hit_share"), tuple(layers),
                runs[0]["tree"]["prune_layer"],
-               1000 * sum(r["timing"]["decode_cpu_s"] for r in runs) / max(n_tok, 1))
+               1000 * sum(r["timing"]["decode_cpu_s"] for r in runs) / max(n_tok, 1), mean("timing", "flash_busy_share"),
+               cycle_ms("predicted_s"), cycle_ms("measured_s"))
+
+
+def llama_cpp_rows(directory: str, config: str, sets, prompts: list[str], n: int) -> dict[str, float]:
+    """llama.cpp's ms/token on the same pair and prompts, everything in DRAM (its mmap, page
+    cache warm): llama-completion (the target alone) and llama-speculative (draft chains of
+    LLAMA_SPEC_DRAFT tokens). Per prompt, decode time only, summed as the rows above."""
+    cfg = load_config(config, list(sets))
+    tools = {}
+    for name in ("llama-completion", "llama-speculative"):
+        path = Path(directory) / name
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise LeverError(f"--llama-cpp: {path} is not an executable file (build llama.cpp's tools there)")
+        tools[name] = str(path)
+    ms = lambda tps: 1000 * sum(1 / t for t in tps) / len(tps)  # noqa: E731  equal tokens per prompt
+    rows = {"llama.cpp completion": ms([llama_completion(tools["llama-completion"], cfg.model.target, p, n, 0)
+                                        for p in prompts])}
+    if cfg.model.draft:
+        rows[f"llama.cpp speculative k={LLAMA_SPEC_DRAFT}"] = ms(
+            [llama_speculative(tools["llama-speculative"], cfg.model.target, cfg.model.draft, p, n, LLAMA_SPEC_DRAFT)
+             for p in prompts])
+    return rows
+
+
+LLAMA_SPEC_DRAFT = 8  # llama-speculative's draft length: Chain-SD's best k on this pair at high budgets
 
 
 def best_chain(rows: dict[str, Row]) -> str:
@@ -109,7 +142,7 @@ def best_chain(rows: dict[str, Row]) -> str:
 
 def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUDGETS, chain_ks=DEFAULT_CHAIN_KS,
                     sets: list[str] = (), json_path=None, plot_path=None, out=print, progress: bool = True,
-                    pruning: bool = False) -> dict:
+                    pruning: bool = False, llama_cpp: str | None = None) -> dict:
 
     runs = pipelines(chain_ks, pruning)
     table: dict[float, dict[str, Row]] = {}
@@ -126,7 +159,7 @@ def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUD
                     bar.update(task, description=f"budget {b:.0%}: {name}, prompt {i + 1}/{len(prompts)}")
                     r = run_json(config, [*sets, f"flash.dram_budget={b!r}", *extra], prompt, n)
                     rs.append(r)
-                    raw.append({"budget": b, "pipeline": name, "prompt": i} | r)
+                    raw.append(r | {"budget": b, "pipeline": name, "prompt": i})
                     bar.advance(task)
                 toks = [r["tokens"] for r in rs]
                 if name == "flash-ar":
@@ -135,13 +168,22 @@ def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUD
                     mismatches.append(f"{name} at budget {b:.0%}")
                 table[b][name] = aggregate(rs)
             _print_budget(b, table[b], out)
+    llama = {}
+    if llama_cpp and 1.0 in table:  # llama.cpp holds the whole model in DRAM: beside the 100% budget
+        llama = llama_cpp_rows(llama_cpp, config, sets, prompts, n)
+        lever = table[1.0]["lever"].ms_per_token
+        out("")
+        show(("pipeline", "ms/token", "tok/s", "Lever's speedup"),
+             [(k, f"{v:.1f}", f"{1000 / v:.2f}", f"{v / lever:.2f}x") for k, v in
+              {**{k: r.ms_per_token for k, r in table[1.0].items()}, **llama}.items()],
+             out, title="DRAM budget 100%, beside llama.cpp (same pair, prompts and token count)")
     summary = _summary(table)
     _print_summary(summary, mismatches, out)
     result = {"config": config, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": platform.platform(), "n_gen": n, "prompts": prompts, "sets": list(sets),
               "budgets": {str(b): {k: attrs.asdict(v) | {"tps": v.tps, "speedup": rows["flash-ar"].ms_per_token / v.ms_per_token}
                                    for k, v in rows.items()} for b, rows in table.items()},
-              "summary": summary, "lossless_mismatches": mismatches, "runs": raw}
+              "summary": summary, "lossless_mismatches": mismatches, "llama_cpp_ms_per_token": llama, "runs": raw}
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))
         out(f"wrote {json_path}")
@@ -163,6 +205,11 @@ def _print_budget(b: float, rows: dict[str, Row], out) -> None:
            f"{r.flash_mb_per_token:.1f}", f"{r.cpu_ms_per_token:.1f}", f"{ar / r.ms_per_token:.2f}x")
           for name, r in rows.items()],
          out, title=f"DRAM budget {b:.0%} (MB/tok: read from flash; CPU ms/tok: every thread, an energy proxy)")
+    show(("pipeline", "flash busy", "cycle predicted ms", "measured ms", "predicted/measured"),
+         [(name, f"{100 * r.flash_busy_share:.0f}%", f"{r.predicted_cycle_ms:.0f}" if r.measured_cycle_ms else "",
+           f"{r.measured_cycle_ms:.0f}" if r.measured_cycle_ms else "",
+           f"{r.predicted_cycle_ms / r.measured_cycle_ms:.2f}" if r.measured_cycle_ms else "")
+          for name, r in rows.items()], out, title="where the time went (flash busy: share of the run reading)")
     if "lever+pruning" in rows:
         p, lv = rows["lever+pruning"], rows["lever"]
         m = p.prune_layer
@@ -181,7 +228,9 @@ def _summary(table: dict[float, dict[str, Row]]) -> dict:
         chain = best_chain(rows)
         per[str(b)] = {"flash-ar": rows["flash-ar"].ms_per_token / lever, "chain-sd": rows[chain].ms_per_token / lever,
                        "best_chain": chain, "edgellm-like": rows["edgellm-like"].ms_per_token / lever}
-    mean = {k: sum(v[k] for v in per.values()) / len(per) for k in PAPER}
+    # the mean over the budgets that stream (the paper's setting); 100% is reported on its own
+    flash = [v for b, v in per.items() if float(b) < 1.0] or list(per.values())
+    mean = {k: sum(v[k] for v in flash) / len(flash) for k in PAPER}
     return {"per_budget": per, "mean": mean}
 
 
@@ -190,7 +239,7 @@ def _print_summary(summary: dict, mismatches: list[str], out) -> None:
     rows = [(f"{float(b):.0%}", x(v["flash-ar"]), x(v["chain-sd"]), x(v["edgellm-like"]), v["best_chain"])
             for b, v in summary["per_budget"].items()]
     m = summary["mean"]
-    rows += [("mean", x(m["flash-ar"]), x(m["chain-sd"]), x(m["edgellm-like"]), ""),
+    rows += [("mean <100%", x(m["flash-ar"]), x(m["chain-sd"]), x(m["edgellm-like"]), ""),
              ("paper", x(PAPER["flash-ar"]), x(PAPER["chain-sd"]), x(PAPER["edgellm-like"]), "")]
     out("")
     show(("budget", "vs Flash-AR", "vs Chain-SD", "vs EdgeLLM-like", "best chain"), rows, out,
@@ -234,11 +283,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--prompts", type=Path, default=None,
                    help="a file of prompts separated by lines holding only --- (default: the shipped code prompts)")
     b.add_argument("--n-gen", type=int, default=32, help="tokens generated per prompt")
-    b.add_argument("--budgets", default="0,0.25,0.5,0.75", help="DRAM budgets, fractions of the layer bytes")
+    b.add_argument("--budgets", default="0,0.25,0.5,0.75,1", help="DRAM budgets, fractions of the layer bytes (1: all resident)")
     b.add_argument("--chain-ks", default="2,4,6,8", help="Chain-SD lengths swept (the best is reported)")
     b.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     b.add_argument("--plot", type=Path, default=None, help="draw speedup against budget (matplotlib)")
     b.add_argument("--pruning", action="store_true", help="also Lever with its pruning predictor (run `lever calibrate` first)")
+    b.add_argument("--llama-cpp", default=None, metavar="DIR",
+                   help="llama.cpp's bin directory: adds llama-completion and llama-speculative rows at budget 1.0")
     add_set(b)
     add_common(b)
     b.set_defaults(func=main)
@@ -249,5 +300,5 @@ def main(args) -> int:
     prompts = read_prompts(args.prompts or shipped("prompts", "code.txt"))
     bench_pipelines(str(args.config), prompts, args.n_gen, parse_floats(args.budgets, "--budgets"),
                     tuple(int(k) for k in parse_floats(args.chain_ks, "--chain-ks")), args.set, args.json,
-                    args.plot, pruning=args.pruning)
+                    args.plot, pruning=args.pruning, llama_cpp=args.llama_cpp)
     return 0

@@ -1,0 +1,73 @@
+"""The online corrections to the cost model (lever.policy.online)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lever.dataflow.messages import PassTiming
+from lever.errors import LeverError
+from lever.policy.online import RATIO_BOUNDS, OnlineCost
+from tests.policy.test_cost_model import best_tree, model
+
+
+def timing_as(cm, n_tokens: int, *, read: float = 1.0, compute: float = 1.0, accept: float = 1.0,
+              rows: int = 4) -> PassTiming:
+    """A pass that took `read` / `compute` / `accept` times what `cm` predicts."""
+    read_bytes = sum(cm.layer_read_bytes)
+    return PassTiming(n_tokens, compute * cm.compute_s(n_tokens), 0.0, read * read_bytes / cm.read_bytes_per_s,
+                      read_bytes, accept * cm.accept_s(rows))
+
+
+def test_the_profile_stands_while_the_run_agrees_with_it():
+    cm = model(bw=1e9)
+    on = OnlineCost(cm)
+    for _ in range(5):
+        on.observe_pass(timing_as(cm, 16), accepted_rows=4)
+        on.observe_draft(cm.expand_s(8), 8)
+    s = on.scales
+    assert (s.read, s.compute, s.draft, s.head) == pytest.approx((1.0, 1.0, 1.0, 1.0))
+    assert on.model.verify_s(16) == pytest.approx(cm.verify_s(16))
+
+
+def test_a_slower_flash_shows_within_a_few_cycles_and_grows_trees():
+    cm = model(bw=2e9)
+    on = OnlineCost(cm)
+    before = best_tree(on.model)
+    for _ in range(4):
+        on.observe_pass(timing_as(cm, 16, read=4.0), accepted_rows=4)
+    assert on.scales.read == pytest.approx(4.0, rel=0.1)
+    assert on.model.read_s == pytest.approx(4 * cm.read_s, rel=0.1)
+    assert on.scales.compute == pytest.approx(1.0)
+    assert best_tree(on.model) > before
+    assert len(on.history) == 4 and on.history[0].read < on.history[-1].read
+
+
+def test_a_busier_cpu_makes_nodes_dearer_and_trees_smaller():
+    cm = model(bw=20e9)  # compute matters
+    on = OnlineCost(cm)
+    before = best_tree(on.model)
+    for _ in range(4):
+        on.observe_pass(timing_as(cm, 16, compute=3.0, accept=2.0), accepted_rows=4)
+        on.observe_draft(3.0 * cm.expand_s(4), 4)
+    assert on.scales.compute == pytest.approx(3.0, rel=0.1) and on.scales.head == pytest.approx(2.0, rel=0.1)
+    assert on.scales.draft == pytest.approx(3.0, rel=0.1)
+    assert best_tree(on.model) < before
+
+
+def test_measurements_gone_wrong_are_bounded_or_ignored():
+    cm = model()
+    on = OnlineCost(cm, weight=1.0)
+    on.observe_pass(timing_as(cm, 8, read=1e6, rows=2), accepted_rows=2)
+    assert on.scales.read == RATIO_BOUNDS[1]
+    bad = PassTiming(8, math.nan, 0.0, 0.0, 0, math.inf)
+    on.observe_pass(bad, accepted_rows=2)  # no reads, a NaN and an infinity: nothing learnt
+    assert on.scales.compute == 1.0 and on.scales.head == 1.0 and on.scales.read == RATIO_BOUNDS[1]
+    on.observe_draft(0.0, 4)
+    assert on.scales.draft == 1.0
+
+
+def test_weight_must_be_a_share():
+    with pytest.raises(LeverError, match="weight"):
+        OnlineCost(model(), weight=0.0)
