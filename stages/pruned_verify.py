@@ -170,7 +170,7 @@ class PrunedVerify(Stage):
         """One pass. The compute slot is held from layer to layer while weights are ready and
         let go only to wait for a read, which is when drafting ahead may use the cores."""
         st, slot, held = self.begin(tree), self.slot, False
-        compute_s = wait_s = read_s = 0.0
+        compute_s = wait_s = read_s = slot_wait_s = 0.0
         read_bytes = 0
         try:
             for i in range(self.spec.n_layer):
@@ -192,7 +192,9 @@ class PrunedVerify(Stage):
                     read_s += msg.read_s
                     read_bytes += msg.n_bytes
                 if slot is not None and not held:
+                    t0 = time.perf_counter()
                     await slot.acquire(VERIFY)
+                    slot_wait_s += time.perf_counter() - t0
                     held = True
                 n_threads = slot.threads(VERIFY) if slot is not None else 0  # fewer while drafting ahead runs beside
                 t0 = time.perf_counter()
@@ -203,4 +205,5 @@ class PrunedVerify(Stage):
         finally:
             if held:
                 slot.release(VERIFY)
-        return self.finish(st, PassTiming(tree.n_nodes, compute_s, wait_s, read_s, read_bytes))
+        return self.finish(st, PassTiming(tree.n_nodes, compute_s, wait_s, read_s, read_bytes,
+                                          slot_wait_s=slot_wait_s))

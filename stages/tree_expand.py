@@ -39,6 +39,8 @@ from lever.policy.cost_model import CostModel
 from lever.policy.growth import POLICIES, Candidate, GrowthPolicy
 from lever.policy.online import OnlineCost, Scales
 
+BAR_WEIGHT = 0.5  # of the newest tree in the moving rate bar
+IDLE_PRIOR_CYCLES = 2  # pseudo-cycles at a hit share of one half, before drafting ahead has been seen
 MAX_TREE_SIZE = 1024  # bound on a tree's nodes, depth and fan-out: one pass verifies it, one draft forward expands a round
 
 
@@ -90,6 +92,8 @@ class Cost(Protocol):
 
     def cycle_s(self, n_tokens: int, draft_s: float, accept_rows: float) -> float: ...  # drafting in turns, pass, Accept
 
+    pass_delay_s: float  # a pass's wait for cores held by drafting ahead
+
 
 @attrs.frozen
 class FlatCost:
@@ -99,6 +103,7 @@ class FlatCost:
     read_s: float = 0.5
     compute_per_token_s: float = 0.01
     draft_step_s: float = 0.02
+    pass_delay_s: float = 0.0
 
     def verify_s(self, n_tokens: int) -> float:
         return max(self.read_s, self.compute_per_token_s * n_tokens)
@@ -126,6 +131,7 @@ class TreeBuilder:
     cost: Cost
     cycle: int
     room: int  # nodes the context still has space for
+    remaining: int = MAX_TREE_SIZE + 1  # tokens the generation may still emit: a path deeper than remaining - 1 cannot pay
     tokens: list[int] = attrs.field(factory=list)
     parents: list[int] = attrs.field(factory=list)
     depth: list[int] = attrs.field(factory=list)
@@ -139,6 +145,8 @@ class TreeBuilder:
     rank: list[int] = attrs.field(factory=list)  # its place among its parent's proposals
     acceptance: AcceptanceTable | None = None  # draft p -> acceptance; None: the identity
     ahead_beside: bool = False  # drafting ahead has cores of its own: it may use the whole pass, not its idle time
+    bar_rate: float = 0.0  # tokens/s a node must bring to join (gain-cost): the rate recent trees reached
+    idle_value: float = 0.0  # seconds of drafting saved per second of idle compute in the pass (0: no drafting ahead)
     draft_s: float = 0.0  # estimated drafting time of this cycle so far
     n_pending: int = 0  # rows this cycle has added to the draft's cache
     n_sent: int = 0  # nodes in the tree sent to verification; later nodes were drafted ahead
@@ -190,6 +198,8 @@ class TreeBuilder:
         """A node's children from the draft become candidates."""
         self.proposals[row] = (toks, probs, q_dist)
         node = self.node_of_row[row]
+        if self.depth[node] + 2 > self.remaining:  # its children would come after the generation's end
+            return
         for rank, (t, q) in enumerate(zip(toks, probs)):
             if t < 0:  # fewer tokens had mass than were asked for
                 break
@@ -202,7 +212,8 @@ class TreeBuilder:
         return self.carried.get((r, token)) if r >= 0 else None
 
     def _expandable(self, n: int) -> bool:
-        return self.config.growth.expandable(self.config, self.depth[n])
+        # a child at depth d, accepted, emits d tokens and the bonus: past the generation's end it is waste
+        return self.depth[n] + 2 <= self.remaining and self.config.growth.expandable(self.config, self.depth[n])
 
     def _absorb_all(self, exp: Expansion) -> None:
         for i, row in enumerate(exp.rows):
@@ -266,6 +277,12 @@ class TreeBuilder:
         return self.cost.cycle_s(self.n_nodes if n_nodes is None else n_nodes, self.draft_s + extra_draft_s,
                                  self.expected_accepted() + 1)
 
+    def price_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float:
+        """What growth weighs: the latency, less the pass's idle compute time at what drafting
+        ahead makes of it (`idle_value`: the share of cycles that start from rows drafted ahead)."""
+        n = self.n_nodes if n_nodes is None else n_nodes
+        return self.latency_s(n, extra_draft_s) - self.idle_value * self.cost.idle_s(n)
+
     def tree(self, pass_id: int, keep: tuple[int, ...]) -> TokenTree:
         self.n_sent = self.n_nodes
         drafts = {}
@@ -300,7 +317,10 @@ class TreeBuilder:
             return None
         size = 1 + int(np.argmax([gains[b - 1] / self.cost.expand_s(b) for b in range(1, gains.size + 1)]))
         step_s = self.cost.expand_s(size)
-        budget_s = self.cost.verify_s(self.n_sent) if self.ahead_beside else self.cost.idle_s(self.n_sent)
+        # drafting ahead on the verification's cores: the idle time less what the pass lost
+        # waiting for cores held by drafting ahead lately (measured online; 0 from a profile)
+        budget_s = self.cost.verify_s(self.n_sent) if self.ahead_beside else \
+            self.cost.idle_s(self.n_sent) - self.cost.pass_delay_s
         if self.lookahead_s + step_s > budget_s or step_s > time_left_s:
             return None  # past the time the pass leaves the compute units idle, or past its end
         nodes: list[int] = []
@@ -401,6 +421,7 @@ class TreeExpand(Stage):
     cost: Cost = attrs.field(factory=FlatCost)
     n_ctx: int = 4096
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
+    n_predict: int | None = None  # tokens the generation emits at most (Accept stops there); None: no end
     INPUTS = {"accepted": Accepted, "expansion": Expansion}
     OUTPUTS = {"tree": TokenTree, "expand": ExpandRequest}
     OPTIONAL = frozenset({"expansion", "expand"})  # policy none needs no draft
@@ -412,6 +433,8 @@ class TreeExpand(Stage):
     online: OnlineCost | None = None  # the cost model corrected by measurements ([tree_expand] adapt)
     cycles: list[CycleRecord] = attrs.field(factory=list)
     _committed: int = 0  # target rows committed, to keep trees inside the context
+    _emitted: int = 0  # tokens Accept has emitted
+    _bar_rate: float = 0.0  # moving estimate of the predicted rate of the trees sent, tokens/s
     _last: TreeBuilder | None = None
     _last_accepted_t: float | None = None  # when the previous Accepted arrived
 
@@ -430,8 +453,25 @@ class TreeExpand(Stage):
     def drafting(self) -> bool:
         return self.config.growth.drafts
 
+    @property
+    def idle_value(self) -> float:
+        """What a second of the pass's idle compute is worth: drafting ahead fills it, and saves
+        that drafting next cycle when its guess holds (the share of cycles so far, a prior of
+        one half before any)."""
+        if not self.config.lookahead_nodes or not self.drafting:
+            return 0.0
+        n = len(self.tree_sizes)
+        return (self.lookahead_hits + IDLE_PRIOR_CYCLES / 2) / (n + IDLE_PRIOR_CYCLES)
+
     def stats(self) -> TreeStats:
         return TreeStats(tuple(self.tree_sizes), self.lookahead_hits, tuple(self.cycles))
+
+    def sent(self, b: TreeBuilder, tree: TokenTree) -> None:
+        """A tree goes to verification: its predicted time and tokens, and the rate bar."""
+        b.sent_s, b.sent_tokens = tree.cycle_s, b.expected_accepted() + 1
+        if b.sent_s > 0:
+            rate = b.sent_tokens / b.sent_s
+            self._bar_rate = rate if not self._bar_rate else BAR_WEIGHT * rate + (1 - BAR_WEIGHT) * self._bar_rate
 
     def observe(self, acc: Accepted, now_s: float) -> None:
         """What the cycle that `acc` ends measured: into the online estimates and the record."""
@@ -461,10 +501,13 @@ class TreeExpand(Stage):
     def start_cycle(self, acc: Accepted) -> tuple[TreeBuilder, ExpandRequest | None]:
         """A new tree rooted at the newest token, and the draft request that starts it."""
         self._committed += len(acc.keep)
+        self._emitted += len(acc.tokens)
         if self._last is not None:
             self.learn(self._last, acc)
+        remaining = MAX_TREE_SIZE + 1 if self.n_predict is None else self.n_predict - self._emitted
         b = TreeBuilder(self.config, self.priced_by, acc.pass_id + 1, room=self.n_ctx - self._committed,
-                        acceptance=self.acceptance, ahead_beside=self.ahead_beside)
+                        remaining=remaining, acceptance=self.acceptance, ahead_beside=self.ahead_beside,
+                        bar_rate=self._bar_rate, idle_value=self.idle_value)
         b.add(acc.tokens[-1], -1, 1.0)
         if not self.drafting:
             return b, None
@@ -525,6 +568,6 @@ class TreeExpand(Stage):
             self._last = b
             self.tree_sizes.append(b.n_nodes)
             tree = b.tree(acc.pass_id + 1, acc.keep)
-            b.sent_s, b.sent_tokens = tree.cycle_s, b.expected_accepted() + 1
+            self.sent(b, tree)
             await tree_out.send(tree)
             acc = await self.lookahead(b, expand_out, expansions, accepted)

@@ -93,6 +93,7 @@ class PassTiming:
     read_s: float  # wall time of the reads of the pass's streamed layers, one after another
     read_bytes: int  # bytes those reads moved
     accept_s: float = 0.0  # Accept's output head and walk along the accepted path
+    slot_wait_s: float = 0.0  # time a landed layer waited for the cores (a draft-ahead forward held them)
 
 
 @attrs.frozen

@@ -66,7 +66,7 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
         # give the same text every time, so a seeded sampled run prices trees by the profile
         tree = attrs.evolve(tree, adapt=False)
     compute = ComputeSlot(cfg.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
-    expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer,
+    expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer, cfg.generate.n_predict,
                         acceptance=acceptance, ahead_beside=bool(compute.ahead_cores))
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)

@@ -48,6 +48,7 @@ class Builder(Protocol):
     cost: object  # verify_s(n), expand_s(batch), idle_s(n)
     gain: list[float]
     depth: list[int]
+    bar_rate: float  # tokens/s a node must bring: what the last trees reached (0: none yet)
 
     @property
     def n_nodes(self) -> int: ...
@@ -66,6 +67,8 @@ class Builder(Protocol):
     def expected_accepted(self) -> float: ...
 
     def latency_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float: ...
+
+    def price_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float: ...  # latency less the idle time's worth
 
 
 class GrowthPolicy:
@@ -144,12 +147,19 @@ class GainCost(GrowthPolicy):
     learns_acceptance = True
 
     def select(self, b: Builder) -> list[int]:
-        """Adds the best candidates while each raises (E + 1) / latency.
+        """Adds the best candidates while each raises (E + 1) / latency, by at least the rate
+        the trees reach (`b.bar_rate`).
 
         A node's drafting cost is what its expansion adds to the round's batched forward: the
         whole forward for the round's first node (a draft forward costs nearly the same for 1
         token as for 8, so a lone node per round is expensive), the increment for the others;
-        a node drafted ahead costs nothing, its expansion is done."""
+        a node drafted ahead costs nothing, its expansion is done.
+
+        Why the bar: early in a tree the rate is low (the pass is paid, few tokens expected
+        yet), so a sibling of gain 0.05 looks worth a few ms; once the backbone is in, it is
+        not, but it has joined. The optimal tree's marginal gain per second equals its own
+        rate, so a node must bring at least the rate the last trees reached (the threshold
+        of a fractional knapsack), not only the current one."""
         added, batch, extra = [], 0, 0.0
         while len(added) < b.config.round_nodes and b.n_nodes < b.limit:
             c = b.best_candidate()
@@ -157,8 +167,7 @@ class GainCost(GrowthPolicy):
                 break
             carried = b.is_carried(c)
             node_draft = 0.0 if carried else b.cost.expand_s(batch + 1) - b.cost.expand_s(batch)
-            e, lat = b.expected_accepted(), b.latency_s(extra_draft_s=extra)
-            if (e + 1 + c.gain) / b.latency_s(b.n_nodes + 1, extra + node_draft) < (e + 1) / lat:
+            if not pays(b, c.gain, b.price_s(extra_draft_s=extra), b.price_s(b.n_nodes + 1, extra + node_draft)):
                 break
             added.append(b.take(c))
             batch += not carried
@@ -168,8 +177,17 @@ class GainCost(GrowthPolicy):
     def worth_expanding(self, b: Builder, node: int) -> bool:
         """Even a child as likely as the node itself must pay for a draft forward of its own:
         saves the forward that ends most trees."""
-        e, lat = b.expected_accepted(), b.latency_s()
-        return (e + 1 + b.gain[node]) / (lat + b.cost.expand_s(1)) >= (e + 1) / lat
+        lat = b.price_s()
+        return pays(b, b.gain[node], lat, lat + b.cost.expand_s(1))
+
+
+def pays(b: Builder, gain: float, before_s: float, after_s: float) -> bool:
+    """Whether `gain` more expected tokens for a cycle of `after_s` instead of `before_s`
+    raises the tree's rate and brings at least `b.bar_rate` tokens per second it adds."""
+    e = b.expected_accepted() + 1
+    if (e + gain) / after_s < e / before_s:
+        return False
+    return after_s <= before_s or gain / (after_s - before_s) >= b.bar_rate
 
 
 POLICIES: dict[str, GrowthPolicy] = {p.name: p for p in (NoTree(), Chain(), Kary(), Confidence(), GainCost())}

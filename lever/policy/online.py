@@ -33,6 +33,7 @@ class Scales:
     compute: float = 1.0
     draft: float = 1.0
     head: float = 1.0
+    pass_delay_s: float = 0.0  # not a ratio: seconds a pass waited for cores held by drafting ahead
 
 
 def _ema(old: float, measured_s: float, predicted_s: float, weight: float) -> float:
@@ -60,16 +61,19 @@ class OnlineCost:
     def model(self) -> CostModel:
         if self._model is None:
             s = self.scales
-            self._model = self.base.scaled(read=s.read, compute=s.compute, draft=s.draft, head=s.head)
+            self._model = self.base.scaled(read=s.read, compute=s.compute, draft=s.draft, head=s.head,
+                                           pass_delay_s=s.pass_delay_s)
         return self._model
 
     def observe_pass(self, t: PassTiming, accepted_rows: int) -> None:
         """A pass and Accept: reads against the bytes at the profiled rate, compute against
-        the model's for its node count, Accept against the head over the accepted rows."""
+        the model's for its node count, Accept against the head over the accepted rows, and
+        the pass's waits for cores that drafting ahead held (added to the cycle as measured)."""
         s, b, w = self.scales, self.base, self.weight
         read = _ema(s.read, t.read_s, t.read_bytes / b.read_bytes_per_s, w) if t.read_bytes else s.read
+        delay = (1 - w) * s.pass_delay_s + w * t.slot_wait_s if math.isfinite(t.slot_wait_s) else s.pass_delay_s
         self.scales = attrs.evolve(s, read=read, compute=_ema(s.compute, t.compute_s, b.compute_s(t.n_tokens), w),
-                                   head=_ema(s.head, t.accept_s, b.accept_s(accepted_rows), w))
+                                   head=_ema(s.head, t.accept_s, b.accept_s(accepted_rows), w), pass_delay_s=delay)
         self.history.append(self.scales)
         self._model = None
 

@@ -71,3 +71,13 @@ def test_measurements_gone_wrong_are_bounded_or_ignored():
 def test_weight_must_be_a_share():
     with pytest.raises(LeverError, match="weight"):
         OnlineCost(model(), weight=0.0)
+
+
+def test_waits_for_cores_held_by_drafting_ahead_lengthen_the_cycle():
+    cm = model(bw=1e9)
+    on = OnlineCost(cm, weight=1.0)
+    t = timing_as(cm, 16)
+    on.observe_pass(PassTiming(t.n_tokens, t.compute_s, 0.0, t.read_s, t.read_bytes, t.accept_s, slot_wait_s=0.04),
+                    accepted_rows=4)
+    assert on.scales.pass_delay_s == pytest.approx(0.04)
+    assert on.model.cycle_s(16, 0.01, 4) == pytest.approx(cm.cycle_s(16, 0.01, 4) + 0.04)

@@ -194,18 +194,20 @@ def test_measured_slow_reads_grow_the_next_trees_within_a_few_cycles():
             req = b.on_expansion(draft(req))
         stage._last = b
         tree = b.tree(cycle, acc.keep)
-        b.sent_s, b.sent_tokens = tree.cycle_s, b.expected_accepted() + 1
+        stage.sent(b, tree)
         sizes.append(b.n_nodes)
         slow = 8 if cycle >= 3 else 1  # from the third pass on, reads take 8x the profile's
         read_bytes = sum(cm.layer_read_bytes)
         timing = PassTiming(b.n_nodes, cm.compute_s(b.n_nodes), 0.0, slow * read_bytes / cm.read_bytes_per_s,
                             read_bytes, cm.accept_s(2))
         t += 0.5
-        acc = Accepted(cycle, (10, 77), (0, 1), timing=timing)  # one accepted, then a token never drafted
+        # the first child accepted (when the tree has one), then a token never drafted
+        acc = Accepted(cycle, (10, 77), (0, 1), timing=timing) if b.n_nodes > 1 else \
+            Accepted(cycle, (77,), (0,), timing=timing)
     assert stage.online.scales.read == pytest.approx(8, rel=0.1)
     assert max(sizes[:3]) < min(sizes[5:])  # bigger trees within three cycles of the slowdown
     rec = stage.stats().cycles
-    assert len(rec) == 6 and all(r.measured_s == pytest.approx(0.5) and r.tokens == 2 for r in rec)
+    assert len(rec) == 6 and all(r.measured_s == pytest.approx(0.5) and r.tokens == 2 - (r.nodes == 1) for r in rec)
     assert rec[-1].scales.read > rec[0].scales.read and rec[0].nodes == sizes[0]
     assert all(r.predicted_s > 0 and r.predicted_tokens >= 1 for r in rec)
 
@@ -215,3 +217,18 @@ def test_without_adapt_the_profile_prices_every_tree():
 
     stage = TreeExpand("x", TreeExpandConfig(policy="gain-cost", adapt=False), prompt=[1], cost=model())
     assert stage.online is None and stage.priced_by is stage.cost
+
+
+def test_no_node_past_the_generations_end():
+    """With 3 tokens left, a path of 2 drafted nodes and the bonus token fills them: deeper is waste."""
+    stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=8), prompt=[1, 2, 3], n_predict=4)
+    b, req = stage.start_cycle(Accepted(0, (5,), (0, 1, 2)))  # the prefill emitted one: 3 left
+    draft = FakeDraft()
+    while req is not None:
+        req = b.on_expansion(draft(req))
+    assert b.remaining == 3 and max(b.depth) == 2 and b.n_nodes == 3
+    unbounded = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=8), prompt=[1, 2, 3])
+    b, req = unbounded.start_cycle(Accepted(0, (5,), (0, 1, 2)))
+    while req is not None:
+        req = b.on_expansion(draft(req))
+    assert b.n_nodes == 9
