@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lever.cli.bench.pipelines import bench_pipelines, read_prompts
+from lever.cli.bench.pipelines import bench_pipelines, llama_cpp_rows, read_prompts
 from lever.cli.main import main
 from lever.errors import LeverError
 from lever.shipped import shipped
@@ -29,19 +29,45 @@ def test_bench_runs_every_pipeline_at_every_budget_losslessly(stories, tmp_path)
     cfg = tmp_path / "pair.toml"
     cfg.write_text(f'[model]\ntarget = "{stories}"\ndraft = "{stories}"\n[tree_expand]\nlookahead_nodes = 16\n')
     lines: list[str] = []
-    res = bench_pipelines(str(cfg), ["Once upon a time", "The cat"], 16, budgets=(0.0, 0.5), chain_ks=(2,),
+    tools = fake_llama_cpp(tmp_path / "bin")
+    res = bench_pipelines(str(cfg), ["Once upon a time", "The cat"], 16, budgets=(0.0, 0.5, 1.0), chain_ks=(2,),
                           json_path=tmp_path / "b.json", plot_path=tmp_path / "b.png", out=lines.append,
-                          progress=False)
+                          progress=False, llama_cpp=str(tools))
     assert res["lossless_mismatches"] == []
-    assert set(res["budgets"]) == {"0.0", "0.5"}
-    for rows in res["budgets"].values():
+    assert set(res["budgets"]) == {"0.0", "0.5", "1.0"}
+    for b, rows in res["budgets"].items():
         assert set(rows) == {"flash-ar", "chain-sd k=2", "edgellm-like", "lever"}
         assert rows["flash-ar"]["speedup"] == 1.0 and rows["flash-ar"]["accepted_per_pass"] == 1.0
         assert rows["lever"]["accepted_per_pass"] > 2  # its own draft: long paths are accepted
         assert all(r["cpu_ms_per_token"] > 0 for r in rows.values())
-    assert json.loads((tmp_path / "b.json").read_text())["summary"]["mean"]["flash-ar"] > 0
+        assert rows["lever"]["predicted_cycle_ms"] > 0 and rows["lever"]["measured_cycle_ms"] > 0
+        assert rows["flash-ar"]["measured_cycle_ms"] == 0  # no model predicts an autoregressive pass
+        assert (rows["lever"]["flash_busy_share"] > 0) == (b != "1.0")  # all resident: nothing read
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["summary"]["mean"]["flash-ar"] > 0
+    # the fake tools decode at 50 and 80 tokens/s: 20 and 12.5 ms a token
+    assert report["llama_cpp_ms_per_token"] == {"llama.cpp completion": 20.0, "llama.cpp speculative k=8": 12.5}
+    assert any("beside llama.cpp" in line for line in lines)
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert any("lossless: every pipeline" in line for line in lines)
+
+
+def fake_llama_cpp(d):
+    """llama-completion and llama-speculative stand-ins printing the lines the bench reads."""
+    d.mkdir()
+    (d / "llama-completion").write_text('#!/bin/sh\necho "llama_perf_context_print:        eval time =     300.00 ms /'
+                                        '    15 runs   (   20.00 ms per token,    50.00 tokens per second)" >&2\n')
+    (d / "llama-speculative").write_text('#!/bin/sh\necho "decoded   16 tokens in    0.200 seconds, speed:   80.000 t/s" >&2\n')
+    for f in d.iterdir():
+        f.chmod(0o755)
+    return d
+
+
+def test_llama_cpp_tools_must_be_there(stories, tmp_path):
+    cfg = tmp_path / "pair.toml"
+    cfg.write_text(f'[model]\ntarget = "{stories}"\ndraft = "{stories}"\n')
+    with pytest.raises(LeverError, match="--llama-cpp: .*llama-completion is not an executable file"):
+        llama_cpp_rows(str(tmp_path), str(cfg), [], ["x"], 4)
 
 
 def test_bad_budgets_are_one_line(capsys, tmp_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import threading
 import time
 
@@ -10,6 +12,7 @@ import anyio
 import psutil
 import pytest
 
+from lever.cli.run import print_summary
 from lever.config import load_config
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
@@ -151,6 +154,25 @@ def test_speculative_on_stories_accepts_many_per_pass(stories):
     res = run_pipeline(cfg, "Once upon a time")
     assert res.tokens == reference_tokens(stories, "Once upon a time", 60)
     assert res.tree.accepted_per_pass > 4 and res.timing.n_passes < 20
+
+
+def test_every_cycle_is_predicted_and_measured(stories):
+    """The cost model's cycle beside the measured one, per cycle, and the online corrections
+    learnt from the run (a capped flash the profile does not know about: reads slower than priced)."""
+    cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=40", "flash.dram_budget=0.0")
+    res = run_pipeline(cfg, "Once upon a time")
+    tr = res.tree
+    assert len(tr.cycles) == res.timing.n_passes - 1  # every decoding pass, not the prefill
+    assert sum(c.tokens for c in tr.cycles) == len(res.tokens) - 1
+    assert all(c.predicted_s > 0 and c.measured_s > 0 and c.predicted_tokens >= 1 for c in tr.cycles)
+    assert tr.cycles[0].scales.read == 1.0 and tr.cycles[-1].scales != tr.cycles[0].scales
+    assert 0 < res.timing.flash_busy_share <= 1
+    d = res.as_json()
+    assert d["tree"]["measured_cycle_s"] == pytest.approx(tr.measured_cycle_s) and d["tree"]["predicted_tokens"] >= 1
+    buf = io.StringIO()
+    print_summary(res, buf)
+    assert re.search(r"model +cycle predicted \d+ ms, measured \d+ ms; tokens/cycle predicted [\d.]+, measured [\d.]+; "
+                     r"flash busy \d+% of the run", buf.getvalue())
 
 
 def test_speculative_stops_at_context_like_generate(tiny_model):

@@ -200,7 +200,8 @@ def test_untied_embeddings_truncated_mid_run(stories, disk_dir):  # noqa: F811
     cfg = load_config(None, [f'model.target="{path}"', "generate.n_predict=40"])
     faults = Faults(truncate_at=20, truncate_to=0)
     msg, _ = fails(cfg, faults)
-    assert re.match(re.escape(f"{path}: ") + r"(layer \d+|tensor token_embd.weight row \d+), offset \d+: ", msg)
+    # the row's read fails, or, when the row was read before the cut landed, the check after it
+    assert re.match(re.escape(f"{path}: ") + r"(layer \d+|tensor token_embd.weight( row \d+)?), offset \d+: ", msg)
 
 
 @pytest.mark.parametrize("kind", KINDS)
