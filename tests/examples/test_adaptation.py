@@ -10,7 +10,7 @@ def test_a_slower_flash_mid_run_grows_the_trees(capsys):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.FIXED = {"chain k=8": mod.FIXED["chain k=8"]}  # one fixed reference is enough here (time)
-    r = mod.main(["-c", str(ROOT / "examples" / "default.toml"), "-n", "48", "--after", "3", "--slow-ms", "30",
+    r = mod.main(["-c", str(ROOT / "examples" / "default.toml"), "-n", "48", "--after", "3", "--slow-ms", "12",
                   "--settle", "2", "--set", "flash.dram_budget=0.0"])
     assert r["same_tokens"]  # lossless whatever the trees were
     before, after = r["nodes_before"], r["nodes_after"]
