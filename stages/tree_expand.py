@@ -395,10 +395,6 @@ class TreeStats:
     def lookahead_hit_share(self) -> float:
         return self.lookahead_hits / len(self.tree_sizes) if self.tree_sizes else 0.0
 
-    def mean(self, field: str) -> float:
-        """A CycleRecord field's mean over the cycles (0 without any)."""
-        return sum(getattr(c, field) for c in self.cycles) / len(self.cycles) if self.cycles else 0.0
-
 
 async def _receive(stream) -> Accepted | None:
     try:
