@@ -110,7 +110,7 @@ class CostModel:
     source: str = ""  # "profile PATH" or "fallback": what the numbers stand on
     # one resident target layer (tile layout) over tokens[i] tokens; () = as a streamed one
     resident_layer_s: tuple[float, ...] = attrs.field(default=(), converter=_monotone)
-    pass_delay_s: float = 0.0  # a pass's wait for cores held by drafting ahead (measured online; the profile has none)
+    pass_delay_s: float = 0.0  # a pass's waits for cores held by drafting ahead (measured online; the profile has none)
 
     def __attrs_post_init__(self):
         if not self.read_bytes_per_s > 0:
@@ -239,8 +239,11 @@ class CostModel:
         # with pruning, layers past `after_layer` run on the n_after survivors only
         n_late = n_tokens if n_after is None else max(n_after, 1)
         # (streamed, resident) layer compute, before and after the pruning layer
-        c_all = (self.layer_compute_s(n_tokens), self.layer_compute_s(n_tokens, resident=True))
-        c_late = (self.layer_compute_s(n_late), self.layer_compute_s(n_late, resident=True))
+        # a pass's waits for cores held by drafting ahead lengthen its compute, spread over the
+        # streamed layers (where they happen): hidden under the reads while those dominate
+        wait = self.pass_delay_s / max(len(self.streamed_layers), 1)
+        c_all = (self.layer_compute_s(n_tokens) + wait, self.layer_compute_s(n_tokens, resident=True))
+        c_late = (self.layer_compute_s(n_late) + wait, self.layer_compute_s(n_late, resident=True))
         read_free = self.read_latency_s - head_start_s  # when the reader may start the next streamed layer
         done = 0.0  # when compute finished the previous layer
         computed: list[float] = []  # compute end of each streamed layer, in read order
@@ -297,7 +300,7 @@ class CostModel:
         drafting and an Accept of the same length before it)."""
         accept = self.accept_s(accept_rows)
         head = draft_s + accept if head_start_s is None else head_start_s
-        return draft_s + self.verify_s(n_tokens, head_start_s=head) + self.pass_delay_s + accept
+        return draft_s + self.verify_s(n_tokens, head_start_s=head) + accept
 
     def scaled(self, *, read: float = 1.0, compute: float = 1.0, draft: float = 1.0, head: float = 1.0,
                pass_delay_s: float = 0.0) -> CostModel:
