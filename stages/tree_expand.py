@@ -246,7 +246,7 @@ class TreeBuilder:
                 break
             for n in ready:
                 self._absorb(self.row[n], *self.proposals[self.row[n]])
-        expand = [n for n in expand if self._expandable(n) and self.config.growth.worth_expanding(self, n)]
+        expand = self.config.growth.expansions(self, [n for n in expand if self._expandable(n)])
         if expand or keep is not None:
             return self.request(expand, keep=keep, carry=carry)
         return None
@@ -270,6 +270,16 @@ class TreeBuilder:
 
     def expected_accepted(self) -> float:
         return float(sum(self.gain[1:]))
+
+    def child_gain(self, node: int) -> float:
+        """What the best child of `node` is expected to bring, before the draft proposes it:
+        the node's gain times a first child's acceptance (the table's, over the first
+        children it saw; with no table, the node's own draft probability). Not the node's
+        own acceptance: the draft's doubt is local (a name, a number), the token after one
+        is as predictable as any other."""
+        if self.acceptance is None:
+            return self.gain[node] * self.q_draft[node]
+        return self.gain[node] * self.acceptance.first_child()
 
     def latency_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float:
         """The cycle's time by the cost model: drafting in turns so far (and `extra_draft_s`),
@@ -473,8 +483,11 @@ class TreeExpand(Stage):
         """What the cycle that `acc` ends measured: into the online estimates and the record."""
         prev = self._last
         if prev is not None and prev.n_sent and self._last_accepted_t is not None and self.drafting:
-            self.cycles.append(CycleRecord(prev.n_sent, prev.sent_s, prev.sent_tokens, now_s - self._last_accepted_t,
+            measured_s = now_s - self._last_accepted_t
+            self.cycles.append(CycleRecord(prev.n_sent, prev.sent_s, prev.sent_tokens, measured_s,
                                            len(acc.tokens), self.online.scales if self.online else Scales()))
+            if self.online is not None:
+                self.online.observe_cycle(measured_s, prev.sent_s)
         self._last_accepted_t = now_s
         if self.online is not None and acc.timing is not None and acc.pass_id > 0:  # the prefill is not a cycle
             self.online.observe_pass(acc.timing, len(acc.tokens))

@@ -35,6 +35,15 @@ class AcceptanceTable:
         r, b = self._cell(q, rank)
         return (self.accepted[r, b] + self.prior_weight * q) / (self.trials[r, b] + self.prior_weight)
 
+    def first_child(self) -> float:
+        """A first child's acceptance before its probability is known: the share of first
+        children accepted so far (their parent reached), with `prior_weight` observations at
+        the identity over the probabilities they had (one half before any)."""
+        seen, took = self.trials[0].sum(), self.accepted[0].sum()
+        centres = (np.arange(self.n_bins) + 0.5) / self.n_bins
+        prior = float(centres @ self.trials[0] / seen) if seen else 0.5
+        return float((took + self.prior_weight * prior) / (seen + self.prior_weight))
+
     def observe(self, q: float, rank: int, accepted: bool) -> None:
         r, b = self._cell(q, rank)
         self.trials[r, b] += 1

@@ -111,6 +111,7 @@ class CostModel:
     # one resident target layer (tile layout) over tokens[i] tokens; () = as a streamed one
     resident_layer_s: tuple[float, ...] = attrs.field(default=(), converter=_monotone)
     pass_delay_s: float = 0.0  # a pass's waits for cores held by drafting ahead (measured online; the profile has none)
+    overhead_s: float = 0.0  # what a running cycle spends beyond its parts (measured online: hand-offs, tree building)
 
     def __attrs_post_init__(self):
         if not self.read_bytes_per_s > 0:
@@ -300,18 +301,20 @@ class CostModel:
         drafting and an Accept of the same length before it)."""
         accept = self.accept_s(accept_rows)
         head = draft_s + accept if head_start_s is None else head_start_s
-        return draft_s + self.verify_s(n_tokens, head_start_s=head) + accept
+        return draft_s + self.verify_s(n_tokens, head_start_s=head) + accept + self.overhead_s
 
     def scaled(self, *, read: float = 1.0, compute: float = 1.0, draft: float = 1.0, head: float = 1.0,
-               pass_delay_s: float = 0.0) -> CostModel:
+               pass_delay_s: float = 0.0, overhead_s: float = 0.0) -> CostModel:
         """The same tables with measured corrections: reads `read` times as long, target
         layers `compute` times, draft forwards `draft` times, the output head `head` times,
-        and a pass delayed `pass_delay_s` by drafting ahead (lever.policy.online keeps them)."""
+        a pass delayed `pass_delay_s` by drafting ahead, and `overhead_s` more per cycle
+        (lever.policy.online keeps them)."""
         times = lambda ys, k: tuple(y * k for y in ys)  # noqa: E731
         return attrs.evolve(self, read_bytes_per_s=self.read_bytes_per_s / read,
                             layer_s=times(self.layer_s, compute), resident_layer_s=times(self.resident_layer_s, compute),
                             draft_forward_s=times(self.draft_forward_s, draft), draft_head_s=times(self.draft_head_s, draft),
-                            head_s=times(self.head_s, head), pass_delay_s=pass_delay_s)
+                            head_s=times(self.head_s, head), pass_delay_s=pass_delay_s,
+                            overhead_s=overhead_s)
 
     @staticmethod
     def _sized(what: str, xs, ys, n: int) -> float:

@@ -66,6 +66,8 @@ class Builder(Protocol):
 
     def expected_accepted(self) -> float: ...
 
+    def child_gain(self, node: int) -> float: ...  # the expected gain of node's best child, before drafting it
+
     def latency_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float: ...
 
     def price_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float: ...  # latency less the idle time's worth
@@ -91,9 +93,9 @@ class GrowthPolicy:
         """Whether a node at `depth` may have children."""
         return depth < config.max_depth
 
-    def worth_expanding(self, b: Builder, node: int) -> bool:
-        """Whether a draft forward for `node`'s children could pay for itself."""
-        return True
+    def expansions(self, b: Builder, nodes: list[int]) -> list[int]:
+        """Which of the round's new nodes get a draft forward for their children."""
+        return nodes
 
 
 def take_best(b: Builder, n: int, bar: float = float("-inf")) -> list[int]:
@@ -150,35 +152,36 @@ class GainCost(GrowthPolicy):
         """Adds the best candidates while each raises (E + 1) / latency, by at least the rate
         the trees reach (`b.bar_rate`).
 
-        A node's drafting cost is what its expansion adds to the round's batched forward: the
-        whole forward for the round's first node (a draft forward costs nearly the same for 1
-        token as for 8, so a lone node per round is expensive), the increment for the others;
-        a node drafted ahead costs nothing, its expansion is done.
+        A candidate's token is known (its parent's expansion proposed it), so joining costs
+        only its share of the pass and of Accept; the draft forward it may take later buys its
+        children, and `expansions` weighs it against them.
 
         Why the bar: early in a tree the rate is low (the pass is paid, few tokens expected
         yet), so a sibling of gain 0.05 looks worth a few ms; once the backbone is in, it is
         not, but it has joined. The optimal tree's marginal gain per second equals its own
         rate, so a node must bring at least the rate the last trees reached (the threshold
         of a fractional knapsack), not only the current one."""
-        added, batch, extra = [], 0, 0.0
+        added = []
         while len(added) < b.config.round_nodes and b.n_nodes < b.limit:
             c = b.best_candidate()
-            if c is None:
-                break
-            carried = b.is_carried(c)
-            node_draft = 0.0 if carried else b.cost.expand_s(batch + 1) - b.cost.expand_s(batch)
-            if not pays(b, c.gain, b.price_s(extra_draft_s=extra), b.price_s(b.n_nodes + 1, extra + node_draft)):
+            if c is None or not pays(b, c.gain, b.price_s(), b.price_s(b.n_nodes + 1)):
                 break
             added.append(b.take(c))
-            batch += not carried
-            extra += node_draft
         return added
 
-    def worth_expanding(self, b: Builder, node: int) -> bool:
-        """Even a child as likely as the node itself must pay for a draft forward of its own:
-        saves the forward that ends most trees."""
-        lat = b.price_s()
-        return pays(b, b.gain[node], lat, lat + b.cost.expand_s(1))
+    def expansions(self, b: Builder, nodes: list[int]) -> list[int]:
+        """The nodes worth one batched draft forward: by gain, each while its best child's
+        expected gain (`b.child_gain`) pays for what the node adds to the forward and for the
+        child's share of the pass. A forward costs nearly the same for 1 token as for 8, so
+        the first node pays the whole forward and the others ride along."""
+        chosen: list[int] = []
+        for n in sorted(nodes, key=lambda n: -b.gain[n]):
+            k = len(chosen)
+            before = b.price_s(b.n_nodes + k, b.cost.expand_s(k) if k else 0.0)
+            if not pays(b, b.child_gain(n), before, b.price_s(b.n_nodes + k + 1, b.cost.expand_s(k + 1))):
+                break
+            chosen.append(n)
+        return chosen
 
 
 def pays(b: Builder, gain: float, before_s: float, after_s: float) -> bool:

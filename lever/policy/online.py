@@ -22,6 +22,7 @@ from lever.errors import LeverError
 from lever.policy.cost_model import CostModel
 
 DEFAULT_WEIGHT = 0.5  # of the newest cycle: a change of speed shows within 2-4 cycles, one noisy cycle moves it half way
+OVERHEAD_WEIGHT = 0.25  # of the newest cycle's unexplained rest: a fixed cost, so a longer memory
 RATIO_BOUNDS = (0.1, 10.0)  # a ratio outside is a measurement gone wrong (a stall, a clock), not a machine
 
 
@@ -34,6 +35,7 @@ class Scales:
     draft: float = 1.0
     head: float = 1.0
     pass_delay_s: float = 0.0  # not a ratio: seconds a pass waited for cores held by drafting ahead
+    overhead_s: float = 0.0  # not a ratio: seconds a cycle took beyond what its parts predict
 
 
 def _ema(old: float, measured_s: float, predicted_s: float, weight: float) -> float:
@@ -62,7 +64,7 @@ class OnlineCost:
         if self._model is None:
             s = self.scales
             self._model = self.base.scaled(read=s.read, compute=s.compute, draft=s.draft, head=s.head,
-                                           pass_delay_s=s.pass_delay_s)
+                                           pass_delay_s=s.pass_delay_s, overhead_s=s.overhead_s)
         return self._model
 
     def observe_pass(self, t: PassTiming, accepted_rows: int) -> None:
@@ -75,6 +77,21 @@ class OnlineCost:
         self.scales = attrs.evolve(s, read=read, compute=_ema(s.compute, t.compute_s, b.compute_s(t.n_tokens), w),
                                    head=_ema(s.head, t.accept_s, b.accept_s(accepted_rows), w), pass_delay_s=delay)
         self.history.append(self.scales)
+        self._model = None
+
+    def observe_cycle(self, measured_s: float, predicted_s: float) -> None:
+        """A whole cycle, tree sent to tree sent, against what the model (overhead included)
+        predicted for it: the rest, which no part measures (the hand-offs between stages,
+        building the tree, a pass started late), is a fixed cost per cycle, and a fixed cost
+        makes a cycle worth more tokens: it is what lets a deep tree pay where the parts alone
+        say it does not. Never below zero (a cycle faster than its parts is a part's error,
+        which its own scale corrects) and averaged longer than the parts (OVERHEAD_WEIGHT):
+        one cycle's rest is noisy, and it prices every node of the next tree."""
+        if not (math.isfinite(measured_s) and math.isfinite(predicted_s) and measured_s > 0 and predicted_s > 0):
+            return
+        s = self.scales
+        rest = max(measured_s - (predicted_s - s.overhead_s), 0.0)
+        self.scales = attrs.evolve(s, overhead_s=(1 - OVERHEAD_WEIGHT) * s.overhead_s + OVERHEAD_WEIGHT * rest)
         self._model = None
 
     def observe_draft(self, measured_s: float, batch: int) -> None:

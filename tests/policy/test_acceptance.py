@@ -20,3 +20,12 @@ def test_learns_per_rank_and_bin():
     assert c(0.62, 0) > 0.95 and c(0.12, 1) < 0.03
     assert c(0.35, 0) == pytest.approx(0.35)  # other cells keep the identity
     assert [(r, n) for r, _, n, _ in c.table()] == [(0, 96), (1, 96)]
+
+
+def test_first_child_is_the_share_accepted_leaning_on_the_identity_before_data():
+    c = AcceptanceTable(prior_weight=4)
+    assert c.first_child() == pytest.approx(0.5)
+    for i in range(40):
+        c.observe(0.45, 0, i % 10 != 0)  # 90% of first children accepted at q ~0.45
+        c.observe(0.3, 1, False)  # later children do not count
+    assert c.first_child() == pytest.approx((36 + 4 * 0.45) / 44)

@@ -36,3 +36,16 @@ def test_confidence_stops_at_its_bar():
 def test_none_grows_nothing_and_kary_respects_max_depth():
     assert grow(TreeExpandConfig(policy="kary", top_k=2, kary_depth=5, max_depth=2, max_nodes=100)).n_nodes == 1 + 2 + 4
     assert POLICIES["none"].select(grow(TreeExpandConfig(policy="chain"), FlatCost())) == []
+
+
+def test_gain_cost_adds_proposed_children_without_paying_a_forward_and_expands_only_what_pays():
+    # a forward dearer than the whole pass: no node's children can pay for one, but the root's
+    # proposals are already drafted, so the likely first child still joins (it costs its row)
+    dear = grow(TreeExpandConfig(policy="gain-cost", max_nodes=64),
+                FlatCost(read_s=0.05, compute_per_token_s=0.0001, draft_step_s=1.0))
+    assert dear.n_nodes >= 2 and max(dear.depth) == 1
+    assert dear.row[1:] == [-1] * (dear.n_nodes - 1)  # none of them was expanded
+    cheap = grow(TreeExpandConfig(policy="gain-cost", max_nodes=64),
+                 FlatCost(read_s=0.05, compute_per_token_s=0.0001, draft_step_s=0.001))
+    assert max(cheap.depth) > 3
+

@@ -85,3 +85,20 @@ def test_waits_for_cores_held_by_drafting_ahead_lengthen_the_pass_where_compute_
         waits.append(on.model.cycle_s(16, 0.01, 4) - cm.cycle_s(16, 0.01, 4))
     assert waits[0] == pytest.approx(0.04)
     assert 0 <= waits[1] < 0.04 / 2
+
+
+def test_what_no_part_explains_is_a_fixed_cost_per_cycle_never_negative():
+    from lever.policy.online import OVERHEAD_WEIGHT
+    cm = model(bw=1e9)
+    on = OnlineCost(cm)
+    for _ in range(30):  # every cycle takes 30 ms more than its parts
+        on.observe_cycle(cm.cycle_s(16, 0.01, 4) + 0.03, on.model.cycle_s(16, 0.01, 4))
+    assert on.scales.overhead_s == pytest.approx(0.03, rel=0.05)
+    assert on.model.cycle_s(16, 0.01, 4) == pytest.approx(cm.cycle_s(16, 0.01, 4) + 0.03, rel=0.01)
+    before = best_tree(cm)
+    assert best_tree(on.model) >= before  # a fixed cost per cycle: more tokens per cycle pay
+    for _ in range(60):  # cycles faster than their parts: a part's error, not a negative cost
+        on.observe_cycle(0.5 * cm.cycle_s(16, 0.01, 4), on.model.cycle_s(16, 0.01, 4))
+    assert 0 <= on.scales.overhead_s < 1e-6
+    on.observe_cycle(float("nan"), 0.1)
+    assert math.isfinite(on.scales.overhead_s) and 0 < OVERHEAD_WEIGHT < 1
