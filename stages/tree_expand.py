@@ -265,9 +265,6 @@ class TreeBuilder:
     def drop_candidates(self) -> None:
         self.candidates.clear()
 
-    def is_carried(self, c: Candidate) -> bool:
-        return self._carried_row(c.parent, c.token) is not None
-
     def expected_accepted(self) -> float:
         return float(sum(self.gain[1:]))
 

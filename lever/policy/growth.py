@@ -62,8 +62,6 @@ class Builder(Protocol):
 
     def drop_candidates(self) -> None: ...
 
-    def is_carried(self, c: Candidate) -> bool: ...  # drafted ahead: its expansion costs nothing
-
     def expected_accepted(self) -> float: ...
 
     def child_gain(self, node: int) -> float: ...  # the expected gain of node's best child, before drafting it
@@ -175,12 +173,14 @@ class GainCost(GrowthPolicy):
         child's share of the pass. A forward costs nearly the same for 1 token as for 8, so
         the first node pays the whole forward and the others ride along."""
         chosen: list[int] = []
+        before = b.price_s()  # each price walks every layer: the last one accepted is the next one's start
         for n in sorted(nodes, key=lambda n: -b.gain[n]):
-            k = len(chosen)
-            before = b.price_s(b.n_nodes + k, b.cost.expand_s(k) if k else 0.0)
-            if not pays(b, b.child_gain(n), before, b.price_s(b.n_nodes + k + 1, b.cost.expand_s(k + 1))):
+            k = len(chosen) + 1
+            after = b.price_s(b.n_nodes + k, b.cost.expand_s(k))
+            if not pays(b, b.child_gain(n), before, after):
                 break
             chosen.append(n)
+            before = after
         return chosen
 
 
