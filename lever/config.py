@@ -38,6 +38,7 @@ class ModelConfig:
     target: str = ""  # GGUF of the target model (streamed from flash); relative to the config file
     draft: str = ""  # GGUF of the draft model (resident); empty for autoregressive pipelines
     n_ctx: int = 4096  # context length (KV cache rows), capped by the model's trained context
+    chat_template: str = ""  # a Jinja2 chat template, for a target whose GGUF has none (or to replace its own)
 
 
 @attrs.frozen

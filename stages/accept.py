@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import anyio
 import attrs
@@ -24,6 +25,13 @@ from lever.dataflow.trace import Tracer
 from lever.model.sampling import SamplingParams, distribution, rejection_sample, sample
 
 
+class StopRule(Protocol):
+    """A caller's reason to end a generation early, asked after every pass with the tokens it
+    emitted: a stop string completed ("stop"), a request cancelled ("cancelled"); "" goes on."""
+
+    def __call__(self, tokens: tuple[int, ...]) -> str: ...
+
+
 @attrs.frozen
 class AcceptConfig:
     """Stopping rules of a generation."""
@@ -32,6 +40,7 @@ class AcceptConfig:
     eos_ids: frozenset[int] = frozenset()  # tokens that end the generation
     n_ctx: int = 4096  # the target's context: stop before it is full
     full_lm_head: bool = False  # run the output projection on every node (EdgeLLM-like), not only the path
+    stop: StopRule | None = None  # the caller's own stopping rule (stop strings, cancellation)
 
 
 def choose(logits: np.ndarray, drafted, params: SamplingParams, rng: np.random.Generator) -> int:
@@ -127,6 +136,8 @@ class Accept(Stage):
             stop = "length"
         elif self.n_ctx_used >= self.config.n_ctx:  # no row left for the next root
             stop = "context"
+        if self.config.stop is not None:  # the caller's reason comes first: its text ends where it says
+            stop = self.config.stop(tuple(tokens)) or stop
         pruned = () if v.alive is None else tuple(int(n) for n in np.flatnonzero(~v.alive))
         return Accepted(tree.pass_id, tuple(tokens), tuple(keep), bool(stop), stop, pruned)
 

@@ -357,6 +357,12 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def token_text(self, token_id: int) -> str:
+        """A token's string as the vocabulary holds it (a special token's name, "<|im_end|>"),
+        as chat templates write them."""
+        self.check_id(token_id)
+        return str(self._vocab.tokens[token_id])
+
     def decode(self, ids: Iterable[int]) -> str:
         """The text of `ids`; control tokens (BOS, EOS, chat markers) and <unk> contribute nothing."""
         ids = list(ids)

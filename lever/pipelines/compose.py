@@ -32,7 +32,7 @@ from lever.pipelines.target import FlashTarget
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.placement import Placement
 from lever.policy.predictor import Predictor
-from lever.stages.accept import Accept, AcceptConfig
+from lever.stages.accept import Accept, AcceptConfig, StopRule
 from lever.stages.draft import Draft, Drafter
 from lever.stages.output import Output
 from lever.stages.prefetch import Prefetch
@@ -58,7 +58,7 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
             n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None,
             draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None,
             predictor: Predictor | None = None, acceptance: AcceptanceTable | None = None, observer=None,
-            placement: Placement | None = None) -> Composition:
+            placement: Placement | None = None, stop: StopRule | None = None) -> Composition:
     spec = target.model.spec
     tree = tree or TreeExpandConfig(policy="none")
     if tree.adapt and not params.greedy and params.seed is not None:
@@ -73,7 +73,8 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
     verify = PrunedVerify("verify", spec, target.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
                           compute, predictor, tracer, observer, cfg.runtime.emulate_layer_ms_per_token / 1e3,
                           placement.verify_fn if placement is not None else layer_forward)
-    accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.growth.full_lm_head),
+    accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.growth.full_lm_head,
+                                           stop=stop),
                     params, target.model.logits, tracer)
     output = Output("output", on_tokens)
     ch = cfg.channels

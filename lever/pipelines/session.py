@@ -17,7 +17,7 @@ import attrs
 
 from lever.backends.cpu import native
 from lever.backends.flash.device import process_read_bytes
-from lever.config import PIPELINE_KINDS, Config, PipelineKind
+from lever.config import PIPELINE_KINDS, Config, GenerateConfig, PipelineKind
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
@@ -33,6 +33,7 @@ from lever.policy.memory import MemoryPlan, plan_memory
 from lever.policy.memory import check as check_memory
 from lever.policy.placement import placement_for
 from lever.policy.predictor import Artifact, Predictor, artifact_path, predictor_for
+from lever.stages.accept import StopRule
 from lever.stages.tree_expand import CycleRecord, TreeExpandConfig
 
 
@@ -227,41 +228,102 @@ def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None, observ
 
 
 def _run_kind(cfg: Config, name: str, prompt: str, *, on_text=None, trace_path=None, observer=None) -> RunResult:
-    kind = PIPELINE_KINDS[name]
-    if not cfg.model.target:
-        raise LeverError(f"{cfg.where}: [model] target: no target model given")
-    flash = attrs.evolve(cfg.flash, dram_budget=1.0) if kind.all_resident else cfg.flash
-    # Headers, tokenizer and prompt first: the memory plan is checked before anything is loaded.
-    path = cfg.model.target
-    f = GGUFFile(path)
-    spec = read_spec(f)
-    tok = Tokenizer.from_gguf(f)
-    n_ctx = min(cfg.model.n_ctx, spec.n_ctx_train)
-    prompt_ids = tok.encode(prompt)
-    if not prompt_ids:
-        raise LeverError("empty prompt")
-    if len(prompt_ids) >= n_ctx:
-        raise LeverError(f"prompt is {len(prompt_ids)} tokens, over the context of {n_ctx} ([model] n_ctx)")
-    draft_file = draft_spec = None
-    if kind.drafts:
-        if not cfg.model.draft:
-            raise LeverError(f"{cfg.where}: [model] draft: a speculative pipeline needs a draft model")
-        draft_file = GGUFFile(cfg.model.draft)
-        draft_spec = read_spec(draft_file)
-    tree = cfg.tree_expand if kind.drafts else TreeExpandConfig(policy="none")
-    plan = plan_memory(f, spec, flash, n_ctx=n_ctx, n_pass_tokens=max(len(prompt_ids), tree.max_nodes),
-                       tree_rows=tree.max_nodes, draft=draft_file, draft_spec=draft_spec,
-                       draft_rows=tree.draft_rows if kind.drafts else 0)
-    check_memory(plan, cfg.memory, cfg.where)
-    with native.default_threads(cfg.runtime.threads):
-        target = FlashTarget.open(path, flash, file=f)
-        try:
-            # resident: read (not mapped) and packed, so its file may change under a long run without harm
-            draft = Model(file=draft_file) if draft_file is not None else None
-            return _run(cfg, kind, target, tok=tok, prompt_ids=prompt_ids, n_ctx=n_ctx, plan=plan, draft=draft,
-                        on_text=on_text, trace_path=trace_path, observer=observer)
-        finally:
-            target.close()
+    with Engine.open(cfg, name, prompt=prompt) as engine:
+        return engine.run(engine.encode(prompt), on_text=on_text, trace_path=trace_path, observer=observer)
+
+
+@attrs.define
+class Engine:
+    """One pipeline's models, opened once for any number of generations: the target on the
+    flash backend, the draft in DRAM, the tokenizer. `run_pipeline` opens one per run; the
+    Python API (lever.api) keeps one open across calls."""
+
+    cfg: Config
+    kind: PipelineKind
+    file: GGUFFile
+    spec: object  # lever.gguf.spec.ModelSpec
+    tok: Tokenizer
+    n_ctx: int
+    target: FlashTarget | None = None
+    draft: Model | None = None
+    draft_file: GGUFFile | None = None
+    draft_spec: object | None = None
+
+    @classmethod
+    def open(cls, cfg: Config, name: str | None = None, *, prompt: str | None = None) -> Engine:
+        """Headers and tokenizer first, then the memory plan for `prompt` (or for a tree pass
+        when none is known yet) is checked before anything is loaded."""
+        kind = PIPELINE_KINDS[name or cfg.pipeline.kind]
+        if not cfg.model.target:
+            raise LeverError(f"{cfg.where}: [model] target: no target model given")
+        f = GGUFFile(cfg.model.target)
+        spec = read_spec(f)
+        engine = cls(cfg, kind, f, spec, Tokenizer.from_gguf(f), min(cfg.model.n_ctx, spec.n_ctx_train))
+        if kind.drafts:
+            if not cfg.model.draft:
+                raise LeverError(f"{cfg.where}: [model] draft: a speculative pipeline needs a draft model")
+            engine.draft_file = GGUFFile(cfg.model.draft)
+            engine.draft_spec = read_spec(engine.draft_file)
+        engine.plan(len(engine.encode(prompt)) if prompt is not None else 1)
+        with native.default_threads(cfg.runtime.threads):
+            engine.target = FlashTarget.open(cfg.model.target, engine.flash, file=f)
+            try:
+                # resident: read (not mapped) and packed, so its file may change under a long run without harm
+                engine.draft = Model(file=engine.draft_file) if engine.draft_file is not None else None
+            except BaseException:
+                engine.close()
+                raise
+        return engine
+
+    @property
+    def flash(self):
+        return attrs.evolve(self.cfg.flash, dram_budget=1.0) if self.kind.all_resident else self.cfg.flash
+
+    @property
+    def tree(self) -> TreeExpandConfig:
+        return self.cfg.tree_expand if self.kind.drafts else TreeExpandConfig(policy="none")
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = self.tok.encode(prompt)
+        if not ids:
+            raise LeverError("empty prompt")
+        return ids
+
+    def plan(self, n_prompt: int) -> MemoryPlan:
+        """The memory plan of a generation whose prompt is n_prompt tokens, checked against
+        [memory] limit: made before the generation allocates anything."""
+        if n_prompt >= self.n_ctx:
+            raise LeverError(f"prompt is {n_prompt} tokens, over the context of {self.n_ctx} ([model] n_ctx)")
+        tree = self.tree
+        plan = plan_memory(self.file, self.spec, self.flash, n_ctx=self.n_ctx, n_pass_tokens=max(n_prompt, tree.max_nodes),
+                           tree_rows=tree.max_nodes, draft=self.draft_file, draft_spec=self.draft_spec,
+                           draft_rows=tree.draft_rows if self.kind.drafts else 0)
+        check_memory(plan, self.cfg.memory, self.cfg.where)
+        return plan
+
+    def run(self, prompt_ids: list[int], *, on_text=None, trace_path=None, observer=None,
+            generate: GenerateConfig | None = None, stop: StopRule | None = None) -> RunResult:
+        """One generation from prompt_ids (`generate`: this call's [generate] settings; `stop`:
+        a rule that may end it early, as a stop string or a cancelled request does)."""
+        if self.target is None:
+            raise LeverError(f"{self.cfg.where}: the engine is closed")
+        plan = self.plan(len(prompt_ids))
+        cfg = self.cfg if generate is None else attrs.evolve(self.cfg, generate=generate)
+        with native.default_threads(cfg.runtime.threads):
+            return _run(cfg, self.kind, self.target, tok=self.tok, prompt_ids=prompt_ids, n_ctx=self.n_ctx, plan=plan,
+                        draft=self.draft, on_text=on_text, trace_path=trace_path, observer=observer, stop=stop)
+
+    def close(self) -> None:
+        if self.target is not None:
+            self.target.close()
+            self.target = None
+        self.draft = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _qnn_figures(runner) -> str:
@@ -286,7 +348,7 @@ def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None
 
 
 def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer, prompt_ids: list[int], n_ctx: int,
-         plan: MemoryPlan, draft: Model | None, on_text, trace_path, observer) -> RunResult:
+         plan: MemoryPlan, draft: Model | None, on_text, trace_path, observer, stop: StopRule | None = None) -> RunResult:
     spec = target.model.spec
     g = cfg.generate
     params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed)
@@ -309,7 +371,7 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
                           draft_spec=draft.spec if draft is not None else None, n_ctx=n_ctx)
     h = compose(target, prompt_ids, cfg=cfg, params=params, eos_ids=frozenset(tok.eos_ids), n_ctx=n_ctx, tracer=tracer,
                 on_tokens=on_tokens, draft_model=draft, tree=tree, cost=cost, predictor=predictor, acceptance=acceptance,
-                observer=observer, placement=place)
+                observer=observer, placement=place, stop=stop)
     target.warm_head()
     target.store.reset_stats()
     dev0 = process_read_bytes() or 0

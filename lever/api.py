@@ -1,0 +1,341 @@
+"""Lever from Python: load a pipeline once, then generate, stream and chat through it.
+
+    import lever
+    with lever.load("examples/lever.toml", dram_budget=0.25) as llm:
+        c = llm.generate("def fib(n):", max_tokens=64, stop=["\\n\\n"])
+        for chunk in llm.stream("def fib(n):", max_tokens=64):
+            print(chunk.text, end="")
+        r = llm.chat([{"role": "user", "content": "Write quicksort in Python."}], max_tokens=128)
+
+Every call runs the configured pipeline (lever.pipelines.session.Engine: the target streamed
+from flash, trees from the draft, lossless), with the models opened once by `load`. A call's
+sampling arguments override the config's [generate] for that call only. Stop strings are
+matched on the decoded text, across token boundaries, and never emitted; the pipeline stops
+at the end of the pass that completed one. One generation runs at a time (the engine is a
+phone's whole compute); calls from several threads queue on a lock.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import attrs
+
+from lever.config import Config, load_config
+from lever.errors import LeverError
+from lever.gguf.chat_template import ChatTemplate
+from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.pipelines.session import Engine, RunResult
+
+FINISH_REASONS = ("stop", "length", "eos", "context", "cancelled")
+MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
+MAX_STOP_CHARS = 256
+
+# load()'s keywords: each is one config key (the rest go through `overrides`, as --set does)
+ALIASES = {"target": "model.target", "draft": "model.draft", "n_ctx": "model.n_ctx", "kind": "pipeline.kind",
+           "dram_budget": "flash.dram_budget", "policy": "tree_expand.policy", "threads": "runtime.threads",
+           "max_tokens": "generate.n_predict", "temperature": "generate.temperature", "top_k": "generate.top_k",
+           "top_p": "generate.top_p", "seed": "generate.seed"}
+PATH_ALIASES = ("target", "draft")
+RANGES = {"max_tokens": (1, 2**31 - 1), "temperature": (0.0, 100.0), "top_k": (0, 2**31 - 1), "top_p": (1e-9, 1.0),
+          "seed": (-1, 2**63 - 1)}  # seed -1: a fresh one
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class Completion:
+    """One generation: its text (stop string excluded), tokens, why it ended, and its figures."""
+
+    text: str
+    tokens: tuple[int, ...]  # generated ids, up to the one that completed a stop string
+    finish_reason: str  # one of FINISH_REASONS
+    usage: Usage
+    stats: RunResult  # the run's figures, as `lever run --json` prints them
+
+
+@attrs.frozen
+class Chunk:
+    """A piece of a streamed generation: text now final, and how many tokens it took."""
+
+    text: str
+    n_tokens: int
+    finish_reason: str | None = None  # set on the last chunk only
+
+
+@attrs.define
+class StopStrings:
+    """The stop rule of one generation (lever.stages.accept.StopRule): decodes the tokens each
+    pass emits, ends the generation when the text holds a stop string or the caller cancelled,
+    and hands on the text that no stop string can still claim (`on_text`)."""
+
+    tok: Tokenizer
+    stops: tuple[str, ...] = ()
+    on_text: object = None  # callable(text, n_tokens) or None
+    eos_ids: frozenset[int] = frozenset()
+    cancel: threading.Event = attrs.field(factory=threading.Event)
+    text: str = ""  # everything decoded, stop string included
+    sent: int = 0  # chars of `text` handed on
+    tokens: list[int] = attrs.field(factory=list)  # ids kept: past a stop string, none
+    unsent_tokens: int = 0
+    stopped_at: int = -1  # where the first stop string starts in `text`
+    _decoder: StreamDecoder = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        self._decoder = StreamDecoder(self.tok, at_start=False)
+
+    def __call__(self, tokens: tuple[int, ...]) -> str:
+        for t in tokens:
+            if self.stopped_at >= 0:
+                break
+            self.tokens.append(t)
+            self.unsent_tokens += 1
+            if t not in self.eos_ids:  # the end-of-turn token is not text
+                self.text += self._decoder.push(t)
+            self._find()
+        if self.stopped_at >= 0:
+            self._hand_on(self.stopped_at)
+            return "stop"
+        self._hand_on(len(self.text) - self._held())
+        return "cancelled" if self.cancel.is_set() else ""
+
+    def finish(self) -> None:
+        """The generation ended (not by a stop string): what was held back is final."""
+        if self.stopped_at < 0:
+            self.text += self._decoder.flush()
+            self._find()
+        self._hand_on(self.stopped_at if self.stopped_at >= 0 else len(self.text))
+
+    @property
+    def final_text(self) -> str:
+        return self.text[: self.stopped_at] if self.stopped_at >= 0 else self.text
+
+    def _find(self) -> None:
+        # only the tail can hold a new match: the longest stop string, back from the last chars
+        lo = max(0, len(self.text) - max((len(s) for s in self.stops), default=0) - 8)
+        hits = [i for i in (self.text.find(s, lo) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped_at = min(hits)
+
+    def _held(self) -> int:
+        """Chars at the end of the text that begin a stop string: not final yet."""
+        for n in range(min(len(self.text), max((len(s) for s in self.stops), default=0)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0
+
+    def _hand_on(self, upto: int) -> None:
+        if upto > self.sent or (self.unsent_tokens and self.stopped_at >= 0):
+            if self.on_text is not None:
+                self.on_text(self.text[self.sent : max(upto, self.sent)], self.unsent_tokens)
+            self.sent, self.unsent_tokens = max(upto, self.sent), 0
+
+
+def _stops(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
+        raise LeverError(f"stop: must be a string or a list of strings, got {type(stop).__name__}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise LeverError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise LeverError(f"stop: each string must be 1-{MAX_STOP_CHARS} characters, got {s!r:.40}")
+    return tuple(stops)
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise LeverError(f"{value!r} is not a finite number")
+        return repr(value)
+    if isinstance(value, (str, os.PathLike)):
+        return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise LeverError(f"{value!r}: expected a number, a bool or a string")
+
+
+def load(config: str | os.PathLike | None = None, *, overrides: Sequence[str] = (), chat_template: str | None = None,
+         **settings) -> LLM:
+    """Opens a pipeline: from a config file, or from settings alone (target=..., draft=...).
+
+    `settings` are the common keys by short name (ALIASES: target, draft, dram_budget, n_ctx,
+    kind, policy, threads, and the [generate] defaults); `overrides` any "section.key=value"
+    as `--set` takes them. Paths given here resolve against the working directory."""
+    sets = []
+    for name, value in settings.items():
+        if name not in ALIASES:
+            raise LeverError(f"lever.load: unknown setting {name!r} (known: {', '.join(ALIASES)}, or overrides=[...])")
+        if name in PATH_ALIASES and value:
+            value = str(Path(value).expanduser().resolve())
+        sets.append(f"{ALIASES[name]}={_toml(value)}")
+    if config is None and "kind" not in settings:  # no file: speculative with a draft, else Flash-AR
+        sets.insert(0, 'pipeline.kind="speculative"' if settings.get("draft") else 'pipeline.kind="flash-ar"')
+    cfg = load_config(config, [*sets, *overrides])
+    return LLM(cfg, Engine.open(cfg), chat_template)
+
+
+@attrs.define
+class LLM:
+    """An open pipeline. Close it (or use `with`) to release the target's file and buffers."""
+
+    config: Config
+    engine: Engine
+    chat_template_text: str | None = None
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    _template: ChatTemplate | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tok
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The code's template, else the target GGUF's; a clear error when there is neither."""
+        if self._template is None:
+            tok = self.engine.tok
+            bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+            eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+            if self.chat_template_text is not None:
+                self._template = ChatTemplate(self.chat_template_text, "chat_template", bos, eos)
+            elif self.config.model.chat_template:
+                self._template = ChatTemplate(self.config.model.chat_template, f"{self.config.where}: [model] chat_template",
+                                              bos, eos)
+            else:
+                self._template = ChatTemplate.from_gguf(self.engine.file, bos, eos)
+        return self._template
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        return self.chat_template.render(messages, add_generation_prompt)
+
+    def generate(self, prompt: str, **sampling) -> Completion:
+        """A completion of `prompt` (max_tokens, temperature, top_k, top_p, seed, stop)."""
+        return self._generate(self._encode(prompt), sampling)
+
+    def stream(self, prompt: str, **sampling) -> Iterator[Chunk]:
+        """The completion as it is decoded: each chunk's text is final (stop strings held back
+        until they cannot match, UTF-8 never split). Leaving the loop early cancels the
+        generation at the end of its current pass."""
+        return self._stream(self._encode(prompt), sampling)
+
+    def chat(self, messages: Sequence[dict], **sampling) -> Completion:
+        """The assistant's reply to `messages`, through the chat template."""
+        return self._generate(self._encode(self.render(messages), chat=True), sampling)
+
+    def stream_chat(self, messages: Sequence[dict], **sampling) -> Iterator[Chunk]:
+        return self._stream(self._encode(self.render(messages), chat=True), sampling)
+
+    def close(self) -> None:
+        with self._lock:
+            self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- one generation
+
+    def _encode(self, text: str, chat: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise LeverError(f"prompt: must be a string, got {type(text).__name__}")
+        tok = self.engine.tok
+        if chat:  # the template writes its own special tokens, a leading BOS among them
+            return tok.encode(text, add_bos=False) or _empty()
+        return self.engine.encode(text)
+
+    def _settings(self, sampling: dict, n_prompt: int):
+        allowed = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "cancel")
+        unknown = [k for k in sampling if k not in allowed]
+        if unknown:
+            raise LeverError(f"unknown argument {unknown[0]!r} (known: {', '.join(allowed)})")
+        g = self.config.generate
+        names = {"max_tokens": "n_predict", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                 "seed": "seed"}
+        changes = {}
+        for k, field in names.items():
+            v = sampling.get(k)
+            if v is None:
+                continue
+            want = float if field in ("temperature", "top_p") else int
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not float(v).is_integer()):
+                raise LeverError(f"{k}: must be {'a number' if want is float else 'an integer'}, got {v!r}")
+            if want is float and not math.isfinite(v):
+                raise LeverError(f"{k}: must be a finite number, got {v!r}")
+            lo, hi = RANGES[k]
+            if not lo <= v <= hi:
+                raise LeverError(f"{k}: must be in [{lo}, {hi}], got {v!r}")
+            changes[field] = want(v)
+        gen = attrs.evolve(g, **changes)
+        if n_prompt + gen.n_predict > self.engine.n_ctx:
+            raise LeverError(f"max_tokens: {gen.n_predict} tokens after a prompt of {n_prompt} pass the context of "
+                             f"{self.engine.n_ctx} ([model] n_ctx)")
+        return gen, _stops(sampling.get("stop")), sampling.get("cancel")
+
+    def _run(self, ids: list[int], sampling: dict, on_text=None) -> Completion:
+        gen, stops, cancel = self._settings(sampling, len(ids))
+        rule = StopStrings(self.engine.tok, stops, on_text, frozenset(self.engine.tok.eos_ids),
+                           cancel if cancel is not None else threading.Event())
+        with self._lock:
+            res = self.engine.run(ids, generate=gen, stop=rule)
+        rule.finish()
+        reason = "stop" if rule.stopped_at >= 0 else res.stop_reason or "length"
+        if reason not in FINISH_REASONS:
+            raise LeverError(f"internal: unknown stop reason {reason!r}")
+        tokens = tuple(rule.tokens)
+        return Completion(rule.final_text, tokens, reason, Usage(len(ids), len(tokens)), res)
+
+    def _generate(self, ids: list[int], sampling: dict) -> Completion:
+        return self._run(ids, sampling)
+
+    def _stream(self, ids: list[int], sampling: dict) -> Iterator[Chunk]:
+        self._settings(sampling, len(ids))  # a bad argument fails here, at the call, not at the first next()
+        out: queue.Queue = queue.Queue()
+        cancel = sampling.get("cancel") or threading.Event()
+        done = object()
+
+        def work():
+            try:
+                out.put(self._run(ids, {**sampling, "cancel": cancel}, lambda text, n: out.put(Chunk(text, n))))
+            except BaseException as e:  # handed to the consumer, raised there
+                out.put(e)
+            finally:
+                out.put(done)
+
+        def chunks() -> Iterator[Chunk]:
+            worker = threading.Thread(target=work, name="lever-generate", daemon=True)
+            worker.start()
+            try:
+                while (item := out.get()) is not done:
+                    if isinstance(item, BaseException):
+                        raise item
+                    if isinstance(item, Completion):
+                        yield Chunk("", 0, item.finish_reason)
+                    elif item.text or item.n_tokens:
+                        yield item
+            finally:
+                cancel.set()  # a consumer that left early ends the generation at its next pass
+                worker.join()
+
+        return chunks()
+
+
+def _empty():
+    raise LeverError("empty prompt")

@@ -1,0 +1,173 @@
+"""lever.api on the shipped pair (and the Qwen pair's chat template when it can be fetched):
+the API's text and tokens are the pipeline's, stop strings end the text where they begin, streams
+add up to the completion, and bad arguments get one line."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+import lever
+from lever.api import StopStrings
+from lever.config import load_config
+from lever.errors import LeverError
+from lever.gguf.chat_template import ChatTemplate
+from lever.pipelines.session import run_pipeline
+from lever.shipped import shipped
+
+PROMPT = "def parse_args(argv):"
+N = 40
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with lever.load(shipped("default.toml"), chat_template=TEMPLATE) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def full(llm):
+    return llm.generate(PROMPT, max_tokens=N)
+
+
+def test_generate_is_the_pipelines_greedy_output(llm, full):
+    cfg = load_config(shipped("default.toml"), [f"generate.n_predict={N}"])
+    res = run_pipeline(cfg, PROMPT)
+    assert list(full.tokens) == res.tokens and full.text == res.text
+    assert full.finish_reason == "length" and full.usage.completion_tokens == N
+    assert full.usage.prompt_tokens == len(llm.tokenizer.encode(PROMPT))
+    assert full.usage.total_tokens == full.usage.prompt_tokens + N
+    assert llm.generate(PROMPT, max_tokens=N).tokens == full.tokens  # the open engine gives the same again
+
+
+def test_a_stop_string_across_tokens_ends_the_text_where_it_begins(llm, full):
+    pieces = [llm.tokenizer.decode(full.tokens[: i + 1]) for i in range(len(full.tokens))]
+    # a boundary inside the text whose two sides both have characters: the stop string spans it
+    i = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) > len(pieces[i - 1]) + 1
+             and len(pieces[i + 1]) > len(pieces[i]) + 1)
+    stop = pieces[i][-2:] + pieces[i + 1][len(pieces[i]) : len(pieces[i]) + 2]
+    first = full.text.find(stop)
+    c = llm.generate(PROMPT, max_tokens=N, stop=["never in this text \x00", stop])
+    assert c.finish_reason == "stop"
+    assert c.text == full.text[:first] and stop not in c.text
+    assert c.tokens == full.tokens[: len(c.tokens)]  # lossless: a prefix of the greedy tokens
+    assert llm.tokenizer.decode(c.tokens).find(stop) == first  # the last token completed it
+    assert stop not in llm.tokenizer.decode(c.tokens[:-1])
+
+
+def test_the_stream_adds_up_to_the_completion_and_holds_back_stop_strings(llm, full):
+    chunks = list(llm.stream(PROMPT, max_tokens=N))
+    assert "".join(c.text for c in chunks) == full.text
+    assert sum(c.n_tokens for c in chunks) == N
+    assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert len(chunks) > 2  # streamed pass by pass, not at the end
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    shown = ""
+    for c in llm.stream(PROMPT, max_tokens=N, stop=stop):
+        shown += c.text
+        assert stop not in shown
+    assert shown == full.text[: full.text.find(stop)]
+
+
+def test_leaving_a_stream_early_cancels_it_and_the_engine_goes_on(llm, full):
+    for i, _ in enumerate(llm.stream(PROMPT, max_tokens=N)):
+        if i == 1:
+            break
+    assert llm.generate(PROMPT, max_tokens=N).tokens == full.tokens
+
+
+def test_a_cancelled_generation_ends_at_its_next_pass(llm):
+    cancel = threading.Event()
+    cancel.set()
+    c = llm.generate(PROMPT, max_tokens=N, cancel=cancel)
+    assert c.finish_reason == "cancelled" and 0 < len(c.tokens) < N
+
+
+def test_chat_renders_the_template_and_generates_from_it(llm):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "import os"}]
+    text = llm.render(msgs)
+    assert text == "<system>Be brief.\n<user>import os\n<assistant>"
+    c = llm.chat(msgs, max_tokens=16)
+    assert c.tokens == llm.generate(text, max_tokens=16).tokens
+    streamed = "".join(ch.text for ch in llm.stream_chat(msgs, max_tokens=16))
+    assert streamed == c.text
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    ({"temperature": float("nan")}, "temperature"), ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"), ({"top_p": 0}, "top_p"),
+    ({"seed": -2}, "seed"), ({"stop": 3}, "stop"), ({"stop": [""]}, "stop"), ({"stop": ["x"] * 17}, "stop"),
+    ({"max_tokens": 10**6}, "max_tokens"), ({"temp": 1.0}, "temp"), ({"max_tokens": True}, "max_tokens"),
+])
+def test_bad_arguments_get_one_line_naming_them(llm, kwargs, names):
+    with pytest.raises(LeverError, match=names) as e:
+        llm.generate(PROMPT, **kwargs)
+    assert "\n" not in str(e.value)
+    with pytest.raises(LeverError, match=names):
+        llm.stream(PROMPT, **kwargs)  # at the call, not at the first chunk
+
+
+@pytest.mark.parametrize("messages, where", [
+    ("hi", "messages"), ([], "messages"), ([{"role": "user"}], r"messages\[0\].content"),
+    ([{"role": "robot", "content": "x"}], r"messages\[0\].role"), ([["user", "x"]], r"messages\[0\]"),
+])
+def test_bad_messages_are_named(llm, messages, where):
+    with pytest.raises(LeverError, match=where):
+        llm.chat(messages)
+
+
+def test_a_model_without_a_template_names_its_file():
+    with lever.load(shipped("default.toml")) as m:
+        with pytest.raises(LeverError, match=r"stdlib-target.*no chat template"):
+            m.chat([{"role": "user", "content": "x"}])
+    with lever.load(shipped("default.toml"), overrides=[f"model.chat_template={json.dumps(TEMPLATE)}"]) as m:
+        assert m.render([{"role": "user", "content": "x"}]) == "<user>x\n<assistant>"
+
+
+def test_a_template_that_raises_gets_its_message():
+    t = ChatTemplate("{{ raise_exception('only user turns') }}", "code")
+    with pytest.raises(LeverError, match="only user turns"):
+        t.render([{"role": "user", "content": "x"}])
+    with pytest.raises(LeverError, match="chat template"):
+        ChatTemplate("{% for %}", "code").render([{"role": "user", "content": "x"}])
+    with pytest.raises(LeverError, match="chat template"):  # the sandbox: no reaching into Python
+        ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", "code").render([{"role": "user", "content": "x"}])
+
+
+def test_load_from_settings_alone_and_unknown_settings(full):
+    cfg = load_config(shipped("default.toml"))
+    with lever.load(target=cfg.model.target, draft=cfg.model.draft, n_ctx=cfg.model.n_ctx,
+                    dram_budget=cfg.flash.dram_budget) as m:
+        assert m.config.pipeline.kind == "speculative"
+        assert m.generate(PROMPT, max_tokens=N).tokens == full.tokens
+    with pytest.raises(LeverError, match="dram"):
+        lever.load(shipped("default.toml"), dram=0.5)
+
+
+def test_stop_strings_hold_back_only_what_could_still_match(llm):
+    got = []
+    rule = StopStrings(llm.tokenizer, ("abc", "xyz"), lambda text, n: got.append(text))
+    ids = llm.tokenizer.encode("hello ab", add_bos=False)
+    assert llm.tokenizer.decode(ids) == "hello ab"
+    assert rule(tuple(ids)) == ""
+    assert "".join(got) == "hello "  # "ab" may begin "abc": held back
+    rule.finish()
+    assert "".join(got) == "hello ab" and rule.final_text == "hello ab"
+
+
+def test_qwen_chat_template_renders_like_hugging_face(qwen_target):
+    from lever.gguf.file import GGUFFile
+    from lever.gguf.tokenizer import Tokenizer
+
+    f = GGUFFile(qwen_target)
+    tok = Tokenizer.from_gguf(f)
+    t = ChatTemplate.from_gguf(f, tok.token_text(tok.bos_id), tok.token_text(tok.eos_id))
+    text = t.render([{"role": "user", "content": "Write quicksort."}])
+    assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+                    "<|im_start|>user\nWrite quicksort.<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.encode(text, add_bos=False)
+    assert ids[0] == 151644 and tok.decode(ids[:1]) == ""  # <|im_start|> is one special token
