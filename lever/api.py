@@ -46,6 +46,10 @@ RANGES = {"max_tokens": (1, 2**31 - 1), "temperature": (0.0, 100.0), "top_k": (0
           "seed": (-1, 2**63 - 1)}  # seed -1: a fresh one
 
 
+class Cancelled(LeverError):
+    """A generation whose cancel event was set before it could start."""
+
+
 @attrs.frozen
 class Usage:
     prompt_tokens: int
@@ -103,9 +107,10 @@ class StopStrings:
                 break
             self.tokens.append(t)
             self.unsent_tokens += 1
+            before = len(self.text)
             if t not in self.eos_ids:  # the end-of-turn token is not text
                 self.text += self._decoder.push(t)
-            self._find()
+            self._find(before)
         if self.stopped_at >= 0:
             self._hand_on(self.stopped_at)
             return "stop"
@@ -115,17 +120,19 @@ class StopStrings:
     def finish(self) -> None:
         """The generation ended (not by a stop string): what was held back is final."""
         if self.stopped_at < 0:
+            before = len(self.text)
             self.text += self._decoder.flush()
-            self._find()
+            self._find(before)
         self._hand_on(self.stopped_at if self.stopped_at >= 0 else len(self.text))
 
     @property
     def final_text(self) -> str:
         return self.text[: self.stopped_at] if self.stopped_at >= 0 else self.text
 
-    def _find(self) -> None:
-        # only the tail can hold a new match: the longest stop string, back from the last chars
-        lo = max(0, len(self.text) - max((len(s) for s in self.stops), default=0) - 8)
+    def _find(self, before: int) -> None:
+        """A match must end in the text added after `before` chars: it starts at most the
+        longest stop string's length - 1 before them."""
+        lo = max(0, before - max((len(s) for s in self.stops), default=0) + 1)
         hits = [i for i in (self.text.find(s, lo) for s in self.stops) if i >= 0]
         if hits:
             self.stopped_at = min(hits)
@@ -226,20 +233,20 @@ class LLM:
 
     def generate(self, prompt: str, **sampling) -> Completion:
         """A completion of `prompt` (max_tokens, temperature, top_k, top_p, seed, stop)."""
-        return self._generate(self._encode(prompt), sampling)
+        return self._generate(self.encode_prompt(prompt), sampling)
 
     def stream(self, prompt: str, **sampling) -> Iterator[Chunk]:
         """The completion as it is decoded: each chunk's text is final (stop strings held back
         until they cannot match, UTF-8 never split). Leaving the loop early cancels the
         generation at the end of its current pass."""
-        return self._stream(self._encode(prompt), sampling)
+        return self.stream_ids(self.encode_prompt(prompt), sampling)
 
     def chat(self, messages: Sequence[dict], **sampling) -> Completion:
         """The assistant's reply to `messages`, through the chat template."""
-        return self._generate(self._encode(self.render(messages), chat=True), sampling)
+        return self._generate(self.encode_prompt(self.render(messages), chat=True), sampling)
 
     def stream_chat(self, messages: Sequence[dict], **sampling) -> Iterator[Chunk]:
-        return self._stream(self._encode(self.render(messages), chat=True), sampling)
+        return self.stream_ids(self.encode_prompt(self.render(messages), chat=True), sampling)
 
     def close(self) -> None:
         with self._lock:
@@ -253,7 +260,7 @@ class LLM:
 
     # -- one generation
 
-    def _encode(self, text: str, chat: bool = False) -> list[int]:
+    def encode_prompt(self, text: str, chat: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise LeverError(f"prompt: must be a string, got {type(text).__name__}")
         tok = self.engine.tok
@@ -261,7 +268,9 @@ class LLM:
             return tok.encode(text, add_bos=False) or _empty()
         return self.engine.encode(text)
 
-    def _settings(self, sampling: dict, n_prompt: int):
+    def check(self, sampling: dict, n_prompt: int):
+        """A call's arguments as this call's [generate], stop strings and cancel event; one line
+        naming the argument at fault."""
         allowed = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "cancel")
         unknown = [k for k in sampling if k not in allowed]
         if unknown:
@@ -289,11 +298,14 @@ class LLM:
                              f"{self.engine.n_ctx} ([model] n_ctx)")
         return gen, _stops(sampling.get("stop")), sampling.get("cancel")
 
-    def _run(self, ids: list[int], sampling: dict, on_text=None) -> Completion:
-        gen, stops, cancel = self._settings(sampling, len(ids))
+    def complete(self, ids: list[int], sampling: dict, on_text=None) -> Completion:
+        """A generation from prompt ids (`on_text(text, n_tokens)`: each piece as it is final)."""
+        gen, stops, cancel = self.check(sampling, len(ids))
         rule = StopStrings(self.engine.tok, stops, on_text, frozenset(self.engine.tok.eos_ids),
                            cancel if cancel is not None else threading.Event())
         with self._lock:
+            if rule.cancel.is_set():  # its caller left while it waited
+                raise Cancelled("the generation was cancelled before it started")
             res = self.engine.run(ids, generate=gen, stop=rule)
         rule.finish()
         reason = "stop" if rule.stopped_at >= 0 else res.stop_reason or "length"
@@ -303,17 +315,17 @@ class LLM:
         return Completion(rule.final_text, tokens, reason, Usage(len(ids), len(tokens)), res)
 
     def _generate(self, ids: list[int], sampling: dict) -> Completion:
-        return self._run(ids, sampling)
+        return self.complete(ids, sampling)
 
-    def _stream(self, ids: list[int], sampling: dict) -> Iterator[Chunk]:
-        self._settings(sampling, len(ids))  # a bad argument fails here, at the call, not at the first next()
+    def stream_ids(self, ids: list[int], sampling: dict) -> Iterator[Chunk]:
+        self.check(sampling, len(ids))  # a bad argument fails here, at the call, not at the first next()
         out: queue.Queue = queue.Queue()
         cancel = sampling.get("cancel") or threading.Event()
         done = object()
 
         def work():
             try:
-                out.put(self._run(ids, {**sampling, "cancel": cancel}, lambda text, n: out.put(Chunk(text, n))))
+                out.put(self.complete(ids, {**sampling, "cancel": cancel}, lambda text, n: out.put(Chunk(text, n))))
             except BaseException as e:  # handed to the consumer, raised there
                 out.put(e)
             finally:

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 import lever
-from lever.api import StopStrings
+from lever.api import Cancelled, StopStrings
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.gguf.chat_template import ChatTemplate
@@ -82,9 +82,13 @@ def test_leaving_a_stream_early_cancels_it_and_the_engine_goes_on(llm, full):
 
 def test_a_cancelled_generation_ends_at_its_next_pass(llm):
     cancel = threading.Event()
-    cancel.set()
-    c = llm.generate(PROMPT, max_tokens=N, cancel=cancel)
-    assert c.finish_reason == "cancelled" and 0 < len(c.tokens) < N
+    chunks = []
+    for c in llm.stream(PROMPT, max_tokens=N, cancel=cancel):
+        chunks.append(c)
+        cancel.set()
+    assert chunks[-1].finish_reason == "cancelled" and 0 < sum(c.n_tokens for c in chunks) < N
+    with pytest.raises(Cancelled):  # cancelled while it waited: it never starts
+        llm.generate(PROMPT, max_tokens=N, cancel=cancel)
 
 
 def test_chat_renders_the_template_and_generates_from_it(llm):
@@ -171,3 +175,14 @@ def test_qwen_chat_template_renders_like_hugging_face(qwen_target):
                     "<|im_start|>user\nWrite quicksort.<|im_end|>\n<|im_start|>assistant\n")
     ids = tok.encode(text, add_bos=False)
     assert ids[0] == 151644 and tok.decode(ids[:1]) == ""  # <|im_start|> is one special token
+
+
+def test_a_long_token_that_completes_a_short_stop_string_stops(llm):
+    ids = llm.tokenizer.encode("  # 2-bit characters and more", add_bos=False)
+    long_piece = max(range(len(ids)), key=lambda i: len(llm.tokenizer.decode(ids[i : i + 1])))
+    assert len(llm.tokenizer.decode(ids[long_piece : long_piece + 1])) > 4  # the case: one token of many chars
+    rule = StopStrings(llm.tokenizer, ("t c",))
+    for t in ids:
+        if rule((t,)):
+            break
+    assert rule.stopped_at >= 0 and rule.final_text == "  # 2-bi"

@@ -11,11 +11,11 @@ import argparse
 import sys
 
 from lever.backends.cpu import native
-from lever.cli import bench, calibrate, convert, generate, inspect, logits, profile, run
+from lever.cli import bench, calibrate, convert, generate, inspect, logits, profile, run, serve
 from lever.cli.common import lever_version
 from lever.errors import LeverError
 
-COMMANDS = (run, generate, inspect, logits, calibrate, profile, convert, bench)
+COMMANDS = (run, generate, inspect, logits, calibrate, profile, convert, bench, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

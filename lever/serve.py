@@ -1,0 +1,235 @@
+"""An OpenAI-compatible HTTP server over one open pipeline (lever.api.LLM).
+
+    /health, /v1/models, /v1/completions, /v1/chat/completions (SSE with "stream": true)
+
+One model pair, one generation at a time, as on a phone: requests wait in a queue of at most
+`queue` beside the one running, and past it get 429 with an OpenAI-style error. A client that
+goes away cancels its generation at the end of the current pass and frees its place. Bad
+requests get 400 naming the field. Starlette (on anyio, like the pipeline) serves it; the
+generation itself runs in a worker thread, so the event loop keeps answering.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import uuid
+
+import anyio
+import attrs
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from lever.api import LLM, Cancelled, Completion
+from lever.errors import LeverError
+
+DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that its client is still there
+OPENAI_FINISH = {"stop": "stop", "eos": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+MAX_BODY_BYTES = 4 << 20
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+
+def error(message: str, status: int, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+# the fields each endpoint reads, with the JSON types they may have (others are ignored, as OpenAI's clients send more)
+COMMON = {"model": (str,), "max_tokens": (int,), "max_completion_tokens": (int,), "temperature": (int, float),
+          "top_p": (int, float), "top_k": (int,), "seed": (int,), "stop": (str, list), "stream": (bool,), "n": (int,),
+          "stream_options": (dict,)}
+FIELDS = {"completions": {**COMMON, "prompt": (str, list)}, "chat": {**COMMON, "messages": (list,)}}
+
+
+def parse(body: bytes, endpoint: str) -> dict:
+    """The request's fields, type-checked; BadRequest naming the first one at fault."""
+    if len(body) > MAX_BODY_BYTES:
+        raise BadRequest(f"request body over {MAX_BODY_BYTES} bytes", status=413)
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object")
+    for name, types in FIELDS[endpoint].items():
+        v = data.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            want = " or ".join({str: "a string", int: "an integer", float: "a number", list: "a list", bool: "a boolean",
+                                dict: "an object"}[t] for t in types)
+            raise BadRequest(f"{name}: must be {want}, got {json.dumps(v)[:40]}", name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise BadRequest(f"{name}: must be a finite number", name)
+    if data.get("n", 1) != 1:
+        raise BadRequest("n: only 1 completion per request", "n")
+    if endpoint == "completions":
+        p = data.get("prompt")
+        if isinstance(p, list):
+            if len(p) != 1 or not isinstance(p[0], str):
+                raise BadRequest("prompt: a string, or a list of one string", "prompt")
+            data["prompt"] = p[0]
+        if not isinstance(data.get("prompt"), str):
+            raise BadRequest("prompt: required, a string", "prompt")
+    elif "messages" not in data:
+        raise BadRequest("messages: required, a list of {role, content}", "messages")
+    return data
+
+
+def sampling(data: dict) -> dict:
+    out = {k: data[k] for k in ("temperature", "top_p", "top_k", "seed", "stop") if data.get(k) is not None}
+    n = data.get("max_completion_tokens", data.get("max_tokens"))
+    if n is not None:
+        out["max_tokens"] = n
+    return out
+
+
+@attrs.define
+class Server:
+    """The app's state: the model, the queue's count, the ids."""
+
+    llm: LLM
+    model_id: str
+    queue: int = 8
+    admitted: int = 0  # running + waiting
+    created: int = attrs.field(factory=lambda: int(time.time()))
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def admit(self) -> None:
+        with self._lock:
+            if self.admitted > self.queue:  # one running and `queue` waiting
+                raise BadRequest(f"the server is busy: {self.queue} requests already wait", status=429,
+                                 kind="rate_limit_exceeded")
+            self.admitted += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.admitted -= 1
+
+    # -- endpoints
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "admitted": self.admitted, "queue": self.queue})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
+                                                          "owned_by": "lever"}]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, "completions")
+
+    async def chat(self, request: Request) -> Response:
+        return await self._handle(request, "chat")
+
+    async def _handle(self, request: Request, endpoint: str) -> Response:
+        try:
+            data = parse(await request.body(), endpoint)
+            args = sampling(data)
+            chat = endpoint == "chat"
+            # checked before queueing: a bad request never waits for its 400
+            ids = self.llm.encode_prompt(self.llm.render(data["messages"]) if chat else data["prompt"], chat=chat)
+            self.llm.check(args, len(ids))
+            self.admit()
+        except BadRequest as e:
+            return error(e.message, e.status, e.kind, e.param)
+        except LeverError as e:
+            msg = str(e)
+            return error(msg, 400, "invalid_request_error", msg.split(":")[0] if ":" in msg[:40] else None)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if data.get("stream"):
+            usage = bool((data.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(self._stream(request, ids, args, rid, chat, usage), media_type="text/event-stream")
+        try:
+            c = await self._generate(request, ids, args)
+        except Cancelled as e:  # its client left while it waited: nobody reads this
+            return error(str(e), 499, "cancelled")
+        finally:
+            self.release()
+        return JSONResponse(self._body(c, rid, chat))
+
+    async def _generate(self, request: Request, ids: list[int], args: dict) -> Completion:
+        cancel = threading.Event()
+        async with anyio.create_task_group() as tg:
+            async def watch():
+                while not cancel.is_set():
+                    if await request.is_disconnected():
+                        cancel.set()
+                    await anyio.sleep(DISCONNECT_POLL_S)
+
+            tg.start_soon(watch)
+            try:
+                return await anyio.to_thread.run_sync(lambda: self.llm.complete(ids, {**args, "cancel": cancel}))
+            finally:
+                cancel.set()
+                tg.cancel_scope.cancel()
+
+    async def _stream(self, request: Request, ids: list[int], args: dict, rid: str, chat: bool, usage: bool):
+        cancel = threading.Event()
+        it = self.llm.stream_ids(ids, {**args, "cancel": cancel})
+        n_out = 0
+        try:
+            if chat:
+                yield self._event(rid, chat, {"role": "assistant", "content": ""}, None)
+            while True:
+                try:
+                    chunk = await anyio.to_thread.run_sync(next, it, None)
+                except Cancelled:
+                    return
+                if chunk is None:
+                    break
+                n_out += chunk.n_tokens
+                if chunk.text:
+                    yield self._event(rid, chat, {"content": chunk.text} if chat else chunk.text, None)
+                if chunk.finish_reason is not None:
+                    yield self._event(rid, chat, {} if chat else "", OPENAI_FINISH[chunk.finish_reason])
+            if usage:
+                yield _sse({"id": rid, "object": self._object(chat, True), "created": int(time.time()),
+                            "model": self.model_id, "choices": [],
+                            "usage": _usage(len(ids), n_out)})
+            yield "data: [DONE]\n\n"
+        finally:
+            cancel.set()  # a client gone mid-stream: the generation ends at its next pass
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(it.close)
+            self.release()
+
+    def _object(self, chat: bool, chunk: bool) -> str:
+        return ("chat.completion" + (".chunk" if chunk else "")) if chat else "text_completion"
+
+    def _event(self, rid: str, chat: bool, delta, finish: str | None) -> str:
+        choice = {"index": 0, "finish_reason": finish}
+        choice.update({"delta": delta} if chat else {"text": delta, "logprobs": None})
+        return _sse({"id": rid, "object": self._object(chat, True), "created": int(time.time()),
+                     "model": self.model_id, "choices": [choice]})
+
+    def _body(self, c: Completion, rid: str, chat: bool) -> dict:
+        choice = {"index": 0, "finish_reason": OPENAI_FINISH[c.finish_reason]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice.update(text=c.text, logprobs=None)
+        return {"id": rid, "object": self._object(chat, False), "created": int(time.time()), "model": self.model_id,
+                "choices": [choice], "usage": _usage(c.usage.prompt_tokens, c.usage.completion_tokens)}
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def app(llm: LLM, *, model_id: str, queue: int = 8) -> Starlette:
+    s = Server(llm, model_id, queue)
+    return Starlette(routes=[Route("/health", s.health), Route("/v1/models", s.models),
+                             Route("/v1/completions", s.completions, methods=["POST"]),
+                             Route("/v1/chat/completions", s.chat, methods=["POST"])])

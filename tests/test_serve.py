@@ -1,0 +1,201 @@
+"""`lever serve` as a client sees it: the real `openai` client against a server this test starts
+on the shipped pair, its answers equal to the Python API's, a queue that refuses with 429 past
+its length, and clients that leave freeing the server."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+import lever
+from lever.shipped import shipped
+
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+PROMPT = "def parse_args(argv):"
+MESSAGES = [{"role": "user", "content": "import os"}]
+QUEUE = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*extra: str, queue: int = QUEUE, template: str | None = TEMPLATE):
+    port = _free_port()
+    sets = ["--set", f"model.chat_template={json.dumps(template)}"] if template else []
+    proc = subprocess.Popen([sys.executable, "-m", "lever", "serve", "--port", str(port), "--queue", str(queue),
+                             *sets, *extra], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            if proc.poll() is not None:
+                raise AssertionError(f"lever serve exited: {proc.stderr.read()}")
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("lever serve did not answer /health within 60 s")
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server()
+    yield proc, url
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("lever serve did not stop within 20 s of SIGINT")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with lever.load(shipped("default.toml"), chat_template=TEMPLATE) as m:
+        yield m
+
+
+def test_models_and_health(server, client):
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["stdlib-target-q4_0"]
+    assert httpx.get(server[1] + "/health").json()["status"] == "ok"
+
+
+def test_completion_equals_the_api_and_counts_usage(client, llm):
+    want = llm.generate(PROMPT, max_tokens=24)
+    r = client.completions.create(model="x", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        want.usage.prompt_tokens, 24, want.usage.prompt_tokens + 24)
+
+
+def test_a_stop_string_ends_the_completion(client, llm):
+    full = llm.generate(PROMPT, max_tokens=24).text
+    stop = full[8:11]
+    r = client.completions.create(model="x", prompt=PROMPT, max_tokens=24, stop=[stop])
+    assert r.choices[0].text == full[: full.find(stop)] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(llm.generate(PROMPT, max_tokens=24, stop=stop).tokens)
+
+
+def test_chat_and_streamed_chat_equal_the_api(client, llm):
+    want = llm.chat(MESSAGES, max_tokens=24)
+    r = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=24)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(want.tokens)
+    parts, finish, usage = [], None, None
+    for ev in client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=24, stream=True,
+                                             stream_options={"include_usage": True}):
+        if ev.usage is not None:
+            usage = ev.usage
+        for ch in ev.choices:
+            parts.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    assert "".join(parts) == want.text and finish == "length"
+    assert usage.completion_tokens == len(want.tokens) and usage.prompt_tokens == want.usage.prompt_tokens
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model="x", prompt=PROMPT, max_tokens=24,
+                                                                               stream=True) if c.choices)
+    assert streamed == llm.generate(PROMPT, max_tokens=24).text
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None), (b"[1, 2]", None), (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens"),
+    (b'{"prompt": "x", "temperature": "hot"}', "temperature"), (b'{"prompt": 3}', "prompt"),
+    (b'{"prompt": "x", "max_tokens": 1000000}', "max_tokens"), (b'{"prompt": "x", "stop": 5}', "stop"),
+    (b'{"prompt": "x", "stream": "yes"}', "stream"), (b'{"prompt": "x", "n": 2}', "n"), (b'{}', "prompt"),
+    (b'{"prompt": "x", "temperature": -1}', "temperature"),
+])
+def test_bad_requests_get_400_naming_the_field(server, body, param):
+    r = httpx.post(server[1] + "/v1/completions", content=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and "\n" not in err["message"]
+    r = httpx.post(server[1] + "/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    assert r.status_code == 400 and "messages[0].content" in r.json()["error"]["message"]
+
+
+def test_sixteen_clients_against_a_queue_of_four(server, llm):
+    proc, url = server
+    want = llm.generate(PROMPT, max_tokens=48).text
+    rss_before = psutil.Process(proc.pid).memory_info().rss
+    results = [None] * 16
+
+    def one(i):
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 48}, timeout=120)
+        results[i] = (r.status_code, r.json())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = [c for c, _ in results]
+    assert set(codes) <= {200, 429} and codes.count(200) >= QUEUE + 1 and 429 in codes, codes
+    for code, body in results:
+        if code == 200:
+            assert body["choices"][0]["text"] == want
+        else:
+            assert body["error"]["type"] == "rate_limit_exceeded"
+    assert httpx.get(url + "/health").json()["admitted"] == 0
+    assert httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 48}).json()["choices"][0]["text"] == want
+    rss_after = psutil.Process(proc.pid).memory_info().rss
+    assert rss_after <= rss_before * 1.1 + (32 << 20), (rss_before, rss_after)
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_server(server):
+    url = server[1]
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 480, "stream": True},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    left = time.monotonic()
+    deadline = left + 5
+    while httpx.get(url + "/health").json()["admitted"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    freed_s = time.monotonic() - left
+    assert freed_s < 1.0, f"the slot came back {freed_s:.2f} s after the client left"
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=10)
+    assert r.status_code == 200
+
+
+def test_qwen_chat_over_the_server_equals_the_api(qwen_target, qwen_draft):
+    """The instruct pair with its GGUF's own template, through the real client."""
+    config = shipped("lever.toml")
+    sets = ["model.n_ctx=1024", "flash.dram_budget=0.25"]
+    msgs = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    with lever.load(config, target=qwen_target, draft=qwen_draft, overrides=sets) as m:
+        want = m.chat(msgs, max_tokens=32)
+        want_stop = m.chat(msgs, max_tokens=32, stop=["\n\n"])
+    extra = ["-c", str(config), "--set", f"model.target={json.dumps(str(qwen_target))}",
+             "--set", f"model.draft={json.dumps(str(qwen_draft))}", *(x for s in sets for x in ("--set", s))]
+    proc, url = start_server(*extra, template=None)
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        r = c.chat.completions.create(model="x", messages=msgs, max_tokens=32)
+        assert r.choices[0].message.content == want.text and r.usage.completion_tokens == len(want.tokens)
+        streamed = "".join(ev.choices[0].delta.content or "" for ev in
+                           c.chat.completions.create(model="x", messages=msgs, max_tokens=32, stream=True) if ev.choices)
+        assert streamed == want.text
+        r = c.chat.completions.create(model="x", messages=msgs, max_tokens=32, stop=["\n\n"])
+        assert r.choices[0].message.content == want_stop.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
