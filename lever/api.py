@@ -28,8 +28,9 @@ import attrs
 
 from lever.config import Config, load_config
 from lever.errors import LeverError
-from lever.gguf.chat_template import ChatTemplate
+from lever.gguf.chat_template import ChatTemplate, check_messages
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.pipelines.compose import KVState
 from lever.pipelines.session import Engine, RunResult
 
 FINISH_REASONS = ("stop", "length", "eos", "context", "cancelled")
@@ -54,6 +55,7 @@ class Cancelled(LeverError):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt, already in a session's KV caches: not prefilled again
 
     @property
     def total_tokens(self) -> int:
@@ -298,26 +300,34 @@ class LLM:
                              f"{self.engine.n_ctx} ([model] n_ctx)")
         return gen, _stops(sampling.get("stop")), sampling.get("cancel")
 
-    def complete(self, ids: list[int], sampling: dict, on_text=None) -> Completion:
-        """A generation from prompt ids (`on_text(text, n_tokens)`: each piece as it is final)."""
+    def session(self) -> Session:
+        """A conversation whose text stays in both KV caches between calls (lever.api.Session)."""
+        return Session(self)
+
+    def complete(self, ids: list[int], sampling: dict, on_text=None, session: Session | None = None) -> Completion:
+        """A generation from prompt ids (`on_text(text, n_tokens)`: each piece as it is final);
+        in `session`, the prefix its caches already hold is not prefilled again."""
         gen, stops, cancel = self.check(sampling, len(ids))
         rule = StopStrings(self.engine.tok, stops, on_text, frozenset(self.engine.tok.eos_ids),
                            cancel if cancel is not None else threading.Event())
         with self._lock:
             if rule.cancel.is_set():  # its caller left while it waited
                 raise Cancelled("the generation was cancelled before it started")
-            res = self.engine.run(ids, generate=gen, stop=rule)
+            if session is None:
+                res, cached = self.engine.run(ids, generate=gen, stop=rule), 0
+            else:
+                res, cached = session.run(ids, gen, rule)
         rule.finish()
         reason = "stop" if rule.stopped_at >= 0 else res.stop_reason or "length"
         if reason not in FINISH_REASONS:
             raise LeverError(f"internal: unknown stop reason {reason!r}")
         tokens = tuple(rule.tokens)
-        return Completion(rule.final_text, tokens, reason, Usage(len(ids), len(tokens)), res)
+        return Completion(rule.final_text, tokens, reason, Usage(len(ids), len(tokens), cached), res)
 
     def _generate(self, ids: list[int], sampling: dict) -> Completion:
         return self.complete(ids, sampling)
 
-    def stream_ids(self, ids: list[int], sampling: dict) -> Iterator[Chunk]:
+    def stream_ids(self, ids: list[int], sampling: dict, session: Session | None = None) -> Iterator[Chunk]:
         self.check(sampling, len(ids))  # a bad argument fails here, at the call, not at the first next()
         out: queue.Queue = queue.Queue()
         cancel = sampling.get("cancel") or threading.Event()
@@ -325,7 +335,8 @@ class LLM:
 
         def work():
             try:
-                out.put(self.complete(ids, {**sampling, "cancel": cancel}, lambda text, n: out.put(Chunk(text, n))))
+                out.put(self.complete(ids, {**sampling, "cancel": cancel}, lambda text, n: out.put(Chunk(text, n)),
+                                      session))
             except BaseException as e:  # handed to the consumer, raised there
                 out.put(e)
             finally:
@@ -347,6 +358,89 @@ class LLM:
                 worker.join()
 
         return chunks()
+
+
+@attrs.define
+class Session:
+    """A conversation kept in both models' KV caches between calls: each call's prompt is the
+    whole text (a chat's whole conversation, rendered again), and the prefix the caches already
+    hold is not prefilled again, so a second turn prefills only its new tokens. Editing or
+    dropping messages (`rewind`) just makes that prefix shorter. The caches live as long as the
+    session: one pair, the size the memory plan gives a run."""
+
+    llm: LLM
+    messages: list[dict] = attrs.field(factory=list)  # the conversation so far, replies included
+    ids: list[int] = attrs.field(factory=list)  # the text both caches hold, token by token
+    kv: KVState | None = None
+
+    @property
+    def n_cached(self) -> int:
+        return self.kv.n_rows if self.kv is not None else 0
+
+    def generate(self, prompt: str, **sampling) -> Completion:
+        """A completion of `prompt`, the session's whole text so far (not only what is new)."""
+        return self.llm.complete(self.llm.encode_prompt(prompt), sampling, session=self)
+
+    def stream(self, prompt: str, **sampling) -> Iterator[Chunk]:
+        return self.llm.stream_ids(self.llm.encode_prompt(prompt), sampling, session=self)
+
+    def chat(self, messages: Sequence[dict], **sampling) -> Completion:
+        """The reply to the conversation with `messages` added; the reply joins it."""
+        ids = self._turn(messages)
+        c = self.llm.complete(ids, sampling, session=self)
+        self.messages.append({"role": "assistant", "content": c.text})
+        return c
+
+    def stream_chat(self, messages: Sequence[dict], **sampling) -> Iterator[Chunk]:
+        ids = self._turn(messages)
+        text = []
+        for chunk in self.llm.stream_ids(ids, sampling, session=self):
+            text.append(chunk.text)
+            if chunk.finish_reason is not None:
+                self.messages.append({"role": "assistant", "content": "".join(text)})
+            yield chunk
+
+    def rewind(self, n_messages: int) -> None:
+        """Keeps the first n_messages of the conversation (to edit the last one, rewind past it
+        and chat again); the caches keep what the shorter text still shares with them."""
+        if not 0 <= n_messages <= len(self.messages):
+            raise LeverError(f"rewind: n_messages must be in [0, {len(self.messages)}], got {n_messages}")
+        del self.messages[n_messages:]
+
+    def reset(self) -> None:
+        self.messages.clear()
+        self.ids, self.kv = [], None
+
+    def close(self) -> None:
+        self.reset()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _turn(self, messages: Sequence[dict]) -> list[int]:
+        added = check_messages(messages) if messages else []
+        ids = self.llm.encode_prompt(self.llm.render(self.messages + added), chat=True)
+        self.messages.extend(added)
+        return ids
+
+    def run(self, ids: list[int], gen, rule) -> tuple[RunResult, int]:
+        """The engine's run of `ids` from what the caches share with it (called under the
+        LLM's lock). Returns the run and how many prompt tokens came from the caches."""
+        common = 0
+        limit = min(len(ids) - 1, self.n_cached)  # at least one token is prefilled: its logits start the reply
+        while common < limit and ids[common] == self.ids[common]:
+            common += 1
+        kv, kept = self.kv, []
+        if kv is not None:
+            kv.truncate(common)
+        self.ids, self.kv = [], None  # until the run ends well, the caches are in flux
+        res = self.llm.engine.run(ids[common:], generate=gen, stop=rule, kv=kv, on_kv=kept.append)
+        self.kv = kept[0]
+        self.ids = (ids + res.tokens)[: self.kv.n_rows]
+        return res, common
 
 
 def _empty():

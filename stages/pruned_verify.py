@@ -86,6 +86,11 @@ class PrunedVerify(Stage):
         self.inv_freq = self.spec.inv_freq()
         self.layer_tokens = np.zeros(self.spec.n_layer, np.int64)
 
+    @property
+    def n_committed(self) -> int:
+        """Cache rows of the text before the last pass (its tree's rows are not decided yet)."""
+        return self.cache.n_rows - self._last_n_nodes
+
     def stats(self) -> VerifyStats:
         p = self.predictor
         return VerifyStats(self.token_layers, tuple(int(n) for n in self.layer_tokens), self.cache.nbytes,

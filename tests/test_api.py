@@ -186,3 +186,36 @@ def test_a_long_token_that_completes_a_short_stop_string_stops(llm):
         if rule((t,)):
             break
     assert rule.stopped_at >= 0 and rule.final_text == "  # 2-bi"
+
+
+def test_a_session_prefills_only_what_is_new_and_equals_fresh_runs(llm):
+    turns = [[{"role": "user", "content": "import os"}], [{"role": "user", "content": "import sys"}],
+             [{"role": "user", "content": "def main():"}]]
+    with llm.session() as s:
+        seen = 0
+        for i, turn in enumerate(turns):
+            c = s.chat(turn, max_tokens=24)
+            fresh = llm.chat(s.messages[:-1], max_tokens=24)  # the same conversation, nothing cached
+            assert c.tokens == fresh.tokens and c.text == fresh.text
+            assert s.messages[-1] == {"role": "assistant", "content": c.text}
+            if i:
+                assert c.usage.cached_tokens >= seen - 24  # at most the last cycle's tokens prefilled again
+                assert c.usage.cached_tokens < c.usage.prompt_tokens
+            assert s.n_cached > c.usage.prompt_tokens  # the reply is in the caches too
+            seen = s.n_cached
+        n = len(s.messages)
+        s.rewind(n - 2)  # edit the last user message
+        c = s.chat([{"role": "user", "content": "def run():"}], max_tokens=24)
+        assert c.tokens == llm.chat(s.messages[:-1], max_tokens=24).tokens
+        assert c.usage.cached_tokens > 0
+        with pytest.raises(LeverError, match="rewind"):
+            s.rewind(99)
+
+
+def test_a_session_generate_continues_its_text(llm, full):
+    with llm.session() as s:
+        a = s.generate(PROMPT, max_tokens=N)
+        assert a.tokens == full.tokens
+        text = PROMPT + a.text + "\n\ndef main():"
+        b = s.generate(text, max_tokens=16)
+        assert b.tokens == llm.generate(text, max_tokens=16).tokens and b.usage.cached_tokens > 0

@@ -42,6 +42,23 @@ from lever.stages.tree_expand import Cost, FlatCost, TreeExpand, TreeExpandConfi
 
 
 @attrs.define
+class KVState:
+    """Both models' KV caches and how many rows of the text they hold, in order: what a session
+    keeps between generations so the next one prefills only what is new."""
+
+    target: KVCache
+    draft: KVCache | None
+    n_rows: int  # rows [0, n_rows) of both caches are the first n_rows tokens of the text
+
+    def truncate(self, n_rows: int) -> None:
+        """Back to the first n_rows tokens (a rewound or edited conversation)."""
+        self.n_rows = min(self.n_rows, n_rows)
+        self.target.truncate(self.n_rows)
+        if self.draft is not None:
+            self.draft.truncate(self.n_rows)
+
+
+@attrs.define
 class Composition:
     """What a caller reads after a run."""
 
@@ -53,13 +70,27 @@ class Composition:
     draft: Draft | None
     tracer: Tracer
 
+    def kv_after(self) -> KVState:
+        """The caches after the run, cut to the rows both hold as text: the target's before its
+        last pass, the draft's committed ones (the last cycle's are still pending in both)."""
+        n = self.verify.n_committed
+        if self.draft is not None:
+            n = min(n, self.draft.core.n_committed)
+        kv = KVState(self.verify.cache, self.draft.core.cache if self.draft is not None else None, n)
+        kv.truncate(n)
+        return kv
+
 
 def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
             n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None,
             draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None,
             predictor: Predictor | None = None, acceptance: AcceptanceTable | None = None, observer=None,
-            placement: Placement | None = None, stop: StopRule | None = None) -> Composition:
+            placement: Placement | None = None, stop: StopRule | None = None,
+            kv: KVState | None = None) -> Composition:
+    """The pipeline over `prompt`; with `kv`, `prompt` continues the text those caches hold
+    (`kv.n_rows` tokens) and only it is prefilled."""
     spec = target.model.spec
+    n_past = kv.n_rows if kv is not None else 0
     tree = tree or TreeExpandConfig(policy="none")
     if tree.adapt and not params.greedy and params.seed is not None:
         # the trees would follow the machine's timing, and the draws with them: a seed must
@@ -67,15 +98,16 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
         tree = attrs.evolve(tree, adapt=False)
     compute = ComputeSlot(cfg.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
     expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer, cfg.generate.n_predict,
-                        acceptance=acceptance, ahead_beside=bool(compute.ahead_cores))
+                        acceptance=acceptance, ahead_beside=bool(compute.ahead_cores), committed=n_past)
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
-    verify = PrunedVerify("verify", spec, target.embed, KVCache(spec, n_ctx + tree.max_nodes), target.resident,
+    verify = PrunedVerify("verify", spec, target.embed, kv.target if kv is not None else KVCache(spec, n_ctx + tree.max_nodes),
+                          target.resident,
                           compute, predictor, tracer, observer, cfg.runtime.emulate_layer_ms_per_token / 1e3,
                           placement.verify_fn if placement is not None else layer_forward)
     accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.growth.full_lm_head,
                                            stop=stop),
-                    params, target.model.logits, tracer)
+                    params, target.model.logits, tracer, n_ctx_used=n_past)
     output = Output("output", on_tokens)
     ch = cfg.channels
     p = Pipeline(tree.policy)
@@ -93,7 +125,8 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
             raise LeverError(f"[model] draft: vocabulary of {draft_model.spec.n_vocab} tokens, the target has {spec.n_vocab}")
         if tree.top_k > spec.n_vocab:
             raise LeverError(f"[tree_expand] top_k: {tree.top_k} children per node, but the vocabulary has {spec.n_vocab} tokens")
-        core = Drafter(draft_model, draft_model.new_cache(n_ctx + tree.draft_rows), sampling=params,
+        cache = kv.draft if kv is not None and kv.draft is not None else draft_model.new_cache(n_ctx + tree.draft_rows)
+        core = Drafter(draft_model, cache, n_past, sampling=params,
                           rng=np.random.default_rng(None if params.seed is None else [params.seed, 1]),
                           batch_layer_fn=placement.draft_batch_fn if placement is not None else None)
         draft = Draft("draft", core, compute, tracer)

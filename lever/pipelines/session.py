@@ -25,7 +25,7 @@ from lever.gguf.spec import read_spec
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
-from lever.pipelines.compose import compose
+from lever.pipelines.compose import KVState, compose
 from lever.pipelines.target import FlashTarget
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.cost_model import CostModel, cost_model_for
@@ -289,11 +289,11 @@ class Engine:
             raise LeverError("empty prompt")
         return ids
 
-    def plan(self, n_prompt: int) -> MemoryPlan:
-        """The memory plan of a generation whose prompt is n_prompt tokens, checked against
-        [memory] limit: made before the generation allocates anything."""
-        if n_prompt >= self.n_ctx:
-            raise LeverError(f"prompt is {n_prompt} tokens, over the context of {self.n_ctx} ([model] n_ctx)")
+    def plan(self, n_prompt: int, n_past: int = 0) -> MemoryPlan:
+        """The memory plan of a generation prefilling n_prompt tokens after n_past already
+        cached, checked against [memory] limit: made before the generation allocates anything."""
+        if n_past + n_prompt >= self.n_ctx:
+            raise LeverError(f"prompt is {n_past + n_prompt} tokens, over the context of {self.n_ctx} ([model] n_ctx)")
         tree = self.tree
         plan = plan_memory(self.file, self.spec, self.flash, n_ctx=self.n_ctx, n_pass_tokens=max(n_prompt, tree.max_nodes),
                            tree_rows=tree.max_nodes, draft=self.draft_file, draft_spec=self.draft_spec,
@@ -302,16 +302,21 @@ class Engine:
         return plan
 
     def run(self, prompt_ids: list[int], *, on_text=None, trace_path=None, observer=None,
-            generate: GenerateConfig | None = None, stop: StopRule | None = None) -> RunResult:
+            generate: GenerateConfig | None = None, stop: StopRule | None = None, kv: KVState | None = None,
+            on_kv=None) -> RunResult:
         """One generation from prompt_ids (`generate`: this call's [generate] settings; `stop`:
-        a rule that may end it early, as a stop string or a cancelled request does)."""
+        a rule that may end it early, as a stop string or a cancelled request does). With `kv`
+        (a session's caches, from an earlier run's `on_kv(KVState)`), prompt_ids continue the
+        text the caches hold and only they are prefilled."""
         if self.target is None:
             raise LeverError(f"{self.cfg.where}: the engine is closed")
-        plan = self.plan(len(prompt_ids))
+        n_past = kv.n_rows if kv is not None else 0
+        plan = self.plan(len(prompt_ids), n_past)
         cfg = self.cfg if generate is None else attrs.evolve(self.cfg, generate=generate)
         with native.default_threads(cfg.runtime.threads):
             return _run(cfg, self.kind, self.target, tok=self.tok, prompt_ids=prompt_ids, n_ctx=self.n_ctx, plan=plan,
-                        draft=self.draft, on_text=on_text, trace_path=trace_path, observer=observer, stop=stop)
+                        draft=self.draft, on_text=on_text, trace_path=trace_path, observer=observer, stop=stop,
+                        kv=kv, on_kv=on_kv)
 
     def close(self) -> None:
         if self.target is not None:
@@ -348,7 +353,8 @@ def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None
 
 
 def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer, prompt_ids: list[int], n_ctx: int,
-         plan: MemoryPlan, draft: Model | None, on_text, trace_path, observer, stop: StopRule | None = None) -> RunResult:
+         plan: MemoryPlan, draft: Model | None, on_text, trace_path, observer, stop: StopRule | None = None,
+         kv: KVState | None = None, on_kv=None) -> RunResult:
     spec = target.model.spec
     g = cfg.generate
     params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed)
@@ -371,13 +377,15 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
                           draft_spec=draft.spec if draft is not None else None, n_ctx=n_ctx)
     h = compose(target, prompt_ids, cfg=cfg, params=params, eos_ids=frozenset(tok.eos_ids), n_ctx=n_ctx, tracer=tracer,
                 on_tokens=on_tokens, draft_model=draft, tree=tree, cost=cost, predictor=predictor, acceptance=acceptance,
-                observer=observer, placement=place, stop=stop)
+                observer=observer, placement=place, stop=stop, kv=kv)
     target.warm_head()
     target.store.reset_stats()
     dev0 = process_read_bytes() or 0
     t0 = time.perf_counter()
     anyio.run(h.pipeline.run)
     t1, cpu1 = time.perf_counter(), _cpu_s()
+    if on_kv is not None:
+        on_kv(h.kv_after())
     if on_text:
         on_text(stream.flush())
     dev_bytes = (process_read_bytes() or 0) - dev0
