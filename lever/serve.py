@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lever.api import LLM, Cancelled, Completion
+from lever.api import LLM, Cancelled, Completion, Session
 from lever.errors import LeverError
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that its client is still there
@@ -102,6 +102,12 @@ class Server:
     admitted: int = 0  # running + waiting
     created: int = attrs.field(factory=lambda: int(time.time()))
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    # the last conversation's KV caches: a request that continues it (the next chat turn, a
+    # retry) prefills only what is new. One pair, the memory plan's; one generation at a time
+    session: Session = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        self.session = self.llm.session()
 
     def admit(self) -> None:
         with self._lock:
@@ -166,14 +172,15 @@ class Server:
 
             tg.start_soon(watch)
             try:
-                return await anyio.to_thread.run_sync(lambda: self.llm.complete(ids, {**args, "cancel": cancel}))
+                return await anyio.to_thread.run_sync(
+                    lambda: self.llm.complete(ids, {**args, "cancel": cancel}, session=self.session))
             finally:
                 cancel.set()
                 tg.cancel_scope.cancel()
 
     async def _stream(self, request: Request, ids: list[int], args: dict, rid: str, chat: bool, usage: bool):
         cancel = threading.Event()
-        it = self.llm.stream_ids(ids, {**args, "cancel": cancel})
+        it = self.llm.stream_ids(ids, {**args, "cancel": cancel}, session=self.session)
         n_out = 0
         try:
             if chat:
@@ -217,11 +224,13 @@ class Server:
         else:
             choice.update(text=c.text, logprobs=None)
         return {"id": rid, "object": self._object(chat, False), "created": int(time.time()), "model": self.model_id,
-                "choices": [choice], "usage": _usage(c.usage.prompt_tokens, c.usage.completion_tokens)}
+                "choices": [choice], "usage": _usage(c.usage.prompt_tokens, c.usage.completion_tokens,
+                                                     c.usage.cached_tokens)}
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _sse(obj: dict) -> str:

@@ -96,6 +96,15 @@ def test_a_stop_string_ends_the_completion(client, llm):
     assert r.usage.completion_tokens == len(llm.generate(PROMPT, max_tokens=24, stop=stop).tokens)
 
 
+def test_a_second_turn_reuses_the_conversations_prefix(client, llm):
+    r1 = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=16)
+    turn2 = [*MESSAGES, {"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "import sys"}]
+    r2 = client.chat.completions.create(model="x", messages=turn2, max_tokens=16)
+    assert r2.choices[0].message.content == llm.chat(turn2, max_tokens=16).text
+    assert 0 < r2.usage.prompt_tokens_details.cached_tokens < r2.usage.prompt_tokens
+
+
 def test_chat_and_streamed_chat_equal_the_api(client, llm):
     want = llm.chat(MESSAGES, max_tokens=24)
     r = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=24)
