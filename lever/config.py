@@ -154,10 +154,11 @@ SECTIONS: dict[str, type] = {name: hint for name, hint in typing.get_type_hints(
 
 
 def resolve_path(value: str, base: Path | None) -> str:
-    """A path from a config: ~ and $VARS expanded, a relative one taken from the config's folder."""
+    """A path from a config: ~ and $VARS expanded, a relative one taken from the config's folder
+    (`base`, the config file), or from the working directory (None: a --set or no file)."""
     p = Path(os.path.expandvars(os.path.expanduser(value)))
-    if not p.is_absolute() and base is not None:
-        p = base.parent / p
+    if not p.is_absolute():
+        p = (base.parent if base is not None else Path.cwd()) / p
     return str(p)
 
 
@@ -228,9 +229,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             raise LeverError(f"{path}: no such config file") from None
         except tomllib.TOMLDecodeError as e:
             raise LeverError(f"{path}: not valid TOML: {e}") from None
+    overridden = set()
     for item in overrides:
         section, key, value = _parse_override(item)
         data.setdefault(section, {})[key] = value
+        overridden.add((section, key))
     for name, values in data.items():
         if name not in SECTIONS:
             raise LeverError(f"{where}: unknown section [{name}] (known: {', '.join(sorted(SECTIONS))})")
@@ -240,6 +243,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     sections = {name: build_section(name, data.get(name, {}), where) for name in SECTIONS}
     for name, key in PATH_KEYS:
         value = getattr(sections[name], key)
-        if value:
-            sections[name] = attrs.evolve(sections[name], **{key: resolve_path(value, base)})
+        if value:  # a file's paths from its folder; a command line's from where it was typed
+            where_from = None if (name, key) in overridden else base
+            sections[name] = attrs.evolve(sections[name], **{key: resolve_path(value, where_from)})
     return Config(base, **sections)

@@ -22,8 +22,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="generate through a configured pipeline (target streamed from flash)")
     r.add_argument("-c", "--config", type=Path, default=None,
                    help="TOML config (default: examples/default.toml, the shipped model pair)")
-    r.add_argument("-p", "--prompt", default=None, help="default: the config's [generate] prompt")
+    r.add_argument("-p", "--prompt", default=None, help="default: the config's [generate] prompt; '-': read stdin")
+    r.add_argument("-f", "--file", type=Path, default=None, help="read the prompt from this file")
     r.add_argument("-n", type=int, default=None, help="tokens to generate (overrides [generate] n_predict)")
+    r.add_argument("-m", "--model", default=None, help="the target GGUF (overrides [model] target)")
+    r.add_argument("-md", "--model-draft", default=None, help="the draft GGUF (overrides [model] draft)")
+    r.add_argument("--temp", type=float, default=None, help="sampling temperature (0: greedy)")
+    r.add_argument("--seed", type=int, default=None, help="sampling seed (-1: a fresh one)")
     add_set(r)
     r.add_argument("--json", action="store_true", help="print one JSON object with the run's figures")
     r.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace here")
@@ -32,10 +37,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return r
 
 
+def _quoted(path: str) -> str:
+    return json.dumps(str(path))  # a TOML basic string
+
+
 def main(args) -> int:
-    overrides = args.set + ([f"generate.n_predict={args.n}"] if args.n is not None else [])
+    flags = [(args.n, "generate.n_predict", str), (args.temp, "generate.temperature", repr),
+             (args.seed, "generate.seed", str), (args.model, "model.target", _quoted),
+             (args.model_draft, "model.draft", _quoted)]
+    overrides = args.set + [f"{key}={fmt(v)}" for v, key, fmt in flags if v is not None]
     cfg = load_config(args.config or shipped("default.toml"), overrides)
-    prompt = args.prompt if args.prompt is not None else cfg.generate.prompt
+    if args.file is not None and args.prompt is not None:
+        raise LeverError("-f and -p: give the prompt one way")
+    prompt = read_prompt(args.file) if args.file is not None else args.prompt
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if prompt is None:
+        prompt = cfg.generate.prompt
     if not prompt:
         raise LeverError(f"{cfg.path}: no prompt: give -p PROMPT or [generate] prompt")
 
@@ -52,6 +70,15 @@ def main(args) -> int:
     print()
     print_summary(res, file=sys.stderr)
     return 0
+
+
+def read_prompt(path: Path) -> str:
+    if not path.is_file():
+        raise LeverError(f"{path}: no such file" if not path.exists() else f"{path}: not a regular file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise LeverError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
 def print_summary(res, file) -> None:

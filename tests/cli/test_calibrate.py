@@ -13,6 +13,7 @@ from lever.cli.calibrate import calibrate
 from lever.cli.main import main
 from lever.config import load_config
 from lever.errors import LeverError
+from lever.shipped import shipped
 from lever.pipelines.session import run_pipeline
 from lever.policy.fit import Recorder, fit_correction, on_target_path
 
@@ -53,7 +54,7 @@ def test_the_artifact_prunes_losslessly(artifact):
 def test_an_artifact_of_another_model_is_refused(artifact):
     _, path = artifact
     cfg = load_config(CONFIG, [f'predictor.artifact="{path}"', "predictor.enabled=true",
-                               'model.target="models/stdlib-draft-q8_0.gguf"'])
+                               f'model.target="{shipped("models", "stdlib-draft-q8_0.gguf")}"'])
     with pytest.raises(LeverError, match="calibrated for .*stdlib-target"):
         run_pipeline(cfg, "x = 1\n")
 
