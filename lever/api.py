@@ -30,6 +30,8 @@ from lever.config import Config, load_config
 from lever.errors import LeverError
 from lever.gguf.chat_template import ChatTemplate, check_messages
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.gguf.identity import ModelIdentity
+from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState
 from lever.pipelines.session import Engine, RunResult
 
@@ -419,6 +421,23 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """The conversation and the caches' rows, to msgpack (lever.pipelines.saved_session)."""
+        e = self.llm.engine
+        with self.llm._lock:
+            saved_session.write(path, messages=self.messages, ids=self.ids, kv=self.kv, target=ModelIdentity.of(e.file.path),
+                                draft=ModelIdentity.of(e.draft_file.path) if e.draft_file is not None else None)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """A saved session of the same model pair: its conversation goes on from its caches."""
+        e = self.llm.engine
+        with self.llm._lock:
+            kv = e.new_kv()
+            messages, ids = saved_session.read(path, kv=kv, target=ModelIdentity.of(e.file.path),
+                                               draft=ModelIdentity.of(e.draft_file.path) if e.draft_file is not None else None,
+                                               n_vocab=e.spec.n_vocab)
+            self.messages, self.ids, self.kv = messages, ids, kv
 
     def _turn(self, messages: Sequence[dict]) -> list[int]:
         added = check_messages(messages) if messages else []

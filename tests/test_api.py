@@ -219,3 +219,52 @@ def test_a_session_generate_continues_its_text(llm, full):
         text = PROMPT + a.text + "\n\ndef main():"
         b = s.generate(text, max_tokens=16)
         assert b.tokens == llm.generate(text, max_tokens=16).tokens and b.usage.cached_tokens > 0
+
+
+def test_a_saved_session_goes_on_as_if_it_had_never_stopped(llm, tmp_path):
+    path = tmp_path / "s.msgpack"
+    with llm.session() as s:
+        s.chat([{"role": "user", "content": "import os"}], max_tokens=24)
+        s.save(path)
+        want = s.chat([{"role": "user", "content": "import sys"}], max_tokens=24)
+    with llm.session() as s2:
+        s2.load(path)
+        assert s2.n_cached > 0 and len(s2.messages) == 2
+        got = s2.chat([{"role": "user", "content": "import sys"}], max_tokens=24)
+        assert got.tokens == want.tokens and got.usage.cached_tokens == want.usage.cached_tokens
+
+
+def test_a_saved_session_is_checked_field_by_field(llm, tmp_path):
+    import msgpack
+    import numpy as np
+
+    path = tmp_path / "s.msgpack"
+    with llm.session() as s:
+        s.chat([{"role": "user", "content": "import os"}], max_tokens=12)
+        s.save(path)
+    doc = msgpack.unpackb(path.read_bytes())
+
+    def refused(change, match):
+        bad = tmp_path / "bad.msgpack"
+        d = msgpack.unpackb(path.read_bytes())
+        change(d)
+        bad.write_bytes(msgpack.packb(d))
+        with llm.session() as s2, pytest.raises(LeverError, match=match) as e:
+            s2.load(bad)
+        assert str(bad) in str(e.value) and "\n" not in str(e.value)
+        assert s2.n_cached == 0  # nothing half-loaded
+
+    refused(lambda d: d.update(format="other"), "not a saved session")
+    refused(lambda d: d.update(target=[1, "00"]), "target")
+    refused(lambda d: d.update(n_rows="12"), "n_rows")
+    refused(lambda d: d.update(n_rows=10**9), "n_rows")
+    refused(lambda d: d.update(ids=d["ids"][:-1]), "ids")
+    refused(lambda d: d.update(ids=[10**9] * len(d["ids"])), "ids")
+    refused(lambda d: d.update(messages=[{"role": 3}]), "messages")
+    refused(lambda d: d["target_kv"]["k"].__setitem__(0, d["target_kv"]["k"][0][:-2]), r"target_kv.k\[0\]")
+    nan = np.frombuffer(doc["draft_kv"]["v"][1], np.float16).copy()
+    nan[3] = np.nan
+    refused(lambda d: d["draft_kv"]["v"].__setitem__(1, nan.tobytes()), r"draft_kv.v\[1\].*not finite")
+    (tmp_path / "junk").write_bytes(b"\x00\x01garbage")
+    with llm.session() as s3, pytest.raises(LeverError, match="not a saved session"):
+        s3.load(tmp_path / "junk")

@@ -11,11 +11,11 @@ import argparse
 import sys
 
 from lever.backends.cpu import native
-from lever.cli import bench, calibrate, convert, generate, inspect, logits, profile, run, serve
+from lever.cli import bench, calibrate, chat, convert, generate, inspect, logits, profile, run, serve
 from lever.cli.common import lever_version
 from lever.errors import LeverError
 
-COMMANDS = (run, generate, inspect, logits, calibrate, profile, convert, bench, serve)
+COMMANDS = (run, generate, chat, inspect, logits, calibrate, profile, convert, bench, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

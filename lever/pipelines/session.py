@@ -25,6 +25,7 @@ from lever.gguf.spec import read_spec
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
+from lever.backends.cpu.kv_cache import KVCache
 from lever.pipelines.compose import KVState, compose
 from lever.pipelines.target import FlashTarget
 from lever.policy.acceptance import AcceptanceTable
@@ -317,6 +318,12 @@ class Engine:
             return _run(cfg, self.kind, self.target, tok=self.tok, prompt_ids=prompt_ids, n_ctx=self.n_ctx, plan=plan,
                         draft=self.draft, on_text=on_text, trace_path=trace_path, observer=observer, stop=stop,
                         kv=kv, on_kv=on_kv)
+
+    def new_kv(self) -> KVState:
+        """Empty caches of the sizes a run of this engine makes (for a session read from disk)."""
+        tree = self.tree
+        draft = self.draft.new_cache(self.n_ctx + tree.draft_rows) if self.draft is not None and self.kind.drafts else None
+        return KVState(KVCache(self.spec, self.n_ctx + tree.max_nodes), draft, 0)
 
     def close(self) -> None:
         if self.target is not None:

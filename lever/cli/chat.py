@@ -1,0 +1,84 @@
+"""`lever chat [-c CONFIG]`: a terminal conversation through the configured pipeline.
+
+Each line you type is a user turn; the reply streams as it is decoded, through the target's
+chat template, in a session whose KV caches keep the conversation (a turn prefills only its
+own tokens). `/reset` starts over, `/save FILE` writes the session (conversation and caches)
+and `/load FILE` reads one back, `/exit` or end of input leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lever.cli.common import add_common, add_set
+from lever.errors import LeverError
+from lever.shipped import shipped
+
+HELP = "/reset: start over · /save FILE · /load FILE · /exit"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    c = sub.add_parser("chat", help="a terminal chat through the configured pipeline, streamed")
+    c.add_argument("-c", "--config", type=Path, default=None, help="TOML config (default: the shipped pair)")
+    c.add_argument("-n", type=int, default=256, help="tokens per reply at most")
+    c.add_argument("--system", default=None, help="a system message to start the conversation with")
+    c.add_argument("--temp", type=float, default=None, help="sampling temperature (0: greedy)")
+    c.add_argument("--seed", type=int, default=None)
+    add_set(c)
+    add_common(c)
+    c.set_defaults(func=main)
+    return c
+
+
+def main(args) -> int:
+    import lever
+
+    out, err = sys.stdout, sys.stderr
+    interactive = sys.stdin.isatty()
+    with lever.load(args.config or shipped("default.toml"), overrides=args.set) as llm:
+        llm.chat_template  # noqa: B018  a model without a template fails here, before the first turn
+        sampling = {"max_tokens": args.n, "temperature": args.temp, "seed": args.seed}
+        with llm.session() as s:
+            if args.system:
+                s.messages.append({"role": "system", "content": args.system})
+            if interactive:
+                print(f"lever chat ({Path(llm.config.model.target).name}); {HELP}", file=err)
+            while True:
+                try:
+                    line = input("> " if interactive else "")
+                except EOFError:
+                    break
+                text = line.strip()
+                if not text:
+                    continue
+                if text.startswith("/"):
+                    cmd, _, arg = text.partition(" ")
+                    if cmd == "/exit":
+                        break
+                    if cmd == "/reset":
+                        s.reset()
+                        if args.system:
+                            s.messages.append({"role": "system", "content": args.system})
+                        print("(the conversation starts over)", file=err)
+                    elif cmd == "/save" and arg:
+                        s.save(arg.strip())
+                        print(f"(saved {len(s.messages)} messages, {s.n_cached} cached tokens to {arg.strip()})", file=err)
+                    elif cmd == "/load" and arg:
+                        s.load(arg.strip())
+                        print(f"(loaded {len(s.messages)} messages, {s.n_cached} cached tokens)", file=err)
+                    else:
+                        print(f"(unknown command {cmd!r}; {HELP})", file=err)
+                    continue
+                try:
+                    for chunk in s.stream_chat([{"role": "user", "content": text}], **sampling):
+                        out.write(chunk.text)
+                        out.flush()
+                        if chunk.finish_reason is not None:
+                            out.write("\n")
+                            out.flush()
+                except LeverError as e:  # one bad turn (too long for the context) does not end the chat
+                    s.rewind(max(len(s.messages) - 1, 0))
+                    print(f"lever: error: {e}", file=err)
+    return 0
