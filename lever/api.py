@@ -374,6 +374,7 @@ class Session:
     messages: list[dict] = attrs.field(factory=list)  # the conversation so far, replies included
     ids: list[int] = attrs.field(factory=list)  # the text both caches hold, token by token
     kv: KVState | None = None
+    last_cached: int = 0  # prompt tokens the last call took from the caches
 
     @property
     def n_cached(self) -> int:
@@ -459,6 +460,7 @@ class Session:
         res = self.llm.engine.run(ids[common:], generate=gen, stop=rule, kv=kv, on_kv=kept.append)
         self.kv = kept[0]
         self.ids = (ids + res.tokens)[: self.kv.n_rows]
+        self.last_cached = common
         return res, common
 
 

@@ -88,7 +88,9 @@ def print_summary(res, file) -> None:
     n = max(t.n_passes, 1)
     p(f"pipeline {res.pipeline}: {len(res.tokens)} tokens in {t.n_passes} passes, stop: {res.stop_reason}")
     p(f"  decode      {res.decode_tps:.2f} tok/s ({res.ms_per_token:.1f} ms/token, {res.cpu_ms_per_token:.1f} ms of CPU), "
-      f"prefill {t.prefill_s:.2f} s, {tr.accepted_per_pass:.2f} tokens/pass from trees of {tr.mean_nodes:.1f} nodes")
+      f"{tr.accepted_per_pass:.2f} tokens/pass from trees of {tr.mean_nodes:.1f} nodes")
+    p(f"  prefill     {len(res.prompt_tokens)} tokens in 1 pass over flash, {t.prefill_s:.2f} s to the first token "
+      f"({res.prefill_tps:.1f} tokens/s)")
     p(f"  flash       {res.flash_mb_per_token:.1f} MB/token from the device "
       f"({fl.streamed_bytes_per_pass / 1e6:.1f} MB streamed per pass), {fl.gbps:.2f} GB/s while reading")
     p(f"  overlap     {100 * t.overlap_share:.0f}% of read time hidden under compute; per pass: "

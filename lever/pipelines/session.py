@@ -168,6 +168,12 @@ class RunResult:
         return 1000.0 / self.decode_tps if self.decode_tps else 0.0
 
     @property
+    def prefill_tps(self) -> float:
+        """Prompt tokens per second of prefill: the whole prompt is one tree, one streamed pass
+        (the memory plan sizes the activations for it before loading)."""
+        return len(self.prompt_tokens) / self.timing.prefill_s if self.timing.prefill_s > 0 else 0.0
+
+    @property
     def cpu_ms_per_token(self) -> float:
         """CPU time per generated token, all threads: what the paper's energy row stands for."""
         return 1e3 * self.timing.decode_cpu_s / max(len(self.tokens) - 1, 1)
@@ -184,7 +190,7 @@ class RunResult:
         d["tree"].update(predicted_cycle_s=tr.predicted_cycle_s, measured_cycle_s=tr.measured_cycle_s,
                          predicted_tokens=tr.predicted_tokens, measured_tokens=tr.measured_tokens)
         d["memory"]["rss_bound_bytes"] = self.memory.rss_bound_bytes
-        d.update(decode_tps=self.decode_tps, ms_per_token=self.ms_per_token, flash_mb_per_token=self.flash_mb_per_token,
+        d.update(decode_tps=self.decode_tps, ms_per_token=self.ms_per_token, prefill_tps=self.prefill_tps, flash_mb_per_token=self.flash_mb_per_token,
                  cpu_ms_per_token=self.cpu_ms_per_token)
         if self.baseline is not None:
             d.update(baseline=self.baseline.as_json(), speedup=self.speedup, baseline_tokens_equal=self.baseline_tokens_equal)

@@ -1,4 +1,4 @@
-"""`lever bench {model,flash,pipelines,fuzz}`: benchmarks printed as ratios measured side by side.
+"""`lever bench {model,flash,pipelines,chat,fuzz}`: benchmarks printed as ratios measured side by side.
 
 Speed goals live here, never in timed unit tests: each bench measures the baseline in the same
 run, on the same machine load, and prints the ratio.
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 
-from lever.cli.bench import flash, fuzz, model, pipelines
+from lever.cli.bench import chat, flash, fuzz, model, pipelines
 
-BENCHES = (model, flash, pipelines, fuzz)
+BENCHES = (model, flash, pipelines, chat, fuzz)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks printed as ratios measured side by side")
-    benches = b.add_subparsers(dest="bench", required=True, metavar="{model,flash,pipelines,fuzz}")
+    benches = b.add_subparsers(dest="bench", required=True, metavar="{model,flash,pipelines,chat,fuzz}")
     for bench in BENCHES:
         bench.add_parser(benches)
     return b

@@ -1,0 +1,114 @@
+"""`lever bench chat -c CONFIG`: the paper's chat row, a conversation of several turns.
+
+Per turn: time to the first token of the reply and to its end, for Flash-AR and Lever, each
+with a session (the conversation stays in both KV caches, a turn prefills only its own tokens)
+and without (every turn prefills the whole conversation through flash again). One process,
+one pipeline loaded at a time, the same turns; the replies must be the same text in all four
+(greedy), which the bench checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from lever.cli.bench.pipelines import read_prompts
+from lever.cli.common import add_common, add_set
+from lever.cli.table import show
+from lever.errors import LeverError
+from lever.shipped import shipped
+
+PIPELINES = {"flash-ar": ['pipeline.kind="flash-ar"'],
+             "lever": ['pipeline.kind="speculative"', 'tree_expand.policy="gain-cost"']}
+
+
+def one_conversation(llm, turns: list[str], max_tokens: int, session: bool) -> list[dict]:
+    """Each turn's reply, time to its first token and to its end (seconds), prompt tokens and
+    how many of them came from the caches."""
+    out, history = [], []
+    s = llm.session() if session else None
+    for text in turns:
+        msg = [{"role": "user", "content": text}]
+        t0 = time.perf_counter()
+        first = None
+        parts, cached, n_tok = [], 0, 0
+        it = s.stream_chat(msg, max_tokens=max_tokens, temperature=0.0) if s else \
+            llm.stream_chat(history + msg, max_tokens=max_tokens, temperature=0.0)
+        for chunk in it:
+            if first is None and chunk.n_tokens:
+                first = time.perf_counter() - t0
+            parts.append(chunk.text)
+            n_tok += chunk.n_tokens
+        total = time.perf_counter() - t0
+        reply = "".join(parts)
+        if s is not None:
+            cached = s.last_cached
+        history += [*msg, {"role": "assistant", "content": reply}]
+        out.append({"reply": reply, "ttft_s": first or total, "total_s": total, "tokens": n_tok, "cached": cached})
+    if s is not None:
+        s.close()
+    return out
+
+
+def bench_chat(config: str, turns: list[str], max_tokens: int, sets: list[str] = (), out=print,
+               json_path: str | None = None) -> dict:
+    import lever
+
+    runs: dict[str, list[dict]] = {}
+    for name, extra in PIPELINES.items():
+        with lever.load(config, overrides=[*sets, *extra]) as llm:
+            llm.chat_template  # noqa: B018  refuse a model without a template before any timing
+            for session in (False, True):
+                runs[f"{name}{' + session' if session else ''}"] = one_conversation(llm, turns, max_tokens, session)
+    replies = {k: [t["reply"] for t in v] for k, v in runs.items()}
+    same = len({tuple(r) for r in replies.values()}) == 1
+    rows = []
+    for i in range(len(turns)):
+        row = [f"turn {i + 1}"]
+        for v in runs.values():
+            row.append(f"{v[i]['ttft_s']:.2f} / {v[i]['total_s']:.2f}")
+        lev, far = runs["lever + session"][i], runs["flash-ar"][i]
+        row.append(f"{far['total_s'] / lev['total_s']:.2f}x")
+        rows.append(row)
+    show(["", *(f"{k} (first token / reply, s)" for k in runs), "Lever+session vs Flash-AR"], rows, out,
+         title=f"chat: {len(turns)} turns, {max_tokens}-token replies ({config})")
+    ls, fs = runs["lever + session"], runs["flash-ar"]
+    summary = {
+        "speedup_per_turn": [f["total_s"] / lv["total_s"] for f, lv in zip(fs, ls)],
+        "speedup_vs_flash_ar_session": [f["total_s"] / lv["total_s"] for f, lv in zip(runs["flash-ar + session"], ls)],
+        "ttft_last_over_first": ls[-1]["ttft_s"] / ls[0]["ttft_s"] if ls[0]["ttft_s"] else 0.0,
+        "ttft_last_over_first_no_session": runs["lever"][-1]["ttft_s"] / runs["lever"][0]["ttft_s"],
+        "cached_tokens": [t["cached"] for t in ls], "same_replies": same}
+    out(f"Lever with a session: {', '.join(f'{x:.2f}x' for x in summary['speedup_per_turn'])} Flash-AR's speed per turn "
+        f"(Flash-AR re-prefilling; {', '.join(f'{x:.2f}x' for x in summary['speedup_vs_flash_ar_session'])} against "
+        f"Flash-AR with a session too); last turn's first token {summary['ttft_last_over_first']:.2f}x the first's "
+        f"({summary['ttft_last_over_first_no_session']:.2f}x without a session); prompt tokens from the caches "
+        f"{summary['cached_tokens']}; replies {'the same in every run' if same else 'DIFFERENT between runs'}")
+    result = {"config": config, "turns": turns, "max_tokens": max_tokens, "runs": runs, "summary": summary}
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+    if not same:
+        raise LeverError("bench chat: the replies differ between pipelines (greedy output must not)")
+    return result
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    b = sub.add_parser("chat", help="a multi-turn chat: time to first token and per turn, with and without sessions")
+    b.add_argument("-c", "--config", type=Path, required=True, help="a config whose target has a chat template")
+    b.add_argument("--turns", type=Path, default=None, help="user turns separated by lines of --- (default: "
+                   "examples/prompts/chat.txt)")
+    b.add_argument("--n-turns", type=int, default=4)
+    b.add_argument("--max-tokens", type=int, default=64, help="tokens per reply")
+    b.add_argument("--json", type=Path, default=None)
+    add_set(b)
+    add_common(b)
+    b.set_defaults(func=main)
+    return b
+
+
+def main(args) -> int:
+    turns = read_prompts(args.turns or shipped("prompts", "chat.txt"))[: args.n_turns]
+    bench_chat(str(args.config), turns, args.max_tokens, args.set, json_path=args.json)
+    return 0
