@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,25 @@ class _Cursor:
         n = self.u64()
         return self.take(n).tobytes().decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row: a vocabulary's 150,000 tokens and merges. One pass over a
+        memoryview, not a numpy slice per field: opening a Qwen-sized GGUF took 1.6 s per array."""
+        view = memoryview(self.data)
+        unpack, size, pos = struct.Struct("<Q").unpack_from, self.size, self.pos
+        out = []
+        for _ in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                raise self.fail(f"needs 8 bytes at offset {pos}, file has {size}")
+            (n,) = unpack(view, pos)
+            if n > size - pos - 8:
+                self.pos = pos + 8
+                raise self.fail(f"needs {n} bytes at offset {pos + 8}, file has {size}")
+            out.append(str(view[pos + 8 : pos + 8 + n], "utf-8", "replace"))
+            pos += 8 + n
+        self.pos = pos
+        return out
+
     def value_type(self) -> VT:
         code = self.u32()
         try:
@@ -102,7 +122,7 @@ class _Cursor:
             if elem == VT.STRING:
                 if count > (self.size - self.pos) // 8:  # every string costs at least its 8-byte length
                     raise self.fail(f"array of {count} strings cannot fit in the file")
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if elem == VT.ARRAY:
                 raise self.fail("nested arrays are not supported")
             dt = _SCALARS[elem]

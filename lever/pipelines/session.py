@@ -8,9 +8,11 @@ against the DRAM the configuration accounts for.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import resource
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import anyio
 import attrs
@@ -197,12 +199,13 @@ class RunResult:
         return d
 
 
-def cost_model(cfg: Config) -> CostModel:
+def cost_model(cfg: Config, target_file: GGUFFile | None = None) -> CostModel:
     """The cost model a run of cfg prices trees with (lever.policy.cost_model.cost_model_for)."""
     if not cfg.model.target:
         raise LeverError(f"{cfg.where}: [model] target is not set")
     return cost_model_for(target=cfg.model.target, draft=cfg.model.draft or None, flash=cfg.flash,
-                          profile=cfg.profile, emulate_layer_ms_per_token=cfg.runtime.emulate_layer_ms_per_token)
+                          profile=cfg.profile, emulate_layer_ms_per_token=cfg.runtime.emulate_layer_ms_per_token,
+                          target_file=target_file)
 
 
 def _cpu_s() -> float:
@@ -255,6 +258,7 @@ class Engine:
     draft: Model | None = None
     draft_file: GGUFFile | None = None
     draft_spec: object | None = None
+    _cost: CostModel | None = None
 
     @classmethod
     def open(cls, cfg: Config, name: str | None = None, *, prompt: str | None = None) -> Engine:
@@ -272,15 +276,29 @@ class Engine:
             engine.draft_file = GGUFFile(cfg.model.draft)
             engine.draft_spec = read_spec(engine.draft_file)
         engine.plan(len(engine.encode(prompt)) if prompt is not None else 1)
-        with native.default_threads(cfg.runtime.threads):
-            engine.target = FlashTarget.open(cfg.model.target, engine.flash, file=f)
+        with native.default_threads(cfg.runtime.threads), ThreadPoolExecutor(1, "lever-load") as pool:
+            # the draft loads beside the target: both are mostly reads and packing in the
+            # kernels (which release the GIL), and the first token waits for both
+            draft = pool.submit(Model, file=engine.draft_file) if engine.draft_file is not None else None
             try:
+                engine.target = FlashTarget.open(cfg.model.target, engine.flash, file=f)
                 # resident: read (not mapped) and packed, so its file may change under a long run without harm
-                engine.draft = Model(file=engine.draft_file) if engine.draft_file is not None else None
+                engine.draft = draft.result() if draft is not None else None
             except BaseException:
+                if draft is not None:
+                    draft.cancel()
+                    concurrent.futures.wait([draft])
                 engine.close()
                 raise
         return engine
+
+    @property
+    def cost(self) -> CostModel | None:
+        """The cost model trees are priced with, made once (it reads the profile and the
+        target's tensor table); None for pipelines that draft nothing."""
+        if self._cost is None and self.kind.drafts:
+            self._cost = cost_model(self.cfg, self.file)
+        return self._cost
 
     @property
     def flash(self):
@@ -323,7 +341,7 @@ class Engine:
         with native.default_threads(cfg.runtime.threads):
             return _run(cfg, self.kind, self.target, tok=self.tok, prompt_ids=prompt_ids, n_ctx=self.n_ctx, plan=plan,
                         draft=self.draft, on_text=on_text, trace_path=trace_path, observer=observer, stop=stop,
-                        kv=kv, on_kv=on_kv)
+                        kv=kv, on_kv=on_kv, cost=self.cost)
 
     def new_kv(self) -> KVState:
         """Empty caches of the sizes a run of this engine makes (for a session read from disk)."""
@@ -367,7 +385,7 @@ def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None
 
 def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer, prompt_ids: list[int], n_ctx: int,
          plan: MemoryPlan, draft: Model | None, on_text, trace_path, observer, stop: StopRule | None = None,
-         kv: KVState | None = None, on_kv=None) -> RunResult:
+         kv: KVState | None = None, on_kv=None, cost: CostModel | None = None) -> RunResult:
     spec = target.model.spec
     g = cfg.generate
     params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed)
@@ -384,7 +402,7 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
             on_text("".join(stream.push(t) for t in ts))
 
     tree = cfg.tree_expand if kind.drafts else None
-    cost = cost_model(cfg) if kind.drafts else None
+    cost = (cost or cost_model(cfg)) if kind.drafts else None
     predictor, acceptance = _predictor(cfg, target, cost) if kind.drafts else (None, None)
     place = placement_for(cfg.placement, cfg.qnn, flash_mode=cfg.flash.mode, target_spec=spec,
                           draft_spec=draft.spec if draft is not None else None, n_ctx=n_ctx)

@@ -349,13 +349,14 @@ def _analytic_model(f, kv_rows: int):
 
 
 def cost_model_for(*, target: str | os.PathLike, draft: str | os.PathLike | None, flash: FlashConfig,
-                   profile: ProfileConfig, emulate_layer_ms_per_token: float = 0.0) -> CostModel:
+                   profile: ProfileConfig, emulate_layer_ms_per_token: float = 0.0,
+                   target_file: GGUFFile | None = None) -> CostModel:
     """The cost model a run uses: the [profile] path when set (checked to be a profile of the
     configured target and draft), else the one `lever profile` wrote beside the target if it
     fits, else the analytic fallback; with the verification unit emulated slower ([runtime]
     emulate_layer_ms_per_token), as slow."""
     target, draft = Path(target), Path(draft) if draft else None
-    model = _cost_model_for(target, draft, flash, profile)
+    model = _cost_model_for(target, draft, flash, profile, target_file)
     ms = emulate_layer_ms_per_token
     if ms > 0:
         floor = lambda table: [max(s, n * ms / 1e3) for n, s in zip(model.tokens, table)] if table else table
@@ -364,30 +365,34 @@ def cost_model_for(*, target: str | os.PathLike, draft: str | os.PathLike | None
     return model
 
 
-def _cost_model_for(target: Path, draft: Path | None, flash: FlashConfig, profile: ProfileConfig) -> CostModel:
+def _cost_model_for(target: Path, draft: Path | None, flash: FlashConfig, profile: ProfileConfig,
+                    target_file: GGUFFile | None = None) -> CostModel:
+    # the tensor table, parsed once by the caller when it has the file open already
+    opened = target_file if target_file is not None and Path(target_file.path) == target else target
     if not profile.path:
         # `lever profile` writes beside the target by default: use that when it fits the models
         path = target.with_name(target.name + PROFILE_SUFFIX)
         if path.exists():
             try:
-                return _from_profile_file(path, target, draft, flash)
+                return _from_profile_file(path, target, draft, flash, opened)
             except LeverError:
                 pass  # a profile of other models: the fallback, as with none
-        return CostModel.default(target, flash, draft)
+        return CostModel.default(opened, flash, draft)
     try:
-        return _from_profile_file(Path(profile.path), target, draft, flash)
+        return _from_profile_file(Path(profile.path), target, draft, flash, opened)
     except LeverError as e:  # a profile the config names: say which key named it
         raise LeverError(f"[profile] path: {e}") from None
 
 
-def _from_profile_file(path: Path, target: Path, draft: Path | None, flash: FlashConfig) -> CostModel:
+def _from_profile_file(path: Path, target: Path, draft: Path | None, flash: FlashConfig, opened=None) -> CostModel:
     profile = read(path)
     _check_identity(path, "target", profile.target.model, target)
     if draft is not None:
         if profile.draft is None:
             raise LeverError(f"{path}: profile has no draft model but the config names {draft}: re-run `lever profile`")
         _check_identity(path, "draft", profile.draft.model, draft)
-    return CostModel.from_profile(profile, layer_read_bytes(target, flash), flash, source=f"profile {path}")
+    return CostModel.from_profile(profile, layer_read_bytes(opened if opened is not None else target, flash), flash,
+                                  source=f"profile {path}")
 
 
 def _check_identity(path: Path, role: str, profiled: ModelIdentity, model: str | os.PathLike) -> None:
