@@ -29,8 +29,8 @@ import attrs
 from lever.config import Config, load_config
 from lever.errors import LeverError
 from lever.gguf.chat_template import ChatTemplate, check_messages
-from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.gguf.identity import ModelIdentity
+from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState
 from lever.pipelines.session import Engine, RunResult
@@ -43,9 +43,10 @@ MAX_STOP_CHARS = 256
 ALIASES = {"target": "model.target", "draft": "model.draft", "n_ctx": "model.n_ctx", "kind": "pipeline.kind",
            "dram_budget": "flash.dram_budget", "policy": "tree_expand.policy", "threads": "runtime.threads",
            "max_tokens": "generate.n_predict", "temperature": "generate.temperature", "top_k": "generate.top_k",
-           "top_p": "generate.top_p", "seed": "generate.seed"}
+           "top_p": "generate.top_p", "min_p": "generate.min_p", "seed": "generate.seed"}
 PATH_ALIASES = ("target", "draft")
 RANGES = {"max_tokens": (1, 2**31 - 1), "temperature": (0.0, 100.0), "top_k": (0, 2**31 - 1), "top_p": (1e-9, 1.0),
+          "min_p": (0.0, 1.0),
           "seed": (-1, 2**63 - 1)}  # seed -1: a fresh one
 
 
@@ -236,7 +237,7 @@ class LLM:
         return self.chat_template.render(messages, add_generation_prompt)
 
     def generate(self, prompt: str, **sampling) -> Completion:
-        """A completion of `prompt` (max_tokens, temperature, top_k, top_p, seed, stop)."""
+        """A completion of `prompt` (max_tokens, temperature, top_k, top_p, min_p, seed, stop)."""
         return self._generate(self.encode_prompt(prompt), sampling)
 
     def stream(self, prompt: str, **sampling) -> Iterator[Chunk]:
@@ -275,19 +276,19 @@ class LLM:
     def check(self, sampling: dict, n_prompt: int):
         """A call's arguments as this call's [generate], stop strings and cancel event; one line
         naming the argument at fault."""
-        allowed = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "cancel")
+        allowed = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "cancel")
         unknown = [k for k in sampling if k not in allowed]
         if unknown:
             raise LeverError(f"unknown argument {unknown[0]!r} (known: {', '.join(allowed)})")
         g = self.config.generate
         names = {"max_tokens": "n_predict", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                 "seed": "seed"}
+                 "min_p": "min_p", "seed": "seed"}
         changes = {}
         for k, field in names.items():
             v = sampling.get(k)
             if v is None:
                 continue
-            want = float if field in ("temperature", "top_p") else int
+            want = float if field in ("temperature", "top_p", "min_p") else int
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not float(v).is_integer()):
                 raise LeverError(f"{k}: must be {'a number' if want is float else 'an integer'}, got {v!r}")
             if want is float and not math.isfinite(v):

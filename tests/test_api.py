@@ -268,3 +268,9 @@ def test_a_saved_session_is_checked_field_by_field(llm, tmp_path):
     (tmp_path / "junk").write_bytes(b"\x00\x01garbage")
     with llm.session() as s3, pytest.raises(LeverError, match="not a saved session"):
         s3.load(tmp_path / "junk")
+
+
+def test_min_p_of_one_keeps_only_the_likeliest_token_so_sampling_is_greedy(llm, full):
+    # under speculation too: the target's distribution after the cut is what Accept samples from
+    assert llm.generate(PROMPT, max_tokens=N, temperature=0.9, seed=5, min_p=1.0).tokens == full.tokens
+    assert llm.generate(PROMPT, max_tokens=N, temperature=0.9, seed=5).tokens != full.tokens

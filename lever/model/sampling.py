@@ -20,6 +20,7 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0  # 1.0: no nucleus cut
     seed: int | None = None
+    min_p: float = 0.0  # 0: no cut; else tokens below min_p x the likeliest token's probability are dropped
 
     def __attrs_post_init__(self):
         if self.temperature < 0:
@@ -28,6 +29,8 @@ class SamplingParams:
             raise LeverError(f"top-k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise LeverError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise LeverError(f"min-p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -45,6 +48,9 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         z = np.where(z >= kth, z, -np.inf)
     p = np.exp(z - z.max())
     p /= p.sum()
+    if params.min_p > 0.0:  # after temperature, as llama.cpp's sampler chain applies it
+        p = np.where(p >= params.min_p * p.max(), p, 0.0)
+        p /= p.sum()
     if params.top_p < 1.0:
         order = np.argsort(-p, kind="stable")
         cum = np.cumsum(p[order])

@@ -18,6 +18,7 @@ import anyio
 import attrs
 
 from lever.backends.cpu import native
+from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.flash.device import process_read_bytes
 from lever.config import PIPELINE_KINDS, Config, GenerateConfig, PipelineKind
 from lever.dataflow.trace import Tracer
@@ -27,7 +28,6 @@ from lever.gguf.spec import read_spec
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
-from lever.backends.cpu.kv_cache import KVCache
 from lever.pipelines.compose import KVState, compose
 from lever.pipelines.target import FlashTarget
 from lever.policy.acceptance import AcceptanceTable
@@ -388,7 +388,7 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
          kv: KVState | None = None, on_kv=None, cost: CostModel | None = None) -> RunResult:
     spec = target.model.spec
     g = cfg.generate
-    params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed)
+    params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed, g.min_p)
     tracer = Tracer(keep_spans=bool(trace_path))
     stream = StreamDecoder(tok, at_start=False)
     t_first: list[float] = []

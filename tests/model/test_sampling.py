@@ -28,6 +28,14 @@ def test_top_k_and_top_p_cut():
     assert np.allclose(distribution(logits, SamplingParams(1.0, top_p=0.75)), [4 / 9, 3 / 9, 2 / 9, 0])
 
 
+def test_min_p_cuts_below_a_share_of_the_likeliest():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    # min-p 0.25: the bar is 0.125, so 0.05 goes and the rest keep their proportions
+    assert np.allclose(distribution(logits, SamplingParams(1.0, min_p=0.25)), np.array([0.5, 0.3, 0.15, 0]) / 0.95)
+    assert np.allclose(distribution(logits, SamplingParams(1.0, min_p=1.0)), [1, 0, 0, 0])
+    assert np.allclose(distribution(logits, SamplingParams(1.0, min_p=0.0)), [0.5, 0.3, 0.15, 0.05])
+
+
 def test_samples_follow_distribution():
     logits = np.log(np.array([0.6, 0.3, 0.1]))
     params = SamplingParams(1.0, seed=3)
@@ -36,7 +44,8 @@ def test_samples_follow_distribution():
     assert np.allclose(counts, [0.6, 0.3, 0.1], atol=0.015)
 
 
-@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}])
+@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}, {"min_p": -0.1},
+                                {"min_p": 1.5}])
 def test_bad_params(kw):
     with pytest.raises(LeverError):
         SamplingParams(**kw)
