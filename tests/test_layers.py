@@ -23,6 +23,8 @@ FLOORS = (
     ("lever.stages",),
     ("lever.config",),
     ("lever.pipelines",),
+    ("lever.api",),  # load -> LLM: generate, stream, chat, sessions
+    ("lever.serve",),  # the OpenAI-compatible server over an LLM
     ("lever.cli",),
     ("lever.__main__", "lever"),  # lever: the package's own __init__ (matched exactly)
 )

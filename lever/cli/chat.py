@@ -33,11 +33,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
-    import lever
+    from lever.api import load
 
     out, err = sys.stdout, sys.stderr
     interactive = sys.stdin.isatty()
-    with lever.load(args.config or shipped("default.toml"), overrides=args.set) as llm:
+    with load(args.config or shipped("default.toml"), overrides=args.set) as llm:
         llm.chat_template  # noqa: B018  a model without a template fails here, before the first turn
         sampling = {"max_tokens": args.n, "temperature": args.temp, "seed": args.seed}
         with llm.session() as s:

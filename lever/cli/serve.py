@@ -37,9 +37,9 @@ def main(args) -> int:
         from lever.serve import app
     except ImportError as e:
         raise LeverError(f"lever serve needs the serve extra: pip install 'lever[serve]' ({e.name} is missing)") from None
-    import lever
+    from lever.api import load
 
-    llm = lever.load(args.config or shipped("default.toml"), overrides=args.set)
+    llm = load(args.config or shipped("default.toml"), overrides=args.set)
     try:
         model_id = Path(llm.config.model.target).stem
         config = uvicorn.Config(app(llm, model_id=model_id, queue=args.queue), host=args.host, port=args.port,

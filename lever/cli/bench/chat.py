@@ -54,11 +54,11 @@ def one_conversation(llm, turns: list[str], max_tokens: int, session: bool) -> l
 
 def bench_chat(config: str, turns: list[str], max_tokens: int, sets: list[str] = (), out=print,
                json_path: str | None = None) -> dict:
-    import lever
+    from lever.api import load
 
     runs: dict[str, list[dict]] = {}
     for name, extra in PIPELINES.items():
-        with lever.load(config, overrides=[*sets, *extra]) as llm:
+        with load(config, overrides=[*sets, *extra]) as llm:
             llm.chat_template  # noqa: B018  refuse a model without a template before any timing
             for session in (False, True):
                 runs[f"{name}{' + session' if session else ''}"] = one_conversation(llm, turns, max_tokens, session)
