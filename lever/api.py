@@ -46,7 +46,7 @@ ALIASES = {"target": "model.target", "draft": "model.draft", "n_ctx": "model.n_c
            "top_p": "generate.top_p", "min_p": "generate.min_p", "seed": "generate.seed"}
 PATH_ALIASES = ("target", "draft")
 RANGES = {"max_tokens": (1, 2**31 - 1), "temperature": (0.0, 100.0), "top_k": (0, 2**31 - 1), "top_p": (1e-9, 1.0),
-          "min_p": (0.0, 1.0),
+          "min_p": (0.0, 1.0), "repeat_penalty": (1e-3, 1e3), "repeat_last_n": (0, 2**20),
           "seed": (-1, 2**63 - 1)}  # seed -1: a fresh one
 
 
@@ -237,7 +237,8 @@ class LLM:
         return self.chat_template.render(messages, add_generation_prompt)
 
     def generate(self, prompt: str, **sampling) -> Completion:
-        """A completion of `prompt` (max_tokens, temperature, top_k, top_p, min_p, seed, stop)."""
+        """A completion of `prompt` (max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
+        repeat_last_n, seed, stop)."""
         return self._generate(self.encode_prompt(prompt), sampling)
 
     def stream(self, prompt: str, **sampling) -> Iterator[Chunk]:
@@ -276,19 +277,20 @@ class LLM:
     def check(self, sampling: dict, n_prompt: int):
         """A call's arguments as this call's [generate], stop strings and cancel event; one line
         naming the argument at fault."""
-        allowed = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "cancel")
+        allowed = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed",
+                   "stop", "cancel")
         unknown = [k for k in sampling if k not in allowed]
         if unknown:
             raise LeverError(f"unknown argument {unknown[0]!r} (known: {', '.join(allowed)})")
         g = self.config.generate
         names = {"max_tokens": "n_predict", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                 "min_p": "min_p", "seed": "seed"}
+                 "min_p": "min_p", "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed"}
         changes = {}
         for k, field in names.items():
             v = sampling.get(k)
             if v is None:
                 continue
-            want = float if field in ("temperature", "top_p", "min_p") else int
+            want = float if field in ("temperature", "top_p", "min_p", "repeat_penalty") else int
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not float(v).is_integer()):
                 raise LeverError(f"{k}: must be {'a number' if want is float else 'an integer'}, got {v!r}")
             if want is float and not math.isfinite(v):
@@ -458,7 +460,7 @@ class Session:
         if kv is not None:
             kv.truncate(common)
         self.ids, self.kv = [], None  # until the run ends well, the caches are in flux
-        res = self.llm.engine.run(ids[common:], generate=gen, stop=rule, kv=kv, on_kv=kept.append)
+        res = self.llm.engine.run(ids[common:], generate=gen, stop=rule, kv=kv, on_kv=kept.append, history=ids[:common])
         self.kv = kept[0]
         self.ids = (ids + res.tokens)[: self.kv.n_rows]
         self.last_cached = common

@@ -96,13 +96,17 @@ class GenerateConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0  # drop tokens below min_p x the likeliest one's probability (0: off)
+    repeat_penalty: float = 1.0  # llama.cpp's: the last repeat_last_n tokens' logits pushed down (1: off)
+    repeat_last_n: int = 64
     seed: int = -1  # -1: a fresh seed each run
     prompt: str = ""  # the prompt when none is given on the command line
 
     def __attrs_post_init__(self):
         for name, ok, what in (("n_predict", self.n_predict >= 0, ">= 0"), ("temperature", self.temperature >= 0, ">= 0"),
                                ("top_k", self.top_k >= 0, ">= 0 (0: off)"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-                               ("min_p", 0 <= self.min_p <= 1, "in [0, 1]")):
+                               ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+                               ("repeat_penalty", self.repeat_penalty > 0 and self.repeat_penalty != float("inf"), "> 0"),
+                               ("repeat_last_n", self.repeat_last_n >= 0, ">= 0")):
             if not ok:
                 raise LeverError(f"[generate] {name}: must be {what}, got {getattr(self, name)!r}")
 

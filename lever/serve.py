@@ -44,7 +44,8 @@ def error(message: str, status: int, kind: str, param: str | None = None) -> JSO
 
 # the fields each endpoint reads, with the JSON types they may have (others are ignored, as OpenAI's clients send more)
 COMMON = {"model": (str,), "max_tokens": (int,), "max_completion_tokens": (int,), "temperature": (int, float),
-          "top_p": (int, float), "top_k": (int,), "min_p": (int, float), "seed": (int,), "stop": (str, list), "stream": (bool,), "n": (int,),
+          "top_p": (int, float), "top_k": (int,), "min_p": (int, float),
+          "repeat_penalty": (int, float), "repeat_last_n": (int,), "seed": (int,), "stop": (str, list), "stream": (bool,), "n": (int,),
           "stream_options": (dict,)}
 FIELDS = {"completions": {**COMMON, "prompt": (str, list)}, "chat": {**COMMON, "messages": (list,)}}
 
@@ -85,7 +86,8 @@ def parse(body: bytes, endpoint: str) -> dict:
 
 
 def sampling(data: dict) -> dict:
-    out = {k: data[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "stop") if data.get(k) is not None}
+    keys = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "stop")
+    out = {k: data[k] for k in keys if data.get(k) is not None}
     n = data.get("max_completion_tokens", data.get("max_tokens"))
     if n is not None:
         out["max_tokens"] = n

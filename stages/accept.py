@@ -12,7 +12,7 @@ which tree rows the KV caches keep and sends that back to Draft, and emits the t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -43,16 +43,18 @@ class AcceptConfig:
     stop: StopRule | None = None  # the caller's own stopping rule (stop strings, cancellation)
 
 
-def choose(logits: np.ndarray, drafted, params: SamplingParams, rng: np.random.Generator) -> int:
-    """The target's token at one node, given the draft's tokens there (None: not expanded)."""
+def choose(logits: np.ndarray, drafted, params: SamplingParams, rng: np.random.Generator,
+           history: Sequence[int] = ()) -> int:
+    """The target's token at one node, given the draft's tokens there (None: not expanded) and
+    the text before it (`history`, for the repeat penalty: the same as autoregressive decoding's)."""
     if params.greedy or drafted is None or not len(drafted[0]):
-        return sample(logits, params, rng)  # with nothing drafted, exactly an autoregressive draw
-    return rejection_sample(distribution(logits, params), drafted[0], drafted[1], rng)[0]
+        return sample(logits, params, rng, history)  # with nothing drafted, exactly an autoregressive draw
+    return rejection_sample(distribution(logits, params, history), drafted[0], drafted[1], rng)[0]
 
 
 def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], params: SamplingParams,
                 rng: np.random.Generator, budget: int, eos_ids: frozenset[int],
-                alive: np.ndarray | None = None) -> tuple[list[int], list[int], int]:
+                alive: np.ndarray | None = None, history: Sequence[int] = ()) -> tuple[list[int], list[int], int]:
     """Walks the tree along the target's choices. Returns (emitted tokens, kept nodes, lm_head rows).
 
     `logits_at(nodes)` gives the target's logits, (len(nodes), n_vocab), at those tree nodes.
@@ -83,7 +85,9 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
         logits = logits_at(path)
         rows += len(path)
         for j, at in enumerate(path):
-            tok = choose(logits[j], tree.drafts.get(at), params, rng)
+            # the text before this node: what came before the tree, then the walk's own tokens
+            before = [*history, *out] if params.penalizes else ()
+            tok = choose(logits[j], tree.drafts.get(at), params, rng, before)
             out.append(tok)
             nxt = next((c for c in kids[at] if int(tree.tokens[c]) == tok), None)
             if nxt is None or tok in eos_ids or len(out) >= budget:
@@ -110,6 +114,7 @@ class Accept(Stage):
     n_emitted: int = 0
     n_ctx_used: int = 0
     lm_head_rows: int = 0
+    history: list[int] = attrs.field(factory=list)  # the text so far (its tail), for the repeat penalty
 
     def __attrs_post_init__(self):
         self._rng = self.params.rng()
@@ -121,13 +126,15 @@ class Accept(Stage):
             every = self.logits_fn(v.hidden)
             self.lm_head_rows += tree.n_nodes
             tokens, keep, _ = accept_tree(tree, lambda nodes: every[nodes], self.params, self._rng, budget,
-                                          self.config.eos_ids, v.alive)
+                                          self.config.eos_ids, v.alive, self._recent(tree))
             rows = 0
         else:
             tokens, keep, rows = accept_tree(tree, lambda nodes: self.logits_fn(v.hidden[nodes]), self.params,
-                                             self._rng, budget, self.config.eos_ids, v.alive)
+                                             self._rng, budget, self.config.eos_ids, v.alive, self._recent(tree))
         self.lm_head_rows += rows
         self.n_emitted += len(tokens)
+        if self.params.penalizes:
+            self.history = [*self._recent(tree), *tokens][-self.params.repeat_last_n :]
         self.n_ctx_used += len(keep)
         stop = ""
         if tokens[-1] in self.config.eos_ids:
@@ -140,6 +147,15 @@ class Accept(Stage):
             stop = self.config.stop(tuple(tokens)) or stop
         pruned = () if v.alive is None else tuple(int(n) for n in np.flatnonzero(~v.alive))
         return Accepted(tree.pass_id, tuple(tokens), tuple(keep), bool(stop), stop, pruned)
+
+    def _recent(self, tree: TokenTree) -> list[int]:
+        """The text before the tree's first new node: the history, and a prefill tree's given
+        tokens (the prompt, not yet in it). A later tree's root was emitted already."""
+        if not self.params.penalizes:
+            return []
+        if tree.n_given > 1 or not self.n_emitted:
+            return [*self.history, *(int(t) for t in tree.tokens[: tree.n_given])][-self.params.repeat_last_n :]
+        return self.history
 
     async def run(self, inputs, outputs):
         emitted = outputs.get("emitted")

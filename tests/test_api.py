@@ -274,3 +274,26 @@ def test_min_p_of_one_keeps_only_the_likeliest_token_so_sampling_is_greedy(llm, 
     # under speculation too: the target's distribution after the cut is what Accept samples from
     assert llm.generate(PROMPT, max_tokens=N, temperature=0.9, seed=5, min_p=1.0).tokens == full.tokens
     assert llm.generate(PROMPT, max_tokens=N, temperature=0.9, seed=5).tokens != full.tokens
+
+
+def test_the_repeat_penalty_is_lossless_under_speculation(llm, full):
+    """Greedy with a penalty: speculative = Flash-AR = the plain DRAM loop of lever.model.generate."""
+    from lever.model.generate import generate
+    from lever.model.sampling import SamplingParams
+    from lever.model.transformer import Model
+
+    spec = llm.generate(PROMPT, max_tokens=N, repeat_penalty=1.5, repeat_last_n=16)
+    assert spec.tokens != full.tokens  # it changes the text
+    cfg = load_config(shipped("default.toml"), ['pipeline.kind="flash-ar"', 'pipeline.baseline=""',
+                                                "generate.repeat_penalty=1.5", "generate.repeat_last_n=16",
+                                                f"generate.n_predict={N}"])
+    assert run_pipeline(cfg, PROMPT).tokens == list(spec.tokens)
+    ref = generate(Model(cfg.model.target), llm.tokenizer.encode(PROMPT), N,
+                   SamplingParams(repeat_penalty=1.5, repeat_last_n=16))
+    assert ref.tokens == list(spec.tokens)
+    with llm.session() as s:  # the cached text counts as history too
+        a = s.generate(PROMPT, max_tokens=N, repeat_penalty=1.5, repeat_last_n=16)
+        text = PROMPT + a.text + "\n"
+        b = s.generate(text, max_tokens=16, repeat_penalty=1.5, repeat_last_n=16)
+        assert b.usage.cached_tokens > 0
+        assert b.tokens == llm.generate(text, max_tokens=16, repeat_penalty=1.5, repeat_last_n=16).tokens

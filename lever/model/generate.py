@@ -71,7 +71,7 @@ def generate(model: Model, prompt_tokens: list[int], n_predict: int, params: Sam
     out: list[int] = []
     stop = "length"
     while len(out) < n_predict:
-        tok = sample(logits, params, rng)
+        tok = sample(logits, params, rng, (*prompt_tokens, *out) if params.penalizes else ())
         out.append(tok)
         if on_token:
             on_token(tok)

@@ -6,6 +6,9 @@ sampling preserves is exactly the one autoregressive sampling draws from.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import attrs
 import numpy as np
 
@@ -21,6 +24,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0: no nucleus cut
     seed: int | None = None
     min_p: float = 0.0  # 0: no cut; else tokens below min_p x the likeliest token's probability are dropped
+    repeat_penalty: float = 1.0  # 1: off; else the logits of the last `repeat_last_n` tokens are pushed down (llama.cpp's)
+    repeat_last_n: int = 64  # how many of the latest tokens the penalty looks at
 
     def __attrs_post_init__(self):
         if self.temperature < 0:
@@ -31,6 +36,14 @@ class SamplingParams:
             raise LeverError(f"top-p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise LeverError(f"min-p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
+            raise LeverError(f"repeat penalty must be a finite number > 0, got {self.repeat_penalty}")
+        if self.repeat_last_n < 0:
+            raise LeverError(f"repeat-last-n must be >= 0, got {self.repeat_last_n}")
+
+    @property
+    def penalizes(self) -> bool:
+        return self.repeat_penalty != 1.0 and self.repeat_last_n > 0
 
     @property
     def greedy(self) -> bool:
@@ -40,9 +53,22 @@ class SamplingParams:
         return np.random.default_rng(self.seed)
 
 
-def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+def penalize(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
+    """The logits with the repeat penalty applied, as llama.cpp does: each distinct token of the
+    last `repeat_last_n` of `history` (the text before this position) has a positive logit
+    divided by the penalty, a negative one multiplied. A copy; `logits` itself is untouched."""
+    if not params.penalizes or not len(history):
+        return logits
+    seen = np.unique(np.asarray(history[-params.repeat_last_n :], np.int64))
+    out = logits.copy()
+    x = out[seen]
+    out[seen] = np.where(x > 0, x / params.repeat_penalty, x * params.repeat_penalty)
+    return out
+
+
+def distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
     """The probabilities (n_vocab,) float64 that sampling draws from, after all cuts."""
-    z = logits.astype(np.float64) / params.temperature
+    z = penalize(logits, params, history).astype(np.float64) / params.temperature
     if params.top_k and params.top_k < z.size:
         kth = np.partition(z, -params.top_k)[-params.top_k]
         z = np.where(z >= kth, z, -np.inf)
@@ -61,10 +87,10 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: Sequence[int] = ()) -> int:
     if params.greedy:
-        return int(np.argmax(logits))
-    p = distribution(logits, params)
+        return int(np.argmax(penalize(logits, params, history)))
+    p = distribution(logits, params, history)
     return int(rng.choice(p.size, p=p))
 
 

@@ -10,7 +10,7 @@ decoding: chain (Chain-SD), kary, or gain-cost (Lever). A custom pipeline is the
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
@@ -86,7 +86,7 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
             draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None,
             predictor: Predictor | None = None, acceptance: AcceptanceTable | None = None, observer=None,
             placement: Placement | None = None, stop: StopRule | None = None,
-            kv: KVState | None = None) -> Composition:
+            kv: KVState | None = None, history: Sequence[int] = ()) -> Composition:
     """The pipeline over `prompt`; with `kv`, `prompt` continues the text those caches hold
     (`kv.n_rows` tokens) and only it is prefilled."""
     spec = target.model.spec
@@ -107,7 +107,8 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
                           placement.verify_fn if placement is not None else layer_forward)
     accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.growth.full_lm_head,
                                            stop=stop),
-                    params, target.model.logits, tracer, n_ctx_used=n_past)
+                    params, target.model.logits, tracer, n_ctx_used=n_past,
+                    history=list(history[-params.repeat_last_n :]) if params.penalizes else [])
     output = Output("output", on_tokens)
     ch = cfg.channels
     p = Pipeline(tree.policy)

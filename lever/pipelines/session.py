@@ -328,11 +328,12 @@ class Engine:
 
     def run(self, prompt_ids: list[int], *, on_text=None, trace_path=None, observer=None,
             generate: GenerateConfig | None = None, stop: StopRule | None = None, kv: KVState | None = None,
-            on_kv=None) -> RunResult:
+            on_kv=None, history=()) -> RunResult:
         """One generation from prompt_ids (`generate`: this call's [generate] settings; `stop`:
         a rule that may end it early, as a stop string or a cancelled request does). With `kv`
         (a session's caches, from an earlier run's `on_kv(KVState)`), prompt_ids continue the
-        text the caches hold and only they are prefilled."""
+        text the caches hold and only they are prefilled (`history`: that text's tokens, which
+        the repeat penalty looks back on)."""
         if self.target is None:
             raise LeverError(f"{self.cfg.where}: the engine is closed")
         n_past = kv.n_rows if kv is not None else 0
@@ -341,7 +342,7 @@ class Engine:
         with native.default_threads(cfg.runtime.threads):
             return _run(cfg, self.kind, self.target, tok=self.tok, prompt_ids=prompt_ids, n_ctx=self.n_ctx, plan=plan,
                         draft=self.draft, on_text=on_text, trace_path=trace_path, observer=observer, stop=stop,
-                        kv=kv, on_kv=on_kv, cost=self.cost)
+                        kv=kv, on_kv=on_kv, cost=self.cost, history=history)
 
     def new_kv(self) -> KVState:
         """Empty caches of the sizes a run of this engine makes (for a session read from disk)."""
@@ -385,10 +386,11 @@ def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None
 
 def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer, prompt_ids: list[int], n_ctx: int,
          plan: MemoryPlan, draft: Model | None, on_text, trace_path, observer, stop: StopRule | None = None,
-         kv: KVState | None = None, on_kv=None, cost: CostModel | None = None) -> RunResult:
+         kv: KVState | None = None, on_kv=None, cost: CostModel | None = None, history=()) -> RunResult:
     spec = target.model.spec
     g = cfg.generate
-    params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed, g.min_p)
+    params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed, g.min_p, g.repeat_penalty,
+                            g.repeat_last_n)
     tracer = Tracer(keep_spans=bool(trace_path))
     stream = StreamDecoder(tok, at_start=False)
     t_first: list[float] = []
@@ -408,7 +410,7 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
                           draft_spec=draft.spec if draft is not None else None, n_ctx=n_ctx)
     h = compose(target, prompt_ids, cfg=cfg, params=params, eos_ids=frozenset(tok.eos_ids), n_ctx=n_ctx, tracer=tracer,
                 on_tokens=on_tokens, draft_model=draft, tree=tree, cost=cost, predictor=predictor, acceptance=acceptance,
-                observer=observer, placement=place, stop=stop, kv=kv)
+                observer=observer, placement=place, stop=stop, kv=kv, history=history)
     target.warm_head()
     target.store.reset_stats()
     dev0 = process_read_bytes() or 0

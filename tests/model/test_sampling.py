@@ -74,3 +74,18 @@ def test_a_draft_equal_to_the_target_is_always_accepted():
     rng = np.random.default_rng(0)
     p = np.array([0.4, 0.3, 0.2, 0.1])
     assert all(rejection_sample(p, draw_without_replacement(p, 2, rng), p, rng)[1] == 0 for _ in range(200))
+
+
+def test_the_repeat_penalty_pushes_down_the_last_tokens_once_each():
+    from lever.model.sampling import penalize
+
+    logits = np.array([2.0, -1.0, 0.5, 3.0], np.float32)
+    p = SamplingParams(repeat_penalty=2.0, repeat_last_n=3)
+    # tokens 1 and 2 in the last three (0 is older): positive halved, negative doubled; once each
+    assert np.allclose(penalize(logits, p, [0, 2, 1, 2]), [2.0, -2.0, 0.25, 3.0])
+    assert np.allclose(logits, [2.0, -1.0, 0.5, 3.0])  # a copy
+    assert penalize(logits, SamplingParams(), [0, 1]) is logits  # off: nothing done
+    assert sample(np.array([1.0, 0.9]), SamplingParams(repeat_penalty=1.5), np.random.default_rng(0), [0]) == 1
+    for bad in ({"repeat_penalty": 0.0}, {"repeat_penalty": float("nan")}, {"repeat_last_n": -1}):
+        with pytest.raises(LeverError):
+            SamplingParams(**bad)
