@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tomllib
 import types
 import typing
@@ -23,7 +24,7 @@ from typing import Any
 import attrs
 
 from lever.backends.flash import FlashConfig
-from lever.errors import LeverError
+from lever.errors import LeverError, read_text
 from lever.policy.memory import MemoryConfig
 from lever.policy.placement import PlacementConfig, QnnConfig
 from lever.policy.predictor import PredictorConfig
@@ -211,16 +212,26 @@ def build_section(name: str, values: dict[str, Any], where: str) -> Any:
         raise LeverError(f"{where}: {e}") from None
 
 
+BARE = re.compile(r"[^\"'\[\]{}]*")  # text with no quotes or brackets: a string as typed
+
+
 def _parse_override(item: str) -> tuple[str, str, Any]:
+    """`--set section.key=value`: exactly one TOML value (a bare word is a string)."""
+    if any(ord(ch) < 32 and ch != "\t" for ch in item):
+        raise LeverError(f"--set {item!r}: one line, no control characters (a newline would start another key)")
     if "=" not in item or "." not in item.split("=", 1)[0]:
         raise LeverError(f"--set {item!r}: expected section.key=value")
     lhs, rhs = item.split("=", 1)
-    section, key = lhs.strip().split(".", 1)
+    section, key = (part.strip() for part in lhs.strip().split(".", 1))
     try:
-        value = tomllib.loads(f"v = {rhs}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = rhs  # a bare word is a string
-    return section, key, value
+        parsed = tomllib.loads(f"v = {rhs}")
+    except tomllib.TOMLDecodeError as e:
+        if not BARE.fullmatch(rhs.strip()) or not rhs.strip():
+            raise LeverError(f"--set {item!r}: not a TOML value ({e})") from None
+        return section, key, rhs.strip()  # a bare word is a string
+    if list(parsed) != ["v"]:
+        raise LeverError(f"--set {item!r}: more than one value")
+    return section, key, parsed["v"]
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -230,14 +241,15 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         path = Path(path)
         where = str(path)
         try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise LeverError(f"{path}: no such config file") from None
+            data = tomllib.loads(read_text(path, "config file"))
         except tomllib.TOMLDecodeError as e:
             raise LeverError(f"{path}: not valid TOML: {e}") from None
     overridden = set()
     for item in overrides:
         section, key, value = _parse_override(item)
+        if section not in SECTIONS:
+            raise LeverError(f"--set {item!r}: unknown section [{section}] (known: {', '.join(sorted(SECTIONS))})")
+        build_section(section, {key: value}, f"--set {item!r}")  # its own error names --set, not the file
         data.setdefault(section, {})[key] = value
         overridden.add((section, key))
     for name, values in data.items():

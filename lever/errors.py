@@ -26,3 +26,36 @@ def shown(text: str, limit: int = 80) -> str:
     if text and text.isprintable() and len(text) <= limit:
         return text
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def regular_file(path, what: str = "file"):
+    """`path` as a Path once it is known to be a regular file, else one line saying what it is:
+    a FIFO would block the open forever, a device or a directory is nobody's model or config."""
+    import stat
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode  # follows links: a link to a FIFO is a FIFO
+    except FileNotFoundError:
+        raise LeverError(f"{p}: no such {what}") from None
+    except OSError as e:
+        raise LeverError(f"{p}: cannot read: {e.strerror or e}") from None
+    if stat.S_ISREG(mode):
+        return p
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+            if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
+    raise LeverError(f"{p}: is {kind}, not a regular {what}" if kind != "not a file" else f"{p}: not a regular {what}")
+
+
+def read_text(path, what: str = "file") -> str:
+    """A regular file's text; bytes that are not UTF-8 are named by their offset."""
+    p = regular_file(path, what)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise LeverError(f"{p}: cannot read: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LeverError(f"{p}: not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r}); is this the {what}?") from None

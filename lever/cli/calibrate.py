@@ -18,7 +18,7 @@ from rich.progress import Progress
 
 from lever.cli.common import add_common, add_set
 from lever.config import Config, load_config
-from lever.errors import LeverError
+from lever.errors import LeverError, regular_file
 from lever.gguf.identity import ModelIdentity, file_sha256
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.transformer import Model
@@ -40,6 +40,7 @@ from lever.policy.predictor import Artifact, artifact_path
 
 def corpus_prompts(path: Path, tok: Tokenizer, n_prompts: int, prompt_tokens: int) -> list[str]:
     """n_prompts pieces of the corpus, each `prompt_tokens` tokens long, spread over the file."""
+    regular_file(path, "corpus")
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError as e:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lever.cli.common import add_common, add_set
 from lever.config import load_config
-from lever.errors import LeverError
+from lever.errors import LeverError, read_text
 from lever.pipelines.session import run_pipeline
 from lever.shipped import shipped
 
@@ -73,12 +73,7 @@ def main(args) -> int:
 
 
 def read_prompt(path: Path) -> str:
-    if not path.is_file():
-        raise LeverError(f"{path}: no such file" if not path.exists() else f"{path}: not a regular file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise LeverError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    return read_text(path, "file")
 
 
 def print_summary(res, file) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf import GGUFValueType as VT
 
-from lever.errors import LeverError, shown
+from lever.errors import LeverError, regular_file, shown
 from lever.gguf.types import TypeTraits, traits
 
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}  # small tensors read without the kernels
@@ -135,11 +135,7 @@ class GGUFFile:
     """Metadata and tensor table of one GGUF file, with its bytes memory-mapped (not read)."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        if not self.path.exists():
-            raise LeverError(f"{self.path}: no such file")
-        if self.path.is_dir():
-            raise LeverError(f"{self.path}: is a directory, not a GGUF file")
+        self.path = regular_file(path, "file")
         size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             magic = f.read(4)

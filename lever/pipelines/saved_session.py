@@ -14,7 +14,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from lever.errors import LeverError
+from lever.errors import LeverError, regular_file
 from lever.gguf.identity import ModelIdentity
 from lever.pipelines.compose import KVState
 
@@ -48,9 +48,7 @@ def write(path: str | os.PathLike, *, messages: list[dict], ids: list[int], kv: 
 def read(path: str | os.PathLike, *, kv: KVState, target: ModelIdentity, draft: ModelIdentity | None,
          n_vocab: int) -> tuple[list[dict], list[int]]:
     """Fills `kv` (fresh caches of this engine) from the file; the conversation and ids."""
-    p = Path(path)
-    if not p.is_file():
-        raise LeverError(f"{p}: no such file" if not p.exists() else f"{p}: not a regular file")
+    p = regular_file(path, "file")
     try:
         doc = msgpack.unpackb(p.read_bytes(), raw=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:

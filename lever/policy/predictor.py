@@ -27,7 +27,7 @@ import numpy as np
 
 from lever.backends.cpu import native
 from lever.dataflow.messages import TokenTree, children_of, likely_path
-from lever.errors import LeverError
+from lever.errors import LeverError, regular_file
 from lever.gguf.identity import ModelIdentity
 from lever.policy.acceptance import AcceptanceTable
 
@@ -251,6 +251,8 @@ class Artifact:
     @classmethod
     def read(cls, path: Path, target: str | os.PathLike) -> Artifact:
         """The artifact at path, checked to belong to the target model file."""
+        if Path(path).exists():
+            regular_file(path, "predictor artifact")  # not a FIFO: reading one would never end
         try:
             data = msgpack.unpackb(path.read_bytes())
         except FileNotFoundError:

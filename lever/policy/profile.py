@@ -19,7 +19,7 @@ from pathlib import Path
 import attrs
 import msgpack
 
-from lever.errors import LeverError
+from lever.errors import LeverError, regular_file
 from lever.gguf.identity import ModelIdentity
 
 FORMAT = "lever-profile"
@@ -132,6 +132,8 @@ def write(profile: Profile, path: str | os.PathLike) -> Path:
 
 def read(path: str | os.PathLike) -> Profile:
     path = Path(path)
+    if path.exists():
+        regular_file(path, "profile")  # not a FIFO: reading one would never end
     try:
         raw = path.read_bytes()
     except FileNotFoundError:

@@ -26,7 +26,7 @@ from lever.cli.bench.model import llama_completion, llama_speculative
 from lever.cli.common import add_common, add_set, parse_floats
 from lever.cli.table import show
 from lever.config import load_config
-from lever.errors import LeverError
+from lever.errors import LeverError, read_text
 from lever.shipped import shipped
 
 DEFAULT_BUDGETS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -37,10 +37,7 @@ PAPER = {"flash-ar": 2.93, "chain-sd": 1.50, "edgellm-like": 1.27}  # Lever's sp
 def read_prompts(path: str | Path) -> list[str]:
     """Prompts separated by lines holding only `---`."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise LeverError(f"{p}: cannot read prompts ({e.strerror})") from None
+    text = read_text(p, "prompts file")
     prompts, cur = [], []
     for line in text.splitlines(keepends=True):
         if line.strip() == "---":
