@@ -239,7 +239,7 @@ class LLM:
     def generate(self, prompt: str, **sampling) -> Completion:
         """A completion of `prompt` (max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
         repeat_last_n, seed, stop)."""
-        return self._generate(self.encode_prompt(prompt), sampling)
+        return self.complete(self.encode_prompt(prompt), sampling)
 
     def stream(self, prompt: str, **sampling) -> Iterator[Chunk]:
         """The completion as it is decoded: each chunk's text is final (stop strings held back
@@ -249,7 +249,7 @@ class LLM:
 
     def chat(self, messages: Sequence[dict], **sampling) -> Completion:
         """The assistant's reply to `messages`, through the chat template."""
-        return self._generate(self.encode_prompt(self.render(messages), chat=True), sampling)
+        return self.complete(self.encode_prompt(self.render(messages), chat=True), sampling)
 
     def stream_chat(self, messages: Sequence[dict], **sampling) -> Iterator[Chunk]:
         return self.stream_ids(self.encode_prompt(self.render(messages), chat=True), sampling)
@@ -328,9 +328,6 @@ class LLM:
             raise LeverError(f"internal: unknown stop reason {reason!r}")
         tokens = tuple(rule.tokens)
         return Completion(rule.final_text, tokens, reason, Usage(len(ids), len(tokens), cached), res)
-
-    def _generate(self, ids: list[int], sampling: dict) -> Completion:
-        return self.complete(ids, sampling)
 
     def stream_ids(self, ids: list[int], sampling: dict, session: Session | None = None) -> Iterator[Chunk]:
         self.check(sampling, len(ids))  # a bad argument fails here, at the call, not at the first next()

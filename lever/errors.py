@@ -4,6 +4,9 @@ A LeverError carries a single line naming the file, key or value at fault; the C
 as `lever: error: ...` and exits non-zero, without a traceback unless --debug.
 """
 
+import stat
+from pathlib import Path
+
 import numpy as np
 
 
@@ -31,9 +34,6 @@ def shown(text: str, limit: int = 80) -> str:
 def regular_file(path, what: str = "file"):
     """`path` as a Path once it is known to be a regular file, else one line saying what it is:
     a FIFO would block the open forever, a device or a directory is nobody's model or config."""
-    import stat
-    from pathlib import Path
-
     p = Path(path)
     try:
         mode = p.stat().st_mode  # follows links: a link to a FIFO is a FIFO

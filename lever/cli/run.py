@@ -49,7 +49,7 @@ def main(args) -> int:
     cfg = load_config(args.config or shipped("default.toml"), overrides)
     if args.file is not None and args.prompt is not None:
         raise LeverError("-f and -p: give the prompt one way")
-    prompt = read_prompt(args.file) if args.file is not None else args.prompt
+    prompt = read_text(args.file, "file") if args.file is not None else args.prompt
     if prompt == "-":
         prompt = sys.stdin.read()
     if prompt is None:
@@ -70,10 +70,6 @@ def main(args) -> int:
     print()
     print_summary(res, file=sys.stderr)
     return 0
-
-
-def read_prompt(path: Path) -> str:
-    return read_text(path, "file")
 
 
 def print_summary(res, file) -> None:

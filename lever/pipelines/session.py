@@ -8,11 +8,10 @@ against the DRAM the configuration accounts for.
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import resource
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import anyio
 import attrs
@@ -287,7 +286,7 @@ class Engine:
             except BaseException:
                 if draft is not None:
                     draft.cancel()
-                    concurrent.futures.wait([draft])
+                    wait([draft])
                 engine.close()
                 raise
         return engine
