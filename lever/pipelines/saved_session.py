@@ -11,15 +11,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import attrs
 import msgpack
 import numpy as np
 
-from lever.errors import LeverError, regular_file
+from lever.errors import LeverError, shown
+from lever.gguf.chat_template import ROLES
 from lever.gguf.identity import ModelIdentity
 from lever.pipelines.compose import KVState
+from lever.policy.fields import MAX_COUNT, Fields, read_msgpack
 
 FORMAT = "lever-session"
 VERSION = 1
+MAX_ROWS = 2**24  # past any model's context (`read` checks the engine's own)
 
 
 def _rows(cache, n: int) -> dict:
@@ -45,57 +49,104 @@ def write(path: str | os.PathLike, *, messages: list[dict], ids: list[int], kv: 
         tmp.unlink(missing_ok=True)
 
 
-def read(path: str | os.PathLike, *, kv: KVState, target: ModelIdentity, draft: ModelIdentity | None,
-         n_vocab: int) -> tuple[list[dict], list[int]]:
-    """Fills `kv` (fresh caches of this engine) from the file; the conversation and ids."""
-    p = regular_file(path, "file")
-    try:
-        doc = msgpack.unpackb(p.read_bytes(), raw=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise LeverError(f"{p}: not a saved session ({type(e).__name__})") from None
+@attrs.frozen
+class SavedSession:
+    """A session file's contents, checked for everything that needs no engine (`load`)."""
 
-    def fail(field: str, why: str) -> LeverError:
-        return LeverError(f"{p}: {field}: {why}")
+    messages: list[dict]
+    ids: list[int]
+    n_rows: int
+    target: list  # [size in bytes, sha256 of the first MiB]: ModelIdentity's short name
+    draft: list | None
+    target_kv: dict | None  # {"k": [one bytes blob per layer], "v": [...]}, n_rows rows each
+    draft_kv: dict | None
 
+
+def load(path: str | os.PathLike) -> SavedSession:
+    """The session file at path, every field checked for type, shape and range (what `read`
+    checks against an engine aside), or one line naming the file and the field."""
+    p = Path(path)
+    doc = read_msgpack(p, "saved session")
+    f = Fields(p, "saved session")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise LeverError(f"{p}: not a saved session (no format {FORMAT!r})")
-    if doc.get("version") != VERSION:
-        raise fail("version", f"{doc.get('version')!r}, this Lever reads {VERSION}")
-    if doc.get("target") != [target.size_bytes, target.sha256_first_mib]:
-        raise fail("target", f"saved with another target model than {target.path}")
-    want_draft = [draft.size_bytes, draft.sha256_first_mib] if draft is not None else None
-    if doc.get("draft") != want_draft:
-        raise fail("draft", "saved with another draft model (or none)")
-    messages = doc.get("messages")
-    if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
-        raise fail("messages", "must be a list of {role, content} strings")
-    n = doc.get("n_rows")
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= kv.target.n_ctx:
-        raise fail("n_rows", f"must be an integer in [0, {kv.target.n_ctx}], got {n!r}")
-    ids = doc.get("ids")
-    if not isinstance(ids, list) or len(ids) != n or not all(isinstance(t, int) and 0 <= t < n_vocab for t in ids):
-        raise fail("ids", f"must be {n} token ids in [0, {n_vocab})")
-    for field, cache in (("target_kv", kv.target), ("draft_kv", kv.draft)):
-        rows = doc.get(field)
+    version = doc.get("version")
+    if type(version) is not int or version != VERSION:
+        raise f.fail("version", f"{shown(repr(version), 40)}, this Lever reads {VERSION}")
+
+    def identity(field: str) -> list | None:
+        v = f.key(doc, field, "")
+        if v is None and field == "draft":
+            return None
+        pair = f.array(v, field, n=2)
+        return [f.integer(pair[0], f"{field}[0]"), f.hex_digest(pair[1], f"{field}[1]")]
+
+    target, draft = identity("target"), identity("draft")
+    messages = []
+    for i, m in enumerate(f.array(f.key(doc, "messages", ""), "messages")):
+        m = f.map(m, f"messages[{i}]")
+        messages.append({"role": f.string(f.key(m, "role", f"messages[{i}]"), f"messages[{i}].role", choices=ROLES),
+                         "content": f.string(f.key(m, "content", f"messages[{i}]"), f"messages[{i}].content",
+                                             max_chars=MAX_COUNT)})
+    n = f.integer(f.key(doc, "n_rows", ""), "n_rows", 0, MAX_ROWS)
+    ids = [f.integer(t, f"ids[{i}]", 0, 2**31) for i, t in enumerate(f.array(f.key(doc, "ids", ""), "ids", n=n))]
+
+    def rows(field: str) -> dict | None:
+        v = doc.get(field)
+        if v is None:
+            return None
+        m = f.map(v, field)
+        out = {part: f.array(f.key(m, part, field), f"{field}.{part}", max_n=2**20) for part in ("k", "v")}
+        for part, blobs in out.items():
+            for i, b in enumerate(blobs):
+                if not isinstance(b, bytes):
+                    raise f.fail(f"{field}.{part}[{i}]", f"is {type(b).__name__}, expected bytes")
+        return out
+
+    return SavedSession(messages, ids, n, target, draft, rows("target_kv"), rows("draft_kv"))
+
+
+def read(path: str | os.PathLike, *, kv: KVState, target: ModelIdentity, draft: ModelIdentity | None,
+         n_vocab: int) -> tuple[list[dict], list[int]]:
+    """Fills `kv` (fresh caches of this engine) from the file (`load`, then checked against
+    this engine's models and caches); the conversation and ids. On any error `kv` is left
+    as it was: every check runs before the first row is copied."""
+    p = Path(path)
+    s = load(p)
+    f = Fields(p, "saved session")
+    if s.target != [target.size_bytes, target.sha256_first_mib]:
+        raise f.fail("target", f"saved with another target model than {target.path}")
+    if s.draft != ([draft.size_bytes, draft.sha256_first_mib] if draft is not None else None):
+        raise f.fail("draft", "saved with another draft model (or none)")
+    n = s.n_rows
+    n_ctx = min(c.n_ctx for c in (kv.target, kv.draft) if c is not None)
+    if n > n_ctx:
+        raise f.fail("n_rows", f"must be an integer in [0, {n_ctx}], got {n}")
+    if any(t >= n_vocab for t in s.ids):
+        i = next(i for i, t in enumerate(s.ids) if t >= n_vocab)
+        raise f.fail(f"ids[{i}]", f"= {s.ids[i]}: must be {n} token ids in [0, {n_vocab})")
+    staged = []
+    for field, cache, rows in (("target_kv", kv.target, s.target_kv), ("draft_kv", kv.draft, s.draft_kv)):
         if cache is None or n == 0:
             continue
-        if not isinstance(rows, dict):
-            raise fail(field, "missing")
+        if rows is None:
+            raise f.fail(field, "missing")
         for part, arrays in (("k", cache.k), ("v", cache.v)):
-            blobs = rows.get(part)
-            if not isinstance(blobs, list) or len(blobs) != len(arrays):
-                raise fail(f"{field}.{part}", f"must hold {len(arrays)} layers")
+            blobs = rows[part]
+            if len(blobs) != len(arrays):
+                raise f.fail(f"{field}.{part}", f"must hold {len(arrays)} layers, holds {len(blobs)}")
             for i, (blob, a) in enumerate(zip(blobs, arrays)):
                 want = n * a[0].size * a.itemsize
-                if not isinstance(blob, bytes) or len(blob) != want:
-                    raise fail(f"{field}.{part}[{i}]", f"must be {want} bytes")
+                if len(blob) != want:
+                    raise f.fail(f"{field}.{part}[{i}]", f"must be {want} bytes, is {len(blob)}")
                 rows_i = np.frombuffer(blob, a.dtype).reshape((n, *a.shape[1:]))
                 if not np.isfinite(rows_i).all():
-                    raise fail(f"{field}.{part}[{i}]", "holds numbers that are not finite")
-                a[:n] = rows_i
+                    raise f.fail(f"{field}.{part}[{i}]", "holds numbers that are not finite")
+                staged.append((a, rows_i))
+    for a, rows_i in staged:
+        a[:n] = rows_i
     kv.n_rows = n
     kv.target.n_rows = n
     if kv.draft is not None:
         kv.draft.n_rows = n
-    return messages, ids
+    return s.messages, s.ids

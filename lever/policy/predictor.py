@@ -27,9 +27,10 @@ import numpy as np
 
 from lever.backends.cpu import native
 from lever.dataflow.messages import TokenTree, children_of, likely_path
-from lever.errors import LeverError, regular_file
+from lever.errors import LeverError, shown
 from lever.gguf.identity import ModelIdentity
 from lever.policy.acceptance import AcceptanceTable
+from lever.policy.fields import Fields, read_msgpack
 
 ARTIFACT_SUFFIX = ".lever-predictor.msgpack"
 
@@ -236,6 +237,7 @@ class Artifact:
     correction: Correction
     acceptance: AcceptanceTable = attrs.field(eq=False)  # draft p -> acceptance, for TreeExpand
     report: dict = attrs.field(factory=dict, eq=False)  # what calibration measured (held-out figures)
+    source: str = attrs.field(default="", eq=False)  # the file it was read from, for errors naming it
 
     def write(self, path: Path) -> None:
         data = {"version": ARTIFACT_VERSION, "model": attrs.asdict(self.model), "model_sha256": self.model_sha256,
@@ -249,31 +251,74 @@ class Artifact:
         tmp.replace(path)
 
     @classmethod
-    def read(cls, path: Path, target: str | os.PathLike) -> Artifact:
-        """The artifact at path, checked to belong to the target model file."""
-        if Path(path).exists():
-            regular_file(path, "predictor artifact")  # not a FIFO: reading one would never end
-        try:
-            data = msgpack.unpackb(path.read_bytes())
-        except FileNotFoundError:
-            raise LeverError(f"{path}: no predictor artifact (run `lever calibrate -c CONFIG --corpus FILE`)") from None
-        except (ValueError, msgpack.UnpackException) as e:
-            raise LeverError(f"{path}: not a predictor artifact ({e})") from None
-        try:
-            if data["version"] != ARTIFACT_VERSION:
-                raise LeverError(f"{path}: predictor artifact version {data['version']}, expected {ARTIFACT_VERSION}")
-            model = ModelIdentity(**data["model"])
-            cal = data["calibration"]
-            c = AcceptanceTable(n_bins=len(cal["trials"][0]), prior_weight=cal["prior_weight"])
-            c.accepted, c.trials = np.asarray(cal["accepted"], float), np.asarray(cal["trials"], float)
-            art = cls(model, data["model_sha256"], int(data["layer"]), float(data["threshold"]),
-                      Correction(**data["correction"]), c, data.get("report", {}))
-        except (KeyError, TypeError, IndexError) as e:
-            raise LeverError(f"{path}: malformed predictor artifact ({e!r})") from None
+    def load(cls, path: str | os.PathLike) -> Artifact:
+        """The artifact at path, every field checked for type, shape and range (what needs no
+        model: `read` adds the checks against the target), else one line naming the file and
+        the field."""
+        path = Path(path)
+        data = read_msgpack(path, "predictor artifact", "run `lever calibrate -c CONFIG --corpus FILE`")
+        f = Fields(path, "predictor artifact")
+        if not isinstance(data, dict):
+            raise LeverError(f"{path}: not a predictor artifact (a msgpack {type(data).__name__}, not a map)")
+        version = f.key(data, "version", "")
+        if type(version) is not int or version != ARTIFACT_VERSION:
+            raise f.fail("version", f"predictor artifact version {shown(repr(version), 40)}, expected {ARTIFACT_VERSION}")
+        m = f.map(f.key(data, "model", ""), "model")
+        model = ModelIdentity(f.string(f.key(m, "path", "model"), "model.path"),
+                              f.integer(f.key(m, "size_bytes", "model"), "model.size_bytes"),
+                              f.hex_digest(f.key(m, "sha256_first_mib", "model"), "model.sha256_first_mib"))
+        sha = f.hex_digest(f.key(data, "model_sha256", ""), "model_sha256")
+        layer = f.integer(f.key(data, "layer", ""), "layer", 0, MAX_LAYERS)
+        threshold = f.number(f.key(data, "threshold", ""), "threshold", 0.0, 1.0)
+        c = f.map(f.key(data, "correction", ""), "correction")
+        # bounded so that a * z + b * log q stays finite for any lens logit a model makes
+        corr = Correction(*(f.number(f.key(c, k, "correction"), f"correction.{k}", -1e6, 1e6)
+                            for k in ("scale", "draft_weight", "none_logit")))
+        report = f.map(data.get("report", {}), "report")  # what calibration measured: shown, never computed with
+        return cls(model, sha, layer, threshold, corr, _acceptance(f, f.key(data, "calibration", "")), report,
+                   source=str(path))
+
+    @classmethod
+    def read(cls, path: str | os.PathLike, target: str | os.PathLike, n_layer: int | None = None) -> Artifact:
+        """The artifact at path (`load`), checked to belong to the target model file and, given
+        the target's n_layer, to name one of its middle layers."""
+        art = cls.load(path)
         if not art.model.same_file(ModelIdentity.of(target)):
-            raise LeverError(f"{path}: calibrated for {art.model.path} (sha256 {art.model_sha256[:12]}), "
+            raise LeverError(f"{path}: calibrated for {shown(art.model.path)} (sha256 {art.model_sha256[:12]}), "
                              f"not {target}: run `lever calibrate` again")
+        if n_layer is not None:
+            art.check_layer(n_layer)
         return art
+
+    def check_layer(self, n_layer: int) -> None:
+        if not 0 <= self.layer < n_layer - 1:
+            raise LeverError(f"{self.source or 'predictor artifact'}: layer: {self.layer} is not a middle layer "
+                             f"of a {n_layer}-layer target (0..{n_layer - 2})")
+
+
+MAX_LAYERS = 2**20
+MAX_BINS = 2**16  # the acceptance table's probability bins (10 by default)
+
+
+def _acceptance(f: Fields, cal) -> AcceptanceTable:
+    """The calibration table: two rows (first children, the others) of n_bins cells, with
+    0 <= accepted <= trials in each, and a positive prior (with none, an unobserved cell
+    would estimate 0/0)."""
+    cal = f.map(cal, "calibration")
+    trials = f.array(f.key(cal, "trials", "calibration"), "calibration.trials", n=2)
+    accepted = f.array(f.key(cal, "accepted", "calibration"), "calibration.accepted", n=2)
+    n_bins = len(f.array(trials[0], "calibration.trials[0]", min_n=1, max_n=MAX_BINS))
+    t = np.stack([f.numbers(r, f"calibration.trials[{i}]", n=n_bins, lo=0.0, hi=1e15) for i, r in enumerate(trials)])
+    a = np.stack([f.numbers(r, f"calibration.accepted[{i}]", n=n_bins, lo=0.0, hi=1e15) for i, r in enumerate(accepted)])
+    over = np.argwhere(a > t)
+    if over.size:
+        r, b = over[0]
+        raise f.fail(f"calibration.accepted[{r}][{b}]", f"= {a[r, b]:g} is more than its trials, {t[r, b]:g}")
+    table = AcceptanceTable(n_bins=n_bins,
+                            prior_weight=f.number(f.key(cal, "prior_weight", "calibration"), "calibration.prior_weight",
+                                                  0.0, 1e9, above=0.0))
+    table.accepted, table.trials = a, t
+    return table
 
 
 def predictor_for(cfg: PredictorConfig, model, artifact: Artifact | None = None, cost=None) -> Predictor:
@@ -285,6 +330,8 @@ def predictor_for(cfg: PredictorConfig, model, artifact: Artifact | None = None,
         corr = artifact.correction
         layer = artifact.layer if layer < 0 else layer
         threshold = artifact.threshold if threshold < 0 else threshold
+    if artifact is not None and cfg.layer < 0:
+        artifact.check_layer(n_layer)  # the layer is the artifact's: name its file
     if not 0 <= layer < n_layer - 1:
         raise LeverError(f"[predictor] layer: {layer} is not a middle layer of a {n_layer}-layer target (0..{n_layer - 2})")
     return Predictor(layer, threshold, corr, model.output_norm, model.spec.rms_eps, model.output, cfg.max_prune_share,

@@ -19,8 +19,10 @@ from pathlib import Path
 import attrs
 import msgpack
 
-from lever.errors import LeverError, regular_file
+from lever.backends.flash.config import MODES, FlashConfig
+from lever.errors import LeverError, shown
 from lever.gguf.identity import ModelIdentity
+from lever.policy.fields import MAX_COUNT, Fields, read_msgpack
 
 FORMAT = "lever-profile"
 FORMAT_VERSION = 2  # 2: resident layers (tile layout) timed apart from streamed ones
@@ -131,63 +133,85 @@ def write(profile: Profile, path: str | os.PathLike) -> Path:
 
 
 def read(path: str | os.PathLike) -> Profile:
+    """The profile at path, every field checked (lever.policy.fields): type, shape and range;
+    anything else is one line naming the file and the field."""
     path = Path(path)
-    if path.exists():
-        regular_file(path, "profile")  # not a FIFO: reading one would never end
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise LeverError(f"{path}: no such profile file (make one with `lever profile -c CONFIG`)") from None
-    except OSError as e:
-        raise LeverError(f"{path}: cannot read profile: {e.strerror or e}") from None
-    try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise LeverError(f"{path}: not a lever profile (corrupt msgpack: {e})") from None
+    data = read_msgpack(path, "profile file", "make one with `lever profile -c CONFIG`")
+    f = Fields(path, "profile")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise LeverError(f"{path}: not a lever profile (no '{FORMAT}' format marker)")
-    if data.get("version") != FORMAT_VERSION:
-        raise LeverError(f"{path}: profile format version {data.get('version')!r}, this lever reads "
+    version = data.get("version")
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise LeverError(f"{path}: profile format version {shown(repr(version), 40)}, this lever reads "
                          f"{FORMAT_VERSION}: re-run `lever profile`")
-    try:
-        return _structure(Profile, data.get("profile"), "profile")
-    except (ValueError, TypeError) as e:
-        raise LeverError(f"{path}: corrupt profile: {e}") from None
+    return _structure(f, Profile, f.key(data, "profile", ""), "profile")
 
 
-def _structure(cls, value, where: str):
-    """A dict read back into the attrs class it was written from, every value type-checked."""
-    if not isinstance(value, dict):
-        raise TypeError(f"{where}: expected a map, got {type(value).__name__}")
+# What each field may hold beyond its type, by field name: (lo, hi) for numbers, the choices of
+# a string. Every number in a profile is a count, a size, a rate or a time, so none is negative;
+# the upper bounds are far past any machine's and keep the cost model's sums finite.
+_BUCKET = (1, 2**20)
+_RATE = (1.0, 1e13)  # bytes/s: a zero or NaN bandwidth would make every read time infinite
+_RANGES: dict[str, tuple] = {
+    "queue_depth": (1, 2**16), "chunk_bytes": (1, MAX_COUNT), "threads": (1, 2**16), "n_layer": (1, 2**20),
+    "kv_rows": (0, 2**31), "tokens": _BUCKET, "head_rows": _BUCKET, "batch": _BUCKET, "layers_timed": (0, 2**20),
+    "read_bytes_per_s": _RATE, "device_read_bytes_per_s": _RATE, "bandwidth_cap_bytes_per_s": (0.0, 1e13),
+    "read_latency_ms": (0.0, 1e9), "load_avg_1min": (0.0, 1e6),
+}
+_SECONDS = (0.0, 1e6)  # any float field not named above: a time in seconds
+_CHOICES: dict[str, tuple[str, ...]] = {"mode": MODES}
+
+
+def _structure(f: Fields, cls, value, where: str):
+    """A dict read back into the attrs class it was written from, every value checked."""
+    value = f.map(value, where)
     hints = typing.get_type_hints(cls)
     kwargs = {}
-    for f in attrs.fields(cls):
-        if f.name in value:
-            kwargs[f.name] = _value(hints[f.name], value[f.name], f"{where}.{f.name}")
-        elif f.default is attrs.NOTHING:
-            raise ValueError(f"{where}.{f.name}: missing")
-    return cls(**kwargs)
+    for a in attrs.fields(cls):
+        if a.name in value:
+            kwargs[a.name] = _value(f, hints[a.name], value[a.name], f"{where}.{a.name}", a.name)
+        elif a.default is attrs.NOTHING:
+            raise f.fail(f"{where}.{a.name}", "missing")
+    try:
+        obj = cls(**kwargs)
+    except (ValueError, TypeError, LeverError) as e:  # the classes' own checks: tables, buckets
+        raise f.fail(where, str(e)) from None
+    if cls is FlashProfile:  # the cost model rebuilds the profiled flash config from these
+        try:
+            FlashConfig(mode=obj.mode, queue_depth=obj.queue_depth, chunk_bytes=obj.chunk_bytes,
+                        bandwidth_cap_bytes_per_s=obj.bandwidth_cap_bytes_per_s, read_latency_ms=obj.read_latency_ms)
+        except LeverError as e:
+            raise LeverError(f"{f.path}: {str(e).replace('[flash] ', f'{where}.', 1)}") from None
+    if cls is TargetProfile and obj.layers_timed and max(obj.layers_timed) >= obj.n_layer:
+        raise f.fail(f"{where}.layers_timed", f"layer {max(obj.layers_timed)} of a {obj.n_layer}-layer model")
+    return obj
 
 
-def _value(hint, v, where: str):
+def _value(f: Fields, hint, v, where: str, name: str):
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
         if v is None and type(None) in args:
             return None
         (arm,) = [a for a in args if a is not type(None)]
-        return _value(arm, v, where)
+        return _value(f, arm, v, where, name)
+    if hint is ModelIdentity:
+        m = f.map(v, where)
+        return ModelIdentity(f.string(f.key(m, "path", where), f"{where}.path"),
+                             f.integer(f.key(m, "size_bytes", where), f"{where}.size_bytes"),
+                             f.hex_digest(f.key(m, "sha256_first_mib", where), f"{where}.sha256_first_mib"))
     if attrs.has(hint):
-        return _structure(hint, v, where)
+        return _structure(f, hint, v, where)
     if origin is tuple:
-        if not isinstance(v, (list, tuple)):
-            raise TypeError(f"{where}: expected a list, got {type(v).__name__}")
-        return tuple(_value(typing.get_args(hint)[0], x, f"{where}[{i}]") for i, x in enumerate(v))
-    if hint is float and isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    if hint in (int, str) and type(v) is hint:
-        return v
-    raise TypeError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {type(v).__name__} {v!r}")
+        xs = f.array(v, where, max_n=2**16)
+        return tuple(_value(f, typing.get_args(hint)[0], x, f"{where}[{i}]", name) for i, x in enumerate(xs))
+    if hint is float:
+        return f.number(v, where, *_RANGES.get(name, _SECONDS))
+    if hint is int:
+        return f.integer(v, where, *_RANGES.get(name, (0, MAX_COUNT)))
+    if hint is str:
+        return f.string(v, where, choices=_CHOICES.get(name))
+    raise f.fail(where, f"cannot be read as {getattr(hint, '__name__', hint)}")  # a field type this reader lacks
 
 
 # -- the [profile] config section

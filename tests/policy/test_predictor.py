@@ -90,7 +90,7 @@ def test_artifact_round_trip_and_model_check(tmp_path):
 def test_a_missing_or_corrupt_artifact_is_one_line(tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    with pytest.raises(LeverError, match="no predictor artifact.*lever calibrate"):
+    with pytest.raises(LeverError, match="no such predictor artifact.*lever calibrate"):
         Artifact.read(tmp_path / "nope.msgpack", model)
     bad = tmp_path / "bad.msgpack"
     bad.write_bytes(b"\xc1garbage")
