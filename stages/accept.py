@@ -7,6 +7,8 @@ The rows go in batches along the draft's likeliest chain, so the projection's we
 once per batch rather than once per accepted token.
 Greedy output is therefore the target's own greedy output, whatever the tree held. It decides
 which tree rows the KV caches keep and sends that back to Draft, and emits the tokens.
+Logits holding a NaN or an Inf end the run with one line naming the target's file and the
+position (one max over each batch of rows, which the projection has just computed).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from lever.dataflow.graph import Stage
 from lever.dataflow.messages import Accepted, TokenTree, Verified, children_of, likely_path
 from lever.dataflow.trace import Tracer
+from lever.model.finite import NonFiniteError, finite, first_bad_row
 from lever.model.sampling import SamplingParams, distribution, rejection_sample, sample
 
 
@@ -125,11 +128,13 @@ class Accept(Stage):
         if self.config.full_lm_head and tree.n_nodes > 1:  # EdgeLLM-like: every row, in one batch
             every = self.logits_fn(v.hidden)
             self.lm_head_rows += tree.n_nodes
-            tokens, keep, _ = accept_tree(tree, lambda nodes: every[nodes], self.params, self._rng, budget,
+            logits_at = self._checked(v, lambda nodes: every[nodes])
+            tokens, keep, _ = accept_tree(tree, logits_at, self.params, self._rng, budget,
                                           self.config.eos_ids, v.alive, self._recent(tree))
             rows = 0
         else:
-            tokens, keep, rows = accept_tree(tree, lambda nodes: self.logits_fn(v.hidden[nodes]), self.params,
+            logits_at = self._checked(v, lambda nodes: self.logits_fn(v.hidden[nodes]))
+            tokens, keep, rows = accept_tree(tree, logits_at, self.params,
                                              self._rng, budget, self.config.eos_ids, v.alive, self._recent(tree))
         self.lm_head_rows += rows
         self.n_emitted += len(tokens)
@@ -147,6 +152,29 @@ class Accept(Stage):
             stop = self.config.stop(tuple(tokens)) or stop
         pruned = () if v.alive is None else tuple(int(n) for n in np.flatnonzero(~v.alive))
         return Accepted(tree.pass_id, tuple(tokens), tuple(keep), bool(stop), stop, pruned)
+
+    def _checked(self, v: Verified, logits_at: Callable[[list[int]], np.ndarray]) -> Callable[[list[int]], np.ndarray]:
+        """logits_at, refusing rows that hold a NaN or an Inf, or come from hidden states that do
+        (the projection quantizes its input by the finite values: a -Inf there can give zeros).
+        Only the rows the walk reads: a pruned node's may be anything."""
+        def checked(nodes: list[int]) -> np.ndarray:
+            logits = logits_at(nodes)
+            if not finite(logits) or not finite(v.hidden[nodes]):  # a max and a min over each
+                raise self._nonfinite(v, nodes, logits)
+            return logits
+        return checked
+
+    def _nonfinite(self, v: Verified, nodes: list[int], logits: np.ndarray) -> NonFiniteError:
+        """The failure path: the position in the text of the first bad row (the rows committed
+        before this pass, then the node's depth in the tree) and, when logits_fn is a Model's,
+        its file and the tensor at fault."""
+        positions = self.n_ctx_used + v.tree.depths()[np.asarray(nodes, np.int64)]
+        model = getattr(self.logits_fn, "__self__", None)  # target.model.logits, as the pipelines bind it
+        if hasattr(model, "nonfinite_logits"):
+            return model.nonfinite_logits(logits, positions, "target", v.hidden[nodes])
+        bad = first_bad_row(logits)
+        bad = first_bad_row(v.hidden[nodes]) if bad is None else bad
+        return NonFiniteError("logits", role="target", position=int(positions[bad or 0]))
 
     def _recent(self, tree: TokenTree) -> list[int]:
         """The text before the tree's first new node: the history, and a prefill tree's given

@@ -6,6 +6,9 @@ ancestors), and it answers with each node's most probable next tokens and their
 probabilities; when the run samples, with tokens drawn from its distribution instead, which
 the target's rejection sampling (Accept) needs. Rows added during a cycle are pending; the first request of the next cycle says
 which to keep (the accepted path), so the draft's cache follows the accepted text exactly.
+A NaN or an Inf in the draft's hidden state or logits ends the run with one line naming the
+draft's file, the position and the layer or tensor at fault; the checks reuse reductions the
+forward and the softmax make anyway.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from lever.dataflow.compute import AHEAD, DRAFT, ComputeSlot, run_on
 from lever.dataflow.graph import Stage
 from lever.dataflow.messages import ExpandRequest, Expansion
 from lever.dataflow.trace import Tracer
+from lever.errors import LeverError
+from lever.model.finite import NonFiniteError, finite
 from lever.model.sampling import SamplingParams, distribution, draw_without_replacement
 from lever.model.transformer import Model
 
@@ -32,9 +37,18 @@ def softmax_top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     The top k are found on the logits; the softmax is needed only for its normalizer, in
     float32 (the probabilities are gains to rank nodes by, not a distribution to sample)."""
     z = np.asarray(logits, np.float32)
-    top, top_z = native.top_k(z, k)  # one pass (argpartition took 1.5 ms of a 16 ms draft forward)
+    try:
+        top, top_z = native.top_k(z, k)  # one pass (argpartition took 1.5 ms of a 16 ms draft forward)
+    except LeverError:
+        if finite(z):
+            raise
+        raise NonFiniteError("logits") from None  # top_k skips NaN, and a row had fewer than k numbers
     m = top_z[:, :1]
+    if not finite(m):  # an Inf is the row's top: z - m would make a NaN, with a warning printed
+        raise NonFiniteError("logits")
     norm = np.exp(z - m).sum(axis=-1, keepdims=True)
+    if not finite(norm):  # a NaN anywhere in a row makes its normalizer NaN: no pass of its own
+        raise NonFiniteError("logits")
     return top, (np.exp(top_z - m) / norm).astype(np.float32)
 
 
@@ -94,7 +108,10 @@ class Drafter:
             pos[j] = self.n_committed + depth[row]
             mask[j, [self.n_committed + a for a in self._ancestors(row)]] = True
         batched = req.tokens.size > 1
-        hidden = self.model.forward(req.tokens, pos, mask, self.cache, self.batch_layer_fn if batched else None)
+        try:
+            hidden = self.model.forward(req.tokens, pos, mask, self.cache, self.batch_layer_fn if batched else None)
+        except NonFiniteError as e:
+            raise e.evolve(role="draft", path=self.model.file.path) from None
         self.forwards += 1
         self.forward_tokens[n] += 1
         expand = np.arange(req.n_given, n)
@@ -103,10 +120,13 @@ class Drafter:
             return Expansion(req.cycle, expand.astype(np.int32), empty.astype(np.int64), empty.astype(np.float32))
         logits = self.model.logits(hidden[expand])
         rows = (first + expand).astype(np.int32)
-        if self.sampling is None or self.sampling.greedy:
-            tokens, probs = softmax_top_k(logits, req.top_k)
-            return Expansion(req.cycle, rows, tokens, probs)
-        return Expansion(req.cycle, rows, *self.draw(logits, req.top_k))
+        try:
+            if self.sampling is None or self.sampling.greedy:
+                tokens, probs = softmax_top_k(logits, req.top_k)
+                return Expansion(req.cycle, rows, tokens, probs)
+            return Expansion(req.cycle, rows, *self.draw(logits, req.top_k))
+        except NonFiniteError:  # the failure path: which row, and which tensor of the head
+            raise self.model.nonfinite_logits(logits, pos[expand], "draft") from None
 
     def draw(self, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Children drawn without replacement from the draft's distribution under the run's

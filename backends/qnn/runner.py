@@ -49,6 +49,7 @@ from lever.backends.cpu.kv_cache import KVCache, causal_mask
 from lever.backends.cpu.layer import LayerWeights, Weight, layer_forward
 from lever.errors import LeverError
 from lever.gguf.spec import ModelSpec
+from lever.model.finite import NonFiniteError, finite, first_bad_row
 from lever.model.transformer import Model
 
 from .graphs import MASK_NEG, LayerShape, build_layer, rope_tables
@@ -448,6 +449,11 @@ class QnnLayerRunner:
                 raise LeverError("forward: a token sees a row of a later chunk; order tokens so that each "
                                  f"sees only earlier ones, or raise the largest token bucket ({step})")
             out[a:b] = self._forward_chunk(lw, x[a:b], pos[a:b], mask[a:b], cache, layer, new_rows[a:b], inv_freq)
+        if not finite(out) and finite(x):  # a max and a min; float16 on HTP overflows past 65504 where float32 does not
+            bad = first_bad_row(out)
+            raise NonFiniteError("hidden state", position=int(pos[bad]), layer=f"first in the output of layer {layer} on QNN",
+                                 cause=f"the {self.precision} graph returned NaN or Inf from finite input "
+                                       f"(an activation past float16's 65504?); [placement] on the CPU avoids it")
         return out
 
     def _forward_chunk(self, lw, x, pos, mask, cache, layer, new_rows, inv_freq) -> np.ndarray:

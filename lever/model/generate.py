@@ -2,7 +2,8 @@
 
 This is the reference every pipeline is held to: a speculative pipeline's greedy output must
 equal `generate`'s greedy output token for token. Prefill runs the prompt in chunks (the
-kernels are batch-invariant, so the chunk size changes speed, never the result).
+kernels are batch-invariant, so the chunk size changes speed, never the result). Logits
+holding a NaN or an Inf end it with one line naming the file and the position, not a token 0.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def generate(model: Model, prompt_tokens: list[int], n_predict: int, params: Sam
     t0 = time.perf_counter()
     last = prefill(model, cache, prompt_tokens)
     logits = model.logits(last[None])[0]
+    model.check_logits(logits[None], [len(prompt_tokens) - 1])
     t1 = time.perf_counter()
 
     out: list[int] = []
@@ -86,5 +88,6 @@ def generate(model: Model, prompt_tokens: list[int], n_predict: int, params: Sam
         n_past = cache.n_rows
         hidden = model.forward(np.array([tok]), np.array([n_past], np.int32), causal_mask(n_past, 1), cache)
         logits = model.logits(hidden)[0]
+        model.check_logits(logits[None], [n_past])  # one max over the row (the forward checked its hidden state)
     t2 = time.perf_counter()
     return GenerationResult(list(prompt_tokens), out, t1 - t0, t2 - t1, stop)

@@ -4,7 +4,9 @@ The model core every pipeline stage stands on: `Model.embed` turns tokens into r
 backend's `layer_forward` runs each layer over any set of tokens with explicit positions and
 an explicit mask, and `Model.logits` applies the output projection to only the rows asked
 for. A pipeline streaming its target from flash keeps only the embeddings and the head here
-(load_layers=False) and hands in the layers it reads.
+(load_layers=False) and hands in the layers it reads. A NaN or an Inf is caught where it is
+cheap to: the small float tensors at load, the hidden state at the end of a forward (one max),
+the logits by whoever reads them (`check_logits`); the diagnosis runs only after (lever.model.finite).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from lever.backends.cpu.layer import (
     held_bytes,
     layer_forward,
     layer_nbytes,
+    layer_tensor_names,
     load_layer,
     resident_layer_bytes,
     tiled_bytes,
@@ -27,6 +30,16 @@ from lever.backends.cpu.layer import (
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import ModelSpec, read_spec
+from lever.model.finite import (
+    HINT,
+    NonFiniteError,
+    check_small_tensors,
+    counts,
+    finite,
+    first_bad_row,
+    first_bad_tensor,
+    said,
+)
 
 
 class Model:
@@ -42,6 +55,7 @@ class Model:
         self.spec = spec = read_spec(f)
         check_tensors(f, spec)
         check_vocab(f, spec)
+        check_small_tensors(f)  # every layer's, streamed or not: a NaN norm weight passes every other check
         self.inv_freq = spec.inv_freq()
         tied = "output.weight" not in f.tensors
         if tiles and not tied:
@@ -87,7 +101,62 @@ class Model:
         layer_fn = layer_fn or layer_forward
         for i, lw in enumerate(self.layers):
             x = layer_fn(self.spec, lw, x, pos, mask, cache, i, rows, self.inv_freq)
+        if not finite(x):  # one max over (n_tok, n_embd); what went wrong where is found only now
+            raise self._nonfinite_forward(tokens, pos, mask, cache, rows, layer_fn)
         return x
+
+    def _nonfinite_forward(self, tokens, pos, mask, cache, rows, layer_fn) -> NonFiniteError:
+        """The forward again, checked after the embedding and after every layer: the first whose
+        output holds a NaN or an Inf, at the first position where it does, and the tensor of that
+        layer that holds any. The cache rows are the same ones, rewritten with the same values."""
+        x = self.embed(tokens)
+        bad = first_bad_row(x)
+        if bad is not None:
+            cause = first_bad_tensor(self.file, ["token_embd.weight"]) or "the embedding"
+            return NonFiniteError("hidden state", path=self.file.path, position=int(pos[bad]),
+                                  layer=f"first in the embedding of token {int(tokens[bad])}", cause=f"{cause}; {HINT}")
+        for i, lw in enumerate(self.layers):
+            x = layer_fn(self.spec, lw, x, pos, mask, cache, i, rows, self.inv_freq)
+            bad = first_bad_row(x)
+            if bad is not None:
+                cause = first_bad_tensor(self.file, layer_tensor_names(self.file, i).values())
+                cause = f"{cause}; {HINT}" if cause else "no weight of it is: an activation overflowed"
+                return NonFiniteError("hidden state", path=self.file.path, position=int(pos[bad]),
+                                      layer=f"first in the output of layer {i}", cause=cause)
+        return NonFiniteError("hidden state", path=self.file.path, cause="not seen again on a second run")
+
+    def check_logits(self, logits: np.ndarray, positions=None, role: str = "", hidden: np.ndarray | None = None) -> None:
+        """Raises NonFiniteError when `logits` (n, n_vocab), or the `hidden` rows they came from
+        (when the layers ran elsewhere), hold a NaN or an Inf: a max and a min on the hot path.
+        `positions[i]` is row i's position in the text, `role` "target" or "draft"."""
+        if not finite(logits) or (hidden is not None and not finite(hidden)):
+            raise self.nonfinite_logits(logits, positions, role, hidden)
+
+    def nonfinite_logits(self, logits: np.ndarray, positions=None, role: str = "",
+                         hidden: np.ndarray | None = None) -> NonFiniteError:
+        """What check_logits raises: the first bad row's position, its NaN and Inf counts, and the
+        tensor at fault, looked for in the output head or, when the hidden state is bad already,
+        in the layers in order (a scan of the file, made only on this failure path). A hidden
+        state with an Inf may give finite logits (the matmul quantizes it by its finite values):
+        it is named then."""
+        logits = np.asarray(logits).reshape(-1, logits.shape[-1])
+        bad = first_bad_row(logits)
+        bad_hidden = None if hidden is None else first_bad_row(np.asarray(hidden).reshape(len(logits), -1))
+        row = bad if bad is not None else bad_hidden if bad_hidden is not None else 0
+        position = None if positions is None else int(np.asarray(positions).reshape(-1)[row])
+        f = self.file
+        if hidden is not None and first_bad_row(np.asarray(hidden)[row : row + 1]) is not None:
+            names = [n for i in range(self.spec.n_layer) for n in layer_tensor_names(f, i).values()]
+            cause = first_bad_tensor(f, names)
+            where = "in the last layer's output"
+            cause = f"{cause}; {HINT}" if cause else "no weight of the layers is: an activation overflowed"
+        else:
+            head = ["output_norm.weight", "output.weight" if "output.weight" in f.tensors else "token_embd.weight"]
+            cause = first_bad_tensor(f, head)
+            where = "from the output head"
+            cause = f"{cause}; {HINT}" if cause else "the output head's weights are finite: an activation overflowed"
+        what = f"logits ({said(*counts(logits[row]))} of {logits.shape[-1]})" if bad is not None else "hidden state"
+        return NonFiniteError(what, path=f.path, role=role, position=position, layer=where, cause=cause)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Output projection of the given rows only: (n, n_embd) -> (n, n_vocab)."""

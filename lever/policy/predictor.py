@@ -29,6 +29,7 @@ from lever.backends.cpu import native
 from lever.dataflow.messages import TokenTree, children_of, likely_path
 from lever.errors import LeverError, shown
 from lever.gguf.identity import ModelIdentity
+from lever.model.finite import NonFiniteError, finite
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.fields import Fields, read_msgpack
 
@@ -142,6 +143,11 @@ class Predictor:
         out = np.ones(tree.n_nodes)
         for node, (_, q, n_kids, z) in lens_by_node(tree, kids, x, self.norm, self.eps, self.output).items():
             out[kids[node]] = scores(z, q, self.correction)[:n_kids]
+        if not finite(out):  # (n_nodes,): a NaN score would sort last and be pruned as hopeless
+            bad = int(np.flatnonzero(~np.isfinite(out))[0])
+            where = f"the target's hidden state after layer {self.layer}" if not finite(x) else "the lens logits"
+            raise NonFiniteError("pruning-predictor scores", role="target", layer=f"at tree node {bad}",
+                                 cause=f"{where} holds NaN or Inf")
         return out
 
     def prune(self, tree: TokenTree, x: np.ndarray) -> np.ndarray:
