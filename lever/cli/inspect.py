@@ -1,4 +1,6 @@
-"""`lever inspect MODEL`: what a GGUF file holds (architecture, sizes, tensor types)."""
+"""`lever inspect MODEL [--check]`: what a GGUF file holds (architecture, sizes, tensor types);
+with --check, every tensor read and checked for NaN and Inf (lever.model.finite.scan, a chunk
+at a time), each one holding any listed, and a non-zero exit if any does."""
 
 from __future__ import annotations
 
@@ -9,13 +11,17 @@ from pathlib import Path
 import numpy as np
 
 from lever.cli.common import add_common
+from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import read_spec
+from lever.model.finite import scan
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="describe a GGUF model")
     i.add_argument("model", type=Path)
+    i.add_argument("--check", dest="scan_tensors", action="store_true",
+                   help="read every tensor and list those holding NaN or Inf (exit 1 if any)")
     add_common(i)
     i.set_defaults(func=main)
     return i
@@ -38,4 +44,17 @@ def main(args) -> int:
     print("tensor types:  " + ", ".join(f"{k} x{v}" for k, v in sorted(hist.items())))
     print(f"bytes/layer:   {np.mean(layer_bytes) / 2**20:.2f} MiB mean (min {min(layer_bytes):,}, max {max(layer_bytes):,})")
     print(f"other tensors: {other / 2**20:.2f} MiB (embeddings, output, norms)")
+    return check_tensors(f) if getattr(args, "scan_tensors", False) else 0
+
+
+def check_tensors(f: GGUFFile) -> int:
+    """Every tensor read a chunk at a time (block-quantized ones dequantized only where a scale
+    is not finite); those holding NaN or Inf are listed with their counts, then refused in one line."""
+    bad = list(scan(f))
+    for name, n_nan, n_inf in bad:
+        print(f"non-finite:    {name}: {n_nan} NaN, {n_inf} Inf of {f.tensors[name].shape}")
+    print(f"checked:       {len(f.tensors)} tensors, {len(bad)} holding NaN or Inf")
+    if bad:
+        raise LeverError(f"{f.path}: {len(bad)} of {len(f.tensors)} tensors hold NaN or Inf (listed above)")
     return 0
+

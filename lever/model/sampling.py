@@ -1,7 +1,10 @@
 """Turning a row of logits into the next token: greedy, or temperature / top-k / top-p sampling.
 
 Generation and the Accept stage share these functions, so the distribution that speculative
-sampling preserves is exactly the one autoregressive sampling draws from.
+sampling preserves is exactly the one autoregressive sampling draws from. Logits holding a NaN
+or an Inf end the run (lever.model.finite.NonFiniteError, which the caller completes with the
+model and the position); a temperature so small that the logits over it overflow float64 draws
+from the limit, the likeliest tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import attrs
 import numpy as np
 
 from lever.errors import LeverError
+from lever.model.finite import NonFiniteError
 
 
 @attrs.frozen
@@ -68,7 +72,13 @@ def penalize(logits: np.ndarray, params: SamplingParams, history: Sequence[int])
 
 def distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
     """The probabilities (n_vocab,) float64 that sampling draws from, after all cuts."""
-    z = penalize(logits, params, history).astype(np.float64) / params.temperature
+    x = penalize(logits, params, history)
+    hi, lo = float(x.max()), float(x.min())  # a NaN anywhere makes the max NaN
+    if not math.isfinite(hi):
+        raise NonFiniteError("logits")
+    if max(abs(hi), abs(lo) if math.isfinite(lo) else 0.0) > params.temperature * FLOAT64_MAX:
+        return _overflowed(x, hi, params)
+    z = x.astype(np.float64) / params.temperature
     if params.top_k and params.top_k < z.size:
         kth = np.partition(z, -params.top_k)[-params.top_k]
         z = np.where(z >= kth, z, -np.inf)
@@ -85,6 +95,21 @@ def distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[i
         cut[order[:n_keep]] = p[order[:n_keep]]
         p = cut / cut.sum()
     return p
+
+
+FLOAT64_MAX = float(np.finfo(np.float64).max)
+
+
+def _overflowed(x: np.ndarray, hi: float, params: SamplingParams) -> np.ndarray:
+    """`distribution` when a logit over the temperature overflows float64: if the largest does,
+    the limit as the temperature goes to 0, the likeliest tokens alone and equally (what every
+    cut leaves as it is); if only negative ones do, the same sum with their -Inf (probability 0)."""
+    if abs(hi) > params.temperature * FLOAT64_MAX:
+        top = (x == hi).astype(np.float64)
+        return top / top.sum()
+    with np.errstate(over="ignore"):  # the overflow gives -Inf, the right logit: no warning to print
+        z = x.astype(np.float64) / params.temperature
+    return distribution(z, attrs.evolve(params, temperature=1.0, repeat_penalty=1.0))
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: Sequence[int] = ()) -> int:
