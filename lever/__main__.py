@@ -1,7 +1,5 @@
 """python -m lever: the `lever` command."""
 
-import sys
+from lever.cli.main import entry
 
-from lever.cli.main import main
-
-sys.exit(main())
+entry()

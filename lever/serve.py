@@ -5,7 +5,9 @@
 One model pair, one generation at a time, as on a phone: requests wait in a queue of at most
 `queue` beside the one running, and past it get 429 with an OpenAI-style error. A client that
 goes away cancels its generation at the end of the current pass and frees its place. Bad
-requests get 400 naming the field. Starlette (on anyio, like the pipeline) serves it; the
+requests get 400 naming the field. On shutdown (SIGINT, SIGTERM or SIGHUP to `lever serve`) new
+requests get 503 and the admitted ones have `grace_s` to finish; then the running one is
+cancelled at its next pass (its client gets what was generated) and the waiting ones get 503. Starlette (on anyio, like the pipeline) serves it; the
 generation itself runs in a worker thread, so the event loop keeps answering.
 """
 
@@ -104,6 +106,8 @@ class Server:
     admitted: int = 0  # running + waiting
     created: int = attrs.field(factory=lambda: int(time.time()))
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    closing: bool = False
+    _cancels: set = attrs.field(factory=set)  # the admitted requests' cancel events
     # the last conversation's KV caches: a request that continues it (the next chat turn, a
     # retry) prefills only what is new. One pair, the memory plan's; one generation at a time
     session: Session = attrs.field(init=False)
@@ -113,6 +117,8 @@ class Server:
 
     def admit(self) -> None:
         with self._lock:
+            if self.closing:
+                raise BadRequest("the server is shutting down", status=503, kind="server_shutting_down")
             if self.admitted > self.queue:  # one running and `queue` waiting
                 raise BadRequest(f"the server is busy: {self.queue} requests already wait", status=429,
                                  kind="rate_limit_exceeded")
@@ -121,6 +127,30 @@ class Server:
     def release(self) -> None:
         with self._lock:
             self.admitted -= 1
+
+    def shutdown(self, grace_s: float) -> None:
+        """Refuse new requests; cancel the admitted ones after `grace_s`. Safe from a signal
+        handler: it only sets a flag and starts a timer."""
+        with self._lock:
+            self.closing = True
+        timer = threading.Timer(grace_s, self._cancel_all)
+        timer.daemon = True
+        timer.start()
+
+    def _cancel_all(self) -> None:
+        with self._lock:
+            for c in self._cancels:
+                c.set()
+
+    def _watch(self, cancel: threading.Event) -> None:
+        with self._lock:
+            self._cancels.add(cancel)
+            if self.closing:
+                cancel.set()
+
+    def _unwatch(self, cancel: threading.Event) -> None:
+        with self._lock:
+            self._cancels.discard(cancel)
 
     # -- endpoints
 
@@ -157,7 +187,9 @@ class Server:
             return StreamingResponse(self._stream(request, ids, args, rid, chat, usage), media_type="text/event-stream")
         try:
             c = await self._generate(request, ids, args)
-        except Cancelled as e:  # its client left while it waited: nobody reads this
+        except Cancelled as e:  # its client left while it waited (nobody reads this), or shutdown
+            if self.closing:
+                return error("the server is shutting down", 503, "server_shutting_down")
             return error(str(e), 499, "cancelled")
         finally:
             self.release()
@@ -165,6 +197,7 @@ class Server:
 
     async def _generate(self, request: Request, ids: list[int], args: dict) -> Completion:
         cancel = threading.Event()
+        self._watch(cancel)
         async with anyio.create_task_group() as tg:
             async def watch():
                 while not cancel.is_set():
@@ -178,10 +211,12 @@ class Server:
                     lambda: self.llm.complete(ids, {**args, "cancel": cancel}, session=self.session))
             finally:
                 cancel.set()
+                self._unwatch(cancel)
                 tg.cancel_scope.cancel()
 
     async def _stream(self, request: Request, ids: list[int], args: dict, rid: str, chat: bool, usage: bool):
         cancel = threading.Event()
+        self._watch(cancel)
         it = self.llm.stream_ids(ids, {**args, "cancel": cancel}, session=self.session)
         n_out = 0
         try:
@@ -208,6 +243,7 @@ class Server:
             cancel.set()  # a client gone mid-stream: the generation ends at its next pass
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(it.close)
+            self._unwatch(cancel)
             self.release()
 
     def _object(self, chat: bool, chunk: bool) -> str:
@@ -240,7 +276,10 @@ def _sse(obj: dict) -> str:
 
 
 def app(llm: LLM, *, model_id: str, queue: int = 8) -> Starlette:
+    """The ASGI app; `app.state.server` is its Server (for `shutdown`)."""
     s = Server(llm, model_id, queue)
-    return Starlette(routes=[Route("/health", s.health), Route("/v1/models", s.models),
+    a = Starlette(routes=[Route("/health", s.health), Route("/v1/models", s.models),
                              Route("/v1/completions", s.completions, methods=["POST"]),
                              Route("/v1/chat/completions", s.chat, methods=["POST"])])
+    a.state.server = s
+    return a

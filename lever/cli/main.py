@@ -1,53 +1,154 @@
-"""The `lever` command: one parser over the subcommands, and user-facing errors for all of them.
+"""The `lever` command: one parser over the subcommands, and how every one of them ends.
 
 Each subcommand is a module of this package with `add_parser(sub)` and `main(args)`, a thin
-layer over the library (as mlx-lm's commands are). A LeverError (or a missing file, or Ctrl-C)
-becomes one line on stderr and a non-zero exit, with the traceback only under --debug.
+layer over the library (as mlx-lm's commands are). However a command ends, it is one line on
+stderr at most and an exit code that says how:
+- a LeverError (or a missing file): `lever: error: ...`, exit 1, the traceback only under --debug;
+- SIGINT, SIGTERM or SIGHUP, from the process's first instruction (lever.signals): cleanup,
+  `lever: interrupted (SIGTERM)`, exit 128 + n; a second signal during cleanup is a forced quit;
+- stdout closed before the start: refused before any work (what it would print would be lost);
+- a reader that goes away (`lever run | head -3`): quiet, exit 141 (128 + SIGPIPE), as a C tool
+  killed by SIGPIPE ends.
+The heavy imports (numpy, the kernels, the commands) happen after the handlers are in place.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
+import signal
 import sys
+import traceback
 
-from lever.backends.cpu import native
-from lever.cli import bench, calibrate, chat, convert, generate, inspect, logits, profile, run, serve
-from lever.cli.common import lever_version
-from lever.errors import LeverError
+from lever import signals
 
-COMMANDS = (run, generate, chat, inspect, logits, calibrate, profile, convert, bench, serve)
+COMMANDS = ("run", "generate", "chat", "inspect", "logits", "calibrate", "profile", "convert", "bench", "serve")
+EPILOG = ("INT, TERM and HUP stop any command cleanly (exit 128 + the signal's number); a second one while it "
+          "cleans up quits at once, leaving temp files for the next run to remove.")
+BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lever", description="Flash-resident speculative decoding of LLMs.")
+    from lever.cli.common import lever_version
+
+    parser = argparse.ArgumentParser(prog="lever", description="Flash-resident speculative decoding of LLMs.",
+                                     epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"lever {lever_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.add_parser(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"lever.cli.{name}").add_parser(sub)
     return parser
 
 
+def entry() -> None:
+    """The console script and `python -m lever`: the handlers stay for the interpreter's exit
+    (a signal while it joins threads is remembered, a second one forces the quit)."""
+    signals.install()
+    sys.exit(main())
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; in-process callers (tests) get their own signal handlers back after."""
+    owner = not signals.installed()
+    signals.install()
+    try:
+        return _main(argv)
+    finally:
+        if owner:
+            signals.uninstall()
+        else:
+            signals.disarm()
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # only before install() took the signals, or not in the main thread
+        return _interrupted(signal.SIGINT)
+    if (s := signals.pending()) is not None:  # a signal during the imports: end before starting
+        return _interrupted(s)
+    if sys.stdout is None or not _is_open(sys.stdout):
+        print("lever: error: stdout is closed: what this command prints would be lost "
+              "(redirect it to a file or to /dev/null)", file=sys.stderr)
+        return 1
     if args.threads and hasattr(args, "set"):  # a command with a config: --threads is its [runtime] threads
         args.set.append(f"runtime.threads={args.threads}")
+    from lever.backends.cpu import native
+    from lever.errors import LeverError
+
+    signals.arm()
     try:
         with native.default_threads(args.threads):
             return args.func(args)
+    except KeyboardInterrupt as e:
+        _release(e)
+        return _interrupted(getattr(e, "signum", signals.pending() or signal.SIGINT))
+    except BrokenPipeError as e:
+        _release(e)
+        signals.disarm()
+        _quiet_stdout()
+        return BROKEN_PIPE_EXIT
     except LeverError as e:
         if args.debug:
             raise
-        print(f"lever: error: {e}", file=sys.stderr)
-        return 1
+        _release(e)
+        return _fail(str(e))
     except OSError as e:
         if args.debug:
             raise
-        print(f"lever: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nlever: interrupted", file=sys.stderr)
-        return 130
+        _release(e)
+        return _fail(f"{e.filename}: {e.strerror or e}" if e.filename else str(e.strerror or e))
+    finally:
+        signals.disarm()
+
+
+def _release(e: BaseException) -> None:
+    """Drop what the failed command's frames still hold (models, mappings, descriptors) now: the
+    traceback's frames and the exception refer to each other, so only the garbage collector
+    would free them, at a moment of its choosing (an API caller's process goes on)."""
+    traceback.clear_frames(e.__traceback__)
+
+
+def _interrupted(signum: int) -> int:
+    _stderr_line(f"\nlever: interrupted ({signals.name(signum)})")
+    return signals.exit_code(signum)
+
+
+def _fail(message: str) -> int:
+    _stderr_line(f"lever: error: {message}")
+    return 1
+
+
+def _stderr_line(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):  # stderr closed too: the exit code is all that is left
+        pass
+
+
+def _is_open(stream) -> bool:
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):  # not backed by a descriptor (a caller's StringIO): it takes writes
+        return True
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: after a broken pipe the interpreter's last flush would print
+    'Exception ignored ... BrokenPipeError' on stderr."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -32,6 +32,7 @@ from lever.pipelines.target import FlashTarget
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.placement import Placement
 from lever.policy.predictor import Predictor
+from lever.signals import run_async
 from lever.stages.accept import Accept, AcceptConfig, StopRule
 from lever.stages.draft import Draft, Drafter
 from lever.stages.output import Output
@@ -154,5 +155,5 @@ def read_pass_s(model_path, flash: FlashConfig, n_passes: int = 3) -> float:
         if not store.streamed:
             return 0.0
         p, drain = read_only(store, f, flash, max(n_passes, 2))
-        anyio.run(p.run)
+        run_async(p.run)
         return statistics.median(b - a for a, b in zip(drain.ends, drain.ends[1:]))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import copy
 import resource
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
-import anyio
 import attrs
 
 from lever.backends.cpu import native
@@ -24,7 +24,7 @@ from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import read_spec
-from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.gguf.tokenizer import StreamDecoder, Tokenizer, compare_vocabularies
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
 from lever.pipelines.compose import KVState, compose
@@ -35,6 +35,7 @@ from lever.policy.memory import MemoryPlan, plan_memory
 from lever.policy.memory import check as check_memory
 from lever.policy.placement import placement_for
 from lever.policy.predictor import Artifact, Predictor, artifact_path, predictor_for
+from lever.signals import run_async
 from lever.stages.accept import StopRule
 from lever.stages.tree_expand import CycleRecord, TreeExpandConfig
 
@@ -274,6 +275,10 @@ class Engine:
                 raise LeverError(f"{cfg.where}: [model] draft: a speculative pipeline needs a draft model")
             engine.draft_file = GGUFFile(cfg.model.draft)
             engine.draft_spec = read_spec(engine.draft_file)
+            # another vocabulary is refused, minor differences warned (see compare_vocabularies):
+            # output would stay lossless, only speed would silently collapse
+            for line in compare_vocabularies(f, engine.draft_file):
+                print(f"lever: warning: {line}", file=sys.stderr)
         engine.plan(len(engine.encode(prompt)) if prompt is not None else 1)
         with native.default_threads(cfg.runtime.threads), ThreadPoolExecutor(1, "lever-load") as pool:
             # the draft loads beside the target: both are mostly reads and packing in the
@@ -414,7 +419,7 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
     target.store.reset_stats()
     dev0 = process_read_bytes() or 0
     t0 = time.perf_counter()
-    anyio.run(h.pipeline.run)
+    run_async(h.pipeline.run)
     t1, cpu1 = time.perf_counter(), _cpu_s()
     if on_kv is not None:
         on_kv(h.kv_after())

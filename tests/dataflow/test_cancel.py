@@ -111,4 +111,4 @@ def test_cli_ctrl_c_mid_read_exits_130_without_a_summary(pair_dir):  # noqa: F81
     stop_s = float(proc.stdout.strip().splitlines()[-1].split()[1])
     print(f"lever run, Ctrl-C mid-read: exit {proc.returncode} in {1e3 * stop_s:.1f} ms")
     assert proc.returncode == 130 and stop_s < 1.0
-    assert proc.stderr.strip().splitlines() == ["lever: interrupted"]
+    assert proc.stderr.strip().splitlines() == ["lever: interrupted (SIGINT)"]

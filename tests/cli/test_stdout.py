@@ -1,0 +1,35 @@
+"""A stdout that is closed or goes away (issue 18, class 6): `lever run --json >&-` is refused
+before any work with one line (it used to exit 0 having written nothing), and a reader that
+leaves mid-run (`lever run | head -c 20`) ends the command quietly with 141, 128 + SIGPIPE, as a
+C tool killed by SIGPIPE ends (it used to print "error: : Broken pipe")."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from tests.conftest import ROOT
+
+
+def test_a_closed_stdout_is_refused_before_any_work():
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "lever", "run", "--json", "-n", "3"], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=60, cwd=ROOT,
+                          preexec_fn=lambda: __import__("os").close(1))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "lever: error: stdout is closed: what this command prints would be lost (redirect it to a file or to /dev/null)"]
+    assert time.monotonic() - t0 < 10  # no model was opened (a run takes longer)
+
+
+def test_a_reader_that_leaves_ends_the_run_quietly_with_141():
+    for argv in (["run", "-n", "300"], ["generate", "-m", "examples/models/stdlib-draft-q8_0.gguf", "-p", "def", "-n", "300"]):
+        proc = subprocess.Popen([sys.executable, "-m", "lever", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=ROOT, stdin=subprocess.DEVNULL)
+        assert len(proc.stdout.read(20)) == 20
+        proc.stdout.close()  # the reader goes away, as `| head -c 20` does
+        rc = proc.wait(timeout=60)
+        err = proc.stderr.read().decode()
+        assert rc == 141, (argv, rc, err)
+        assert err == "", (argv, err)
