@@ -7,6 +7,9 @@ a string or an array where an int belongs, zero, negative or huge sizes, heads t
 divide, a tensor missing, misshapen, of an unknown type, overlapping another or duplicated,
 tokenizer arrays of the wrong length or element type, merges that are no pair of tokens,
 special ids out of range, lying counts. The loader must refuse each with one line.
+`nonfinite_model` instead leaves the file valid and sets some values of one tensor to NaN or Inf
+(a float's bits, or a block's float16 scale): loading and running it must end in one line naming
+the file, or give finite logits, never NaN presented as output.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from lever.fuzz.inputs import (
     chance,
     choice,
     serialize,
+    tensor_bytes,
 )
 from lever.gguf.tokenizer import byte_level_chars
 from lever.gguf.types import TYPES
@@ -289,3 +293,35 @@ def faulty_model(ch: Chooser) -> Blob:
     for _ in range(ch.int(0, 3)):
         choice(ch, FAULTS)(ch, d)
     return serialize(d)
+
+
+# --- non-finite values ------------------------------------------------------------------------
+
+NONFINITE = {"nan": (float("nan"), 0x7E00), "inf": (float("inf"), 0x7C00), "-inf": (float("-inf"), 0xFC00)}
+
+
+def nonfinite_model(ch: Chooser) -> tuple[Blob, str]:
+    """A consistent tiny model (model_desc) with some values of one tensor NaN, Inf or -Inf, and
+    that tensor's name. F32 tensors get the float's bits at a few indices; F16 and BF16 the half's;
+    block-quantized ones a float16 scale (the first field of every block type here but Q6_K,
+    whose d is its last two bytes) in a few blocks, which makes every value of those blocks so.
+    A caller asserts: `lever.model.finite.scan` lists exactly this tensor; and loading the file
+    (Model(file=f)), a forward and `model.check_logits` on its logits either raise one line naming
+    the file (a LeverError) or return finite logits: the poisoned values were never read."""
+    d = model_desc(ch)
+    t = choice(ch, d.tensors)
+    value, half = NONFINITE[choice(ch, list(NONFINITE))]
+    tt = next(x for x in TYPES.values() if x.ggml_id == t.ggml_type)
+    data = bytearray(t.content or bytes(tensor_bytes(t.ggml_type, t.dims)))
+    n_blocks = len(data) // tt.block_bytes
+    for _ in range(ch.int(1, 4)):
+        i = ch.int(0, n_blocks - 1) * tt.block_bytes
+        if tt.name == "F32":
+            data[i : i + 4] = struct.pack("<f", value)
+        elif tt.name == "BF16":
+            data[i : i + 2] = struct.pack("<I", struct.unpack("<I", struct.pack("<f", value))[0] >> 16)[:2]
+        else:  # F16, and the float16 scale d of a block
+            at = i + (208 if tt.name == "Q6_K" else 0)
+            data[at : at + 2] = struct.pack("<H", half)
+    t.content = bytes(data)
+    return serialize(d), t.name
