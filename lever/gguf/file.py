@@ -150,6 +150,10 @@ class GGUFFile:
         c.take(4)
         self.version = c.u32()
         if self.version not in (2, 3):
+            swapped = int.from_bytes(self.version.to_bytes(4, "little"), "big")
+            if swapped in (1, 2, 3):  # e.g. 50331648 = 0x03000000: llama.cpp's big-endian (s390x) files
+                raise LeverError(f"{self.path}: big-endian GGUF (version {swapped} byte-swapped), which Lever "
+                                 f"does not read (it reads little-endian GGUF 2 and 3)")
             raise c.fail(f"version {self.version} is not supported (2 and 3 are)")
         n_tensors, n_kv = c.u64(), c.u64()
         if n_kv > c.size // 12 or n_tensors > c.size // 24:  # each entry takes at least that many bytes

@@ -64,6 +64,7 @@ def kv_u32(key: str, value: int) -> bytes:
     (header(0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2**50), "array of 1125899906842624 strings"),
     (header(0, 1) + kv_u32("general.alignment", 24), "general.alignment: 24 is not a power of two"),
     (b"GGUF" + struct.pack("<IQQ", 1, 0, 0), "version 1 is not supported"),
+    (b"GGUF" + struct.pack(">IQQ", 3, 0, 0), "big-endian GGUF (version 3 byte-swapped), which Lever does not read"),
 ])
 def test_corrupt_headers_are_one_line_errors(tmp_path, blob, needle):
     p = tmp_path / "bad.gguf"
