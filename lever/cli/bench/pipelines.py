@@ -170,7 +170,7 @@ def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUD
         llama = llama_cpp_rows(llama_cpp, config, sets, prompts, n)
         lever = table[1.0]["lever"].ms_per_token
         out("")
-        show(("pipeline", "ms/token", "tok/s", "Lever's speedup"),
+        show(("pipeline", "ms/token", "tok/s", "Lever, x its speed"),
              [(k, f"{v:.1f}", f"{1000 / v:.2f}", f"{v / lever:.2f}x") for k, v in
               {**{k: r.ms_per_token for k, r in table[1.0].items()}, **llama}.items()],
              out, title="DRAM budget 100%, beside llama.cpp (same pair, prompts and token count)")
@@ -197,7 +197,7 @@ def _greedy(rs: list[dict]) -> bool:
 def _print_budget(b: float, rows: dict[str, Row], out) -> None:
     ar = rows["flash-ar"].ms_per_token
     out("")
-    show(("pipeline", "ms/token", "tok/s", "tok/pass", "nodes", "MB/tok", "CPU ms/tok", "speedup"),
+    show(("pipeline", "ms/token", "tok/s", "tok/pass", "nodes", "MB/tok", "CPU ms/tok", "x Flash-AR"),
          [(name, f"{r.ms_per_token:.1f}", f"{r.tps:.2f}", f"{r.accepted_per_pass:.2f}", f"{r.tree_nodes:.1f}",
            f"{r.flash_mb_per_token:.1f}", f"{r.cpu_ms_per_token:.1f}", f"{ar / r.ms_per_token:.2f}x")
           for name, r in rows.items()],
@@ -240,7 +240,7 @@ def _print_summary(summary: dict, mismatches: list[str], out) -> None:
              ("paper", x(PAPER["flash-ar"]), x(PAPER["chain-sd"]), x(PAPER["edgellm-like"]), "")]
     out("")
     show(("budget", "vs Flash-AR", "vs Chain-SD", "vs EdgeLLM-like", "best chain"), rows, out,
-         title="Lever's speedup (Chain-SD: its best k at each budget)")
+         title="Lever's speed, x each baseline's: above 1x faster, below slower (Chain-SD: its best k at each budget)")
     if mismatches:
         out("LOSSLESS CHECK FAILED: tokens differ from Flash-AR's for " + ", ".join(mismatches))
     else:
@@ -266,7 +266,7 @@ def plot(table: dict[float, dict[str, Row]], path) -> None:
             ys.append(rows["flash-ar"].ms_per_token / rows[key].ms_per_token)
         ax.plot([100 * b for b in budgets], ys, marker="o", label=name)
     ax.set_xlabel("DRAM budget (% of the target's layer bytes resident)")
-    ax.set_ylabel("speedup over Flash-AR")
+    ax.set_ylabel("speed, x Flash-AR's")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
