@@ -14,17 +14,19 @@ from tests.conftest import ROOT
 
 # Bottom to top. A module may import its own unit and the units of lower floors only.
 FLOORS = (
-    ("lever.errors",),
+    ("lever.errors", "lever.signals"),  # one-line failures; how a signal stops a command
+    ("lever.outputs",),  # every file Lever writes: checked before the work, written atomically
     ("lever.gguf", "lever.shipped"),  # what a file says; where the shipped examples are
     ("lever.backends.cpu",),  # the kernels' binding, weights in their layouts, one layer
     ("lever.model",),  # a model in DRAM, sampling, generation, the float64 reference
-    ("lever.dataflow", "lever.backends.flash", "lever.backends.qnn", "lever.fuzz"),
+    ("lever.dataflow", "lever.backends.flash", "lever.backends.qnn"),
     ("lever.policy",),  # decisions: tree growth, costs, predictor, memory plan, placement
     ("lever.stages",),
     ("lever.config",),
     ("lever.pipelines",),
     ("lever.api",),  # load -> LLM: generate, stream, chat, sessions
     ("lever.serve",),  # the OpenAI-compatible server over an LLM
+    ("lever.fuzz",),  # hostile inputs through everything below: GGUFs, configs, files read back
     ("lever.cli",),
     ("lever.__main__", "lever"),  # lever: the package's own __init__ (matched exactly)
 )

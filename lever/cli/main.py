@@ -15,6 +15,7 @@ The heavy imports (numpy, the kernels, the commands) happen after the handlers a
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import signal
@@ -105,9 +106,17 @@ def _main(argv: list[str] | None) -> int:
 
 def _release(e: BaseException) -> None:
     """Drop what the failed command's frames still hold (models, mappings, descriptors) now: the
-    traceback's frames and the exception refer to each other, so only the garbage collector
-    would free them, at a moment of its choosing (an API caller's process goes on)."""
-    traceback.clear_frames(e.__traceback__)
+    tracebacks' frames and the exceptions refer to each other, so only the garbage collector
+    would free them, at a moment of its choosing (an in-process caller goes on)."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        traceback.clear_frames(x.__traceback__)
+        todo += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
+    gc.collect()
 
 
 def _interrupted(signum: int) -> int:
