@@ -26,11 +26,12 @@ from pathlib import Path
 
 import attrs
 
-from lever.config import Config, load_config
+from lever.config import GENERATE_LIMITS, N_PREDICT, Config, load_config
 from lever.errors import LeverError
 from lever.gguf.chat_template import ChatTemplate, check_messages
 from lever.gguf.identity import ModelIdentity
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.model.sampling import Range
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState
 from lever.pipelines.session import Engine, RunResult
@@ -45,10 +46,11 @@ ALIASES = {"target": "model.target", "draft": "model.draft", "n_ctx": "model.n_c
            "max_tokens": "generate.n_predict", "temperature": "generate.temperature", "top_k": "generate.top_k",
            "top_p": "generate.top_p", "min_p": "generate.min_p", "seed": "generate.seed"}
 PATH_ALIASES = ("target", "draft")
-RANGES = {"max_tokens": (1, 2**31 - 1), "temperature": (0.0, 100.0), "top_k": (0, 2**31 - 1), "top_p": (1e-9, 1.0),
-          "min_p": (0.0, 1.0), "repeat_penalty": (1e-3, 1e3), "repeat_last_n": (0, 2**20),
-          "seed": (-1, 2**63 - 1)}  # seed -1: a fresh one
-
+# A call's sampling arguments take the bounds [generate] takes (lever.config.GENERATE_LIMITS,
+# the same the commands' flags apply); max_tokens alone is stricter: a call asks for a token.
+RANGES = {**{k: GENERATE_LIMITS[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                                             "repeat_last_n", "seed")},
+          "max_tokens": Range(1, N_PREDICT.hi, integer=True)}
 
 class Cancelled(LeverError):
     """A generation whose cancel event was set before it could start."""
@@ -290,14 +292,10 @@ class LLM:
             v = sampling.get(k)
             if v is None:
                 continue
-            want = float if field in ("temperature", "top_p", "min_p", "repeat_penalty") else int
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not float(v).is_integer()):
-                raise LeverError(f"{k}: must be {'a number' if want is float else 'an integer'}, got {v!r}")
-            if want is float and not math.isfinite(v):
-                raise LeverError(f"{k}: must be a finite number, got {v!r}")
-            lo, hi = RANGES[k]
-            if not lo <= v <= hi:
-                raise LeverError(f"{k}: must be in [{lo}, {hi}], got {v!r}")
+            problem = RANGES[k].problem(v)
+            if problem is not None:
+                raise LeverError(f"{k}: {problem}")
+            want = int if RANGES[k].integer else float
             changes[field] = want(v)
         gen = attrs.evolve(g, **changes)
         if n_prompt + gen.n_predict > self.engine.n_ctx:

@@ -25,11 +25,29 @@ import attrs
 
 from lever.backends.flash import FlashConfig
 from lever.errors import LeverError, read_text
+from lever.model.sampling import LIMITS, Range
 from lever.policy.memory import MemoryConfig
 from lever.policy.placement import PlacementConfig, QnnConfig
 from lever.policy.predictor import PredictorConfig
 from lever.policy.profile import ProfileConfig
 from lever.stages.tree_expand import TreeExpandConfig
+
+# Generation's bounds, shared with lever.api and every command's flags (lever.cli.common): the
+# sampling fields' from lever.model.sampling, the lengths here. A context past 2^20 rows is no
+# model Lever runs (and its KV cache would not fit a phone); n_predict past 2^31 is no answer.
+MAX_CTX = 1 << 20
+CTX = Range(1, MAX_CTX, integer=True)
+N_PREDICT = Range(0, 2**31 - 1, integer=True)
+GENERATE_LIMITS = {"n_predict": N_PREDICT, **LIMITS}
+MAX_THREADS = 1024  # more compute threads than any phone or workstation has cores: a typo
+THREADS = Range(0, MAX_THREADS, integer=True)
+
+
+def _check_limits(section: str, values, limits: dict[str, Range]) -> None:
+    for name, limit in limits.items():
+        problem = limit.problem(getattr(values, name))
+        if problem is not None:
+            raise LeverError(f"[{section}] {name}: {problem}")
 
 
 @attrs.frozen
@@ -40,6 +58,9 @@ class ModelConfig:
     draft: str = ""  # GGUF of the draft model (resident); empty for autoregressive pipelines
     n_ctx: int = 4096  # context length (KV cache rows), capped by the model's trained context
     chat_template: str = ""  # a Jinja2 chat template, for a target whose GGUF has none (or to replace its own)
+
+    def __attrs_post_init__(self):
+        _check_limits("model", self, {"n_ctx": CTX})
 
 
 @attrs.frozen
@@ -103,13 +124,7 @@ class GenerateConfig:
     prompt: str = ""  # the prompt when none is given on the command line
 
     def __attrs_post_init__(self):
-        for name, ok, what in (("n_predict", self.n_predict >= 0, ">= 0"), ("temperature", self.temperature >= 0, ">= 0"),
-                               ("top_k", self.top_k >= 0, ">= 0 (0: off)"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-                               ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-                               ("repeat_penalty", self.repeat_penalty > 0 and self.repeat_penalty != float("inf"), "> 0"),
-                               ("repeat_last_n", self.repeat_last_n >= 0, ">= 0")):
-            if not ok:
-                raise LeverError(f"[generate] {name}: must be {what}, got {getattr(self, name)!r}")
+        _check_limits("generate", self, GENERATE_LIMITS)
 
 
 MAX_EMULATED_MS = 1000.0  # a slower emulated unit is a mistake, and a run that would never end
@@ -126,8 +141,7 @@ class RuntimeConfig:
     emulate_layer_ms_per_token: float = 0.0
 
     def __attrs_post_init__(self):
-        if self.ahead_cores < 0:
-            raise LeverError(f"[runtime] ahead_cores: must be >= 0, got {self.ahead_cores}")
+        _check_limits("runtime", self, {"threads": THREADS, "ahead_cores": THREADS})
         if not 0 <= self.emulate_layer_ms_per_token <= MAX_EMULATED_MS:
             raise LeverError(f"[runtime] emulate_layer_ms_per_token: must be in [0, {MAX_EMULATED_MS}], "
                              f"got {self.emulate_layer_ms_per_token}")
@@ -234,6 +248,19 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
     return section, key, parsed["v"]
 
 
+def check_overrides(overrides: list[str] = ()) -> list[tuple[str, str, Any]]:
+    """Each `--set section.key=value` as (section, key, value), checked on its own as the config
+    would check it (commands run this before any work; load_config runs it again)."""
+    out = []
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        if section not in SECTIONS:
+            raise LeverError(f"--set {item!r}: unknown section [{section}] (known: {', '.join(sorted(SECTIONS))})")
+        build_section(section, {key: value}, f"--set {item!r}")  # its own error names --set, not the file
+        out.append((section, key, value))
+    return out
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
     data: dict[str, Any] = {}
     where = "defaults"
@@ -245,11 +272,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         except tomllib.TOMLDecodeError as e:
             raise LeverError(f"{path}: not valid TOML: {e}") from None
     overridden = set()
-    for item in overrides:
-        section, key, value = _parse_override(item)
-        if section not in SECTIONS:
-            raise LeverError(f"--set {item!r}: unknown section [{section}] (known: {', '.join(sorted(SECTIONS))})")
-        build_section(section, {key: value}, f"--set {item!r}")  # its own error names --set, not the file
+    for section, key, value in check_overrides(overrides):
         data.setdefault(section, {})[key] = value
         overridden.add((section, key))
     for name, values in data.items():

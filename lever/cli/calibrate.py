@@ -16,12 +16,21 @@ import attrs
 import numpy as np
 from rich.progress import Progress
 
-from lever.cli.common import add_common, add_set
+from lever.cli.common import (
+    MAX_CORPUS_BYTES,
+    add_common,
+    add_set,
+    check_sets,
+    input_text_file,
+    int_in,
+    output_file,
+)
 from lever.config import Config, load_config
 from lever.errors import LeverError, regular_file
 from lever.gguf.identity import ModelIdentity, file_sha256
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.transformer import Model
+from lever.outputs import atomic_path, writable_destination
 from lever.pipelines.session import cost_model, run_pipeline
 from lever.policy.fit import (
     HELD_OUT_SHARE,
@@ -57,6 +66,7 @@ def calibrate(cfg: Config, corpus: Path, out: Path | None = None, n_prompts: int
     if cfg.pipeline.kind != "speculative" or not cfg.model.draft:
         raise LeverError(f"{cfg.where}: [pipeline] kind: calibration needs a speculative pipeline with a draft")
     target_path = cfg.model.target
+    path = writable_destination(out or artifact_path("", target_path), "--out")  # before the runs, not after
     model = Model(target_path, load_layers=False)
     n_layer = model.spec.n_layer
     layers = layers or tuple(sorted({max(0, min(n_layer - 2, round(n_layer * f))) for f in (0.25, 0.375, 0.5, 0.625, 0.75)}))
@@ -89,8 +99,8 @@ def calibrate(cfg: Config, corpus: Path, out: Path | None = None, n_prompts: int
                    "corpus": str(corpus), "date": time.strftime("%Y-%m-%d")})
     art = Artifact(ModelIdentity.of(target_path), file_sha256(target_path), best["layer"], best["threshold"],
                    per_layer[best["layer"]], table, report)
-    path = out or artifact_path("", target_path)
-    art.write(path)
+    with atomic_path(path, "--out") as tmp:  # the whole artifact or none, whatever stops the write
+        art.write(tmp)
     return art, path
 
 
@@ -99,16 +109,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
     ca.add_argument("-c", "--config", type=Path, required=True, help="a speculative pipeline's TOML config")
     ca.add_argument("--corpus", type=Path, required=True, help="text the prompts are cut from")
     ca.add_argument("--out", type=Path, default=None, help="default: beside the target, <target>.lever-predictor.msgpack")
-    ca.add_argument("--n-prompts", type=int, default=18, help="prompts cut from the corpus (a third held out)")
-    ca.add_argument("--n-gen", type=int, default=40, help="tokens generated per prompt")
-    ca.add_argument("--prompt-tokens", type=int, default=48, help="tokens per prompt")
+    ca.add_argument("--n-prompts", type=int_in(1, MAX_PROMPTS), default=18,
+                    help="prompts cut from the corpus (a third held out)")
+    ca.add_argument("--n-gen", type=int_in(1, MAX_TOKENS), default=40, help="tokens generated per prompt")
+    ca.add_argument("--prompt-tokens", type=int_in(1, MAX_TOKENS), default=48, help="tokens per prompt")
     add_set(ca)
     add_common(ca)
-    ca.set_defaults(func=main)
+    ca.set_defaults(func=main, check=check_args)
     return ca
 
 
+# A calibration runs n_prompts x n_gen tokens through the pair: a few thousand fit any table,
+# and past these it is hours of work nobody asked for.
+MAX_PROMPTS = 1000
+MAX_TOKENS = 4096
+
+
+def check_args(args) -> None:
+    """The files and the destination, before the config's models are opened (the default
+    destination, beside the target, is checked by calibrate() once the config names it)."""
+    input_text_file(args.config, "-c", "config file")
+    input_text_file(args.corpus, "--corpus", "corpus", MAX_CORPUS_BYTES)
+    output_file(args.out, "--out")
+    check_sets(args)
+
+
 def main(args) -> int:
+    check_args(args)
     cfg = load_config(args.config, args.set)
     with Progress(transient=True) as bar:
         task = bar.add_task("calibrating (prompts)", total=args.n_prompts)

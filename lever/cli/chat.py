@@ -12,8 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from lever.cli.common import add_common, add_set
+from lever.cli.common import add_common, add_sampling, add_set, check_sets, input_text_file, int_in
+from lever.config import N_PREDICT
 from lever.errors import LeverError
+from lever.outputs import writable_destination
 from lever.shipped import shipped
 
 HELP = "/reset: start over · /save FILE · /load FILE · /exit"
@@ -22,17 +24,23 @@ HELP = "/reset: start over · /save FILE · /load FILE · /exit"
 def add_parser(sub) -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="a terminal chat through the configured pipeline, streamed")
     c.add_argument("-c", "--config", type=Path, default=None, help="TOML config (default: the shipped pair)")
-    c.add_argument("-n", type=int, default=256, help="tokens per reply at most")
+    c.add_argument("-n", type=int_in(1, int(N_PREDICT.hi)), default=256, help="tokens per reply at most")
     c.add_argument("--system", default=None, help="a system message to start the conversation with")
-    c.add_argument("--temp", type=float, default=None, help="sampling temperature (0: greedy)")
-    c.add_argument("--seed", type=int, default=None)
+    add_sampling(c, "temp", "seed")
     add_set(c)
     add_common(c)
-    c.set_defaults(func=main)
+    c.set_defaults(func=main, check=check_args)
     return c
 
 
+def check_args(args) -> None:
+    if args.config is not None:
+        input_text_file(args.config, "-c", "config file")
+    check_sets(args)
+
+
 def main(args) -> int:
+    check_args(args)
     from lever.api import load
 
     out, err = sys.stdout, sys.stderr
@@ -62,12 +70,17 @@ def main(args) -> int:
                         if args.system:
                             s.messages.append({"role": "system", "content": args.system})
                         print("(the conversation starts over)", file=err)
-                    elif cmd == "/save" and arg:
-                        s.save(arg.strip())
-                        print(f"(saved {len(s.messages)} messages, {s.n_cached} cached tokens to {arg.strip()})", file=err)
-                    elif cmd == "/load" and arg:
-                        s.load(arg.strip())
-                        print(f"(loaded {len(s.messages)} messages, {s.n_cached} cached tokens)", file=err)
+                    elif cmd in ("/save", "/load") and arg:
+                        try:  # a wrong name is one line; the conversation goes on
+                            if cmd == "/save":
+                                s.save(writable_destination(arg.strip(), "/save"))
+                                print(f"(saved {len(s.messages)} messages, {s.n_cached} cached tokens to {arg.strip()})",
+                                      file=err)
+                            else:
+                                s.load(arg.strip())
+                                print(f"(loaded {len(s.messages)} messages, {s.n_cached} cached tokens)", file=err)
+                        except LeverError as e:
+                            print(f"lever: error: {e}", file=err)
                     else:
                         print(f"(unknown command {cmd!r}; {HELP})", file=err)
                     continue

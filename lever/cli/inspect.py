@@ -23,8 +23,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     i.add_argument("--check", dest="scan_tensors", action="store_true",
                    help="read every tensor and list those holding NaN or Inf (exit 1 if any)")
     add_common(i)
-    i.set_defaults(func=main)
+    i.set_defaults(func=main, check=check_args)
     return i
+
+
+def check_args(args) -> None:
+    """Nothing but the model's path, which the loader checks as it opens it."""
 
 
 def main(args) -> int:
@@ -57,4 +61,3 @@ def check_tensors(f: GGUFFile) -> int:
     if bad:
         raise LeverError(f"{f.path}: {len(bad)} of {len(f.tensors)} tensors hold NaN or Inf (listed above)")
     return 0
-

@@ -25,13 +25,23 @@ from lever.backends.cpu.layer import layer_forward, layer_tensor_names, load_lay
 from lever.backends.flash import FlashConfig, FlashStore
 from lever.backends.flash.config import PAGE_BYTES
 from lever.backends.flash.layout import Read
-from lever.cli.common import add_common, add_set, cpu_model, lever_version
+from lever.cli.common import (
+    add_common,
+    add_set,
+    check_sets,
+    cpu_model,
+    input_text_file,
+    lever_version,
+    output_file,
+    rounds,
+)
 from lever.cli.table import show
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.identity import ModelIdentity
 from lever.model.transformer import Model
+from lever.outputs import atomic_path, writable_destination
 from lever.pipelines.compose import read_pass_s
 from lever.policy.cost_model import CostModel, layer_read_bytes
 from lever.policy.profile import (
@@ -299,15 +309,25 @@ def print_table(profile: Profile, out: Callable[[str], None] = print) -> None:
     out(f"lm_head ms/row at rows {', '.join(map(str, t.head_rows))}: {heads}")
 
 
+def check_args(args) -> None:
+    input_text_file(args.config, "-c", "config file")
+    output_file(args.out, "--out")
+    check_sets(args)
+
+
 def main(args) -> int:
+    check_args(args)
     cfg = load_config(args.config, args.set)
+    dest = writable_destination(args.out or default_path(cfg.model.target), "--out") if cfg.model.target else None
 
     def progress(line: str) -> None:  # stderr: stdout keeps only the table
         print(line, file=sys.stderr)
 
     with native.default_threads(cfg.runtime.threads):
         profile = measure(cfg, rounds=args.rounds, passes=args.passes, out=progress)
-    path = write(profile, args.out or default_path(cfg.model.target))
+    with atomic_path(dest, "--out") as tmp:  # the whole profile or none, whatever stops the write
+        write(profile, tmp)
+    path = dest
     print_table(profile)
     _print_predictions(cfg, profile)
     print(f"wrote {path}")
@@ -326,8 +346,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("-c", "--config", type=Path, required=True, help="TOML config naming the target (and draft)")
     p.add_argument("--out", type=Path, default=None, help=f"profile to write (default: <target>{PROFILE_SUFFIX})")
     add_set(p)
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds per compute bucket (the median is kept)")
-    p.add_argument("--passes", type=int, default=3, help="streamed passes timed for the read bandwidth")
+    p.add_argument("--rounds", type=rounds, default=5, help="timed rounds per compute bucket (the median is kept)")
+    p.add_argument("--passes", type=rounds, default=3, help="streamed passes timed for the read bandwidth")
     add_common(p)
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, check=check_args)
     return p

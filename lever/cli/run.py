@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from lever.cli.common import add_common, add_set
+from lever.cli.common import add_common, add_sampling, add_set, check_sets, input_text_file, n_predict, output_file
 from lever.config import load_config
 from lever.errors import LeverError, read_text
 from lever.pipelines.session import run_pipeline
@@ -24,17 +24,28 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="TOML config (default: examples/default.toml, the shipped model pair)")
     r.add_argument("-p", "--prompt", default=None, help="default: the config's [generate] prompt; '-': read stdin")
     r.add_argument("-f", "--file", type=Path, default=None, help="read the prompt from this file")
-    r.add_argument("-n", type=int, default=None, help="tokens to generate (overrides [generate] n_predict)")
+    r.add_argument("-n", type=n_predict, default=None, help="tokens to generate (overrides [generate] n_predict)")
     r.add_argument("-m", "--model", default=None, help="the target GGUF (overrides [model] target)")
     r.add_argument("-md", "--model-draft", default=None, help="the draft GGUF (overrides [model] draft)")
-    r.add_argument("--temp", type=float, default=None, help="sampling temperature (0: greedy)")
-    r.add_argument("--seed", type=int, default=None, help="sampling seed (-1: a fresh one)")
+    add_sampling(r, "temp", "seed")
     add_set(r)
     r.add_argument("--json", action="store_true", help="print one JSON object with the run's figures")
     r.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace here")
     add_common(r)
-    r.set_defaults(func=main)
+    r.set_defaults(func=main, check=check_args)
     return r
+
+
+def check_args(args) -> None:
+    """Everything about the arguments that needs no model: before any work (lever.cli.common)."""
+    if args.file is not None and args.prompt is not None:
+        raise LeverError("-f and -p: give the prompt one way")
+    if args.file is not None:
+        input_text_file(args.file, "-f", "file")
+    if args.config is not None:
+        input_text_file(args.config, "-c", "config file")
+    check_sets(args)
+    output_file(args.trace, "--trace")  # a missing folder fails now, not after the whole run
 
 
 def _quoted(path: str) -> str:
@@ -42,13 +53,12 @@ def _quoted(path: str) -> str:
 
 
 def main(args) -> int:
+    check_args(args)
     flags = [(args.n, "generate.n_predict", str), (args.temp, "generate.temperature", repr),
              (args.seed, "generate.seed", str), (args.model, "model.target", _quoted),
              (args.model_draft, "model.draft", _quoted)]
     overrides = args.set + [f"{key}={fmt(v)}" for v, key, fmt in flags if v is not None]
     cfg = load_config(args.config or shipped("default.toml"), overrides)
-    if args.file is not None and args.prompt is not None:
-        raise LeverError("-f and -p: give the prompt one way")
     prompt = read_text(args.file, "file") if args.file is not None else args.prompt
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -100,11 +110,35 @@ def print_summary(res, file) -> None:
     if mem.plan is not None:
         p(f"  memory      peak RSS {mem.peak_rss_bytes / mib:.0f} MiB, planned before loading {mem.plan.describe()}; "
           f"bound with margin {mem.rss_bound_bytes / mib:.0f} MiB")
+        over = over_bound(mem)
+        if over:
+            p(f"  WARNING     {over}")
     p("  stages      " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(t.stage_s.items())))
     if res.placement:
         p("  placement   " + ", ".join(f"{k}: {v}" for k, v in res.placement.items()))
     if res.baseline is not None:
         b = res.baseline
-        same = "the same tokens" if res.baseline_tokens_equal else "DIFFERENT tokens"
+        same = tokens_verdict(res.baseline_tokens_equal, res.temperature, "the baseline's")
         p(f"  vs {b.pipeline:<8} {res.speedup:.2f}x its speed: {b.ms_per_token:.1f} ms/token on the same prompt, "
           f"{b.flash_mb_per_token:.1f} MB/token from the device, {same}")
+
+
+def tokens_verdict(equal: bool, temperature: float, other: str) -> str:
+    """How a comparison of two runs' tokens reads: greedy, they must be equal (lossless token for
+    token), so a difference is a bug; sampled, losslessness holds in distribution and the two runs
+    draw differently, so a difference is what sampling allows, and equal tokens are a tie."""
+    if temperature == 0.0:
+        return "the same tokens" if equal else f"DIFFERENT tokens from {other}: a bug (greedy output must be equal)"
+    return (f"sampled: the same tokens as {other}" if equal else
+            f"sampled: tokens differ from {other}, as sampling allows (lossless in distribution)")
+
+
+def over_bound(mem) -> str:
+    """A warning when the run's peak RSS passed the memory plan's bound with its margin (the plan
+    missed an allocation: a runtime's own arenas, say), else ''."""
+    if mem.rss_bound_bytes and mem.peak_rss_bytes > mem.rss_bound_bytes:
+        mib = 2**20
+        return (f"peak RSS {mem.peak_rss_bytes / mib:.0f} MiB passed the plan's bound with margin "
+                f"({mem.rss_bound_bytes / mib:.0f} MiB) by {(mem.peak_rss_bytes - mem.rss_bound_bytes) / mib:.0f} MiB: "
+                f"the plan does not count everything this run allocated")
+    return ""

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lever.cli.common import add_common, add_set
+from lever.cli.common import add_common, add_set, check_sets, input_text_file, int_in, port
 from lever.errors import LeverError
 from lever.shipped import shipped
 
@@ -18,19 +18,26 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the configured pipeline")
     s.add_argument("-c", "--config", type=Path, default=None, help="TOML config (default: the shipped pair)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--queue", type=int, default=8, help="requests that may wait beside the running one; then 429")
+    s.add_argument("--port", type=port, default=8080)
+    s.add_argument("--queue", type=int_in(0, MAX_QUEUE), default=8,
+                   help="requests that may wait beside the running one; then 429")
     add_set(s)
     add_common(s)
-    s.set_defaults(func=main)
+    s.set_defaults(func=main, check=check_args)
     return s
 
 
+def check_args(args) -> None:
+    """--port and --queue are bounded by their types (lever.cli.common); the rest, before loading."""
+    if not args.host or any(c.isspace() for c in args.host):
+        raise LeverError(f"--host: not a host name or address: {args.host!r}")
+    if args.config is not None:
+        input_text_file(args.config, "-c", "config file")
+    check_sets(args)
+
+
 def main(args) -> int:
-    if not 0 <= args.queue <= MAX_QUEUE:
-        raise LeverError(f"--queue: must be in [0, {MAX_QUEUE}], got {args.queue}")
-    if not 0 <= args.port <= 65535:
-        raise LeverError(f"--port: must be in [0, 65535], got {args.port}")
+    check_args(args)
     try:
         import uvicorn
 

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 import attrs
 
+from lever.outputs import atomic_write
+
 
 @attrs.frozen
 class Span:
@@ -105,7 +107,7 @@ class Tracer:
         meta = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}}
                 for tid, name in names.items()]
         meta.append({"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "lever"}})
-        with open(path, "w") as f:
+        with atomic_write(path, "w", "--trace") as f:  # never half a trace; `lever run` checked the folder first
             json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, f)
 
     def summary(self) -> TraceSummary:

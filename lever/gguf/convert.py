@@ -6,12 +6,18 @@ so every read carries rounding slack; with `general.alignment` = 4096 a layer's 
 run of whole pages and a read is exactly the layer. The metadata and tensor bytes are copied
 unchanged (through gguf-py, the format's own writer), and the result is read back and
 compared before it replaces OUT.
+
+Every input is first read by Lever's own checked loader (lever.gguf.file.GGUFFile), so a file
+Lever refuses (five dimensions, misaligned data, a crafted count) is refused here with the
+same line instead of being rewritten into one that looks converted; the output is read back by
+it too. OUT is written through lever.outputs: a temp file beside it, named with the pid, renamed
+into place, removed on any exception or signal, and reaped by the next convert if the process
+was killed outright.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import gguf
@@ -19,8 +25,23 @@ import numpy as np
 from gguf import GGUFValueType as VT
 
 from lever.errors import LeverError
+from lever.gguf.file import GGUFFile
+from lever.outputs import atomic_path, writable_destination
 
 ALIGNMENT_KEY = "general.alignment"
+# Tensor alignment a convert may ask for: GGUF's own default is 32 (below it, gguf-py and
+# llama.cpp assume 32); O_DIRECT, what this rewrite is for, needs the 4096-byte page; 64 KiB
+# covers every page size a phone or a server uses (arm64's largest is 64 KiB). Anything larger
+# only adds padding - up to the alignment per tensor, gigabytes at 1 GiB - and helps no read.
+MIN_ALIGNMENT = 32
+MAX_ALIGNMENT = 65536
+
+
+def check_alignment(alignment) -> None:
+    if (isinstance(alignment, bool) or not isinstance(alignment, int) or not MIN_ALIGNMENT <= alignment <= MAX_ALIGNMENT
+            or alignment & (alignment - 1)):
+        raise LeverError(f"alignment must be a power of two in [{MIN_ALIGNMENT}, {MAX_ALIGNMENT}] bytes "
+                         f"(4096 for O_DIRECT), got {alignment!r}")
 
 
 class _Writer(gguf.GGUFWriter):
@@ -119,25 +140,14 @@ def _verify(src: gguf.GGUFReader, out_path: Path, alignment: int) -> None:
 def convert(in_path: str | os.PathLike, out_path: str | os.PathLike, alignment: int = 4096) -> None:
     """Write in_path's model to out_path with every tensor aligned to `alignment` bytes."""
     src, dst = Path(in_path), Path(out_path)
-    if alignment < 8 or alignment & (alignment - 1):
-        raise LeverError(f"alignment must be a power of two >= 8, got {alignment}")
-    if not src.is_file():
-        raise LeverError(f"{src}: no such file")
-    if dst.is_dir():
-        raise LeverError(f"{dst}: is a directory")
+    check_alignment(alignment)
+    writable_destination(dst, "output")
+    GGUFFile(src)  # Lever's checked loader first: what Lever refuses, convert refuses, in the same line
     reader = _read(src)
     # Written beside the destination and renamed into place, so a failure (disk full, a
-    # mismatch on reading back) never leaves a half-written OUT - and IN may equal OUT.
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    except OSError as e:
-        raise LeverError(f"{dst}: cannot write: {e.strerror or e}") from None
-    os.close(fd)
-    tmp = Path(tmp_name)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make OUT private
-    try:
+    # mismatch on reading back, Ctrl-C, SIGTERM) never leaves a half-written OUT nor the
+    # temp file - and IN may equal OUT.
+    with atomic_path(dst, "output") as tmp:
         try:
             _write(reader, src, tmp, alignment)
         except OSError as e:
@@ -145,6 +155,4 @@ def convert(in_path: str | os.PathLike, out_path: str | os.PathLike, alignment: 
         except ValueError as e:
             raise LeverError(f"{src}: cannot convert: {e}") from None
         _verify(reader, tmp, alignment)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+        GGUFFile(tmp)  # and what it wrote is a file Lever loads

@@ -10,6 +10,7 @@ from the limit, the likeliest tokens.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import attrs
@@ -20,30 +21,77 @@ from lever.model.finite import NonFiniteError
 
 
 @attrs.frozen
+class Range:
+    """The values a sampling or generation argument may take, one table for the config, the API,
+    the server and every command's flags, so all of them accept and refuse the same values."""
+
+    lo: float
+    hi: float
+    integer: bool = False
+    lo_open: bool = False  # (lo, hi] rather than [lo, hi]
+
+    def problem(self, value) -> str | None:
+        """None when `value` is in range, else "must be ..., got ..." (NaN and inf are never in
+        range: every bound here is finite)."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or (
+                self.integer and not (isinstance(value, numbers.Integral) or
+                                      (math.isfinite(value) and float(value).is_integer()))):
+            return f"must be {'an integer' if self.integer else 'a number'}, got {value!r}"
+        ok = (self.lo < value if self.lo_open else self.lo <= value) and value <= self.hi
+        if ok:
+            return None
+        return f"must be {'an integer' if self.integer else 'a finite number'} in {self.describe()}, got {value!r}"
+
+    def describe(self) -> str:
+        fmt = lambda x: f"{int(x)}" if self.integer else f"{x:g}"  # noqa: E731
+        return f"{'(' if self.lo_open else '['}{fmt(self.lo)}, {fmt(self.hi)}]"
+
+
+# Bounds wider than any use and narrow enough that nothing downstream overflows: a temperature
+# above 100 is a uniform draw, a penalty outside [1e-3, 1e3] flattens or erases the logits it
+# touches, top_k fits an int32, the seed an int64 (TOML's integers; -1 asks for a fresh seed).
+SEED_FRESH = -1
+LIMITS = {
+    "temperature": Range(0.0, 100.0),
+    "top_k": Range(0, 2**31 - 1, integer=True),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "min_p": Range(0.0, 1.0),
+    "repeat_penalty": Range(1e-3, 1e3),
+    "repeat_last_n": Range(0, 2**20, integer=True),
+    "seed": Range(SEED_FRESH, 2**63 - 1, integer=True),
+}
+
+
+def check_limit(name: str, value, where: str | None = None) -> None:
+    """One line naming `where` (the flag, key or argument; default the field) when `value` is
+    outside LIMITS[name]."""
+    problem = LIMITS[name].problem(value)
+    if problem is not None:
+        raise LeverError(f"{where or name}: {problem}")
+
+
+def _fresh_seed(seed):
+    return None if seed == SEED_FRESH else seed  # -1 is the config's "fresh seed", as None is here
+
+
+@attrs.frozen
 class SamplingParams:
-    """temperature 0 means greedy (argmax; ties go to the lowest id)."""
+    """temperature 0 means greedy (argmax; ties go to the lowest id). Every field is checked
+    against LIMITS, the same bounds the config, the API and the commands apply."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0  # 1.0: no nucleus cut
-    seed: int | None = None
+    seed: int | None = attrs.field(default=None, converter=_fresh_seed)  # None (or -1): a fresh seed
     min_p: float = 0.0  # 0: no cut; else tokens below min_p x the likeliest token's probability are dropped
     repeat_penalty: float = 1.0  # 1: off; else the logits of the last `repeat_last_n` tokens are pushed down (llama.cpp's)
     repeat_last_n: int = 64  # how many of the latest tokens the penalty looks at
 
     def __attrs_post_init__(self):
-        if self.temperature < 0:
-            raise LeverError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise LeverError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise LeverError(f"top-p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise LeverError(f"min-p must be in [0, 1], got {self.min_p}")
-        if not (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
-            raise LeverError(f"repeat penalty must be a finite number > 0, got {self.repeat_penalty}")
-        if self.repeat_last_n < 0:
-            raise LeverError(f"repeat-last-n must be >= 0, got {self.repeat_last_n}")
+        for f in attrs.fields(type(self)):
+            value = getattr(self, f.name)
+            if value is not None or f.name != "seed":
+                check_limit(f.name, value, f.name.replace("_", "-"))
 
     @property
     def penalizes(self) -> bool:

@@ -15,9 +15,19 @@ import time
 from pathlib import Path
 
 from lever.cli.bench.pipelines import read_prompts
-from lever.cli.common import add_common, add_set
+from lever.cli.common import (
+    MAX_PROMPT_BYTES,
+    add_common,
+    add_set,
+    bench_tokens,
+    check_sets,
+    input_text_file,
+    int_in,
+    output_file,
+)
 from lever.cli.table import show
 from lever.errors import LeverError
+from lever.outputs import atomic_write
 from lever.shipped import shipped
 
 PIPELINES = {"flash-ar": ['pipeline.kind="flash-ar"'],
@@ -88,7 +98,8 @@ def bench_chat(config: str, turns: list[str], max_tokens: int, sets: list[str] =
         f"{summary['cached_tokens']}; replies {'the same in every run' if same else 'DIFFERENT between runs'}")
     result = {"config": config, "turns": turns, "max_tokens": max_tokens, "runs": runs, "summary": summary}
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1))
+        with atomic_write(json_path, "w", "--json") as f:
+            f.write(json.dumps(result, indent=1))
     if not same:
         raise LeverError("bench chat: the replies differ between pipelines (greedy output must not)")
     return result
@@ -99,16 +110,28 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("-c", "--config", type=Path, required=True, help="a config whose target has a chat template")
     b.add_argument("--turns", type=Path, default=None, help="user turns separated by lines of --- (default: "
                    "examples/prompts/chat.txt)")
-    b.add_argument("--n-turns", type=int, default=4)
-    b.add_argument("--max-tokens", type=int, default=64, help="tokens per reply")
+    b.add_argument("--n-turns", type=int_in(1, MAX_TURNS), default=4)
+    b.add_argument("--max-tokens", type=bench_tokens, default=64, help="tokens per reply")
     b.add_argument("--json", type=Path, default=None)
     add_set(b)
     add_common(b)
-    b.set_defaults(func=main)
+    b.set_defaults(func=main, check=check_args)
     return b
 
 
+MAX_TURNS = 64  # each turn is run four times (two pipelines, with and without a session)
+
+
+def check_args(args) -> None:
+    input_text_file(args.config, "-c", "config file")
+    if args.turns is not None:
+        input_text_file(args.turns, "--turns", "turns file", MAX_PROMPT_BYTES)
+    output_file(args.json, "--json")
+    check_sets(args)
+
+
 def main(args) -> int:
+    check_args(args)
     turns = read_prompts(args.turns or shipped("prompts", "chat.txt"))[: args.n_turns]
     bench_chat(str(args.config), turns, args.max_tokens, args.set, json_path=args.json)
     return 0

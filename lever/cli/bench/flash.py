@@ -12,10 +12,12 @@ from pathlib import Path
 
 import attrs
 
+from lever.backends.flash import FlashConfig
 from lever.cli.bench.child import run_json
-from lever.cli.common import add_common
+from lever.cli.common import add_common, bench_tokens, check_sets, float_in, input_text_file
 from lever.cli.table import show
 from lever.config import load_config
+from lever.errors import LeverError
 from lever.pipelines.compose import read_pass_s
 
 FLASH_AR = ('pipeline.kind="flash-ar"', 'pipeline.baseline=""')
@@ -64,13 +66,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("flash", help="Flash-AR at DRAM budgets 0-100%%, with overlap figures")
     b.add_argument("-c", "--config", type=Path, required=True, help="TOML config naming the target")
     b.add_argument("-p", "--prompt", default="def quicksort(arr):")
-    b.add_argument("--n-gen", type=int, default=32, help="tokens generated per run")
-    b.add_argument("--cap", type=float, default=0.0, help="also run with this bandwidth cap (bytes/s)")
+    b.add_argument("--n-gen", type=bench_tokens, default=32, help="tokens generated per run")
+    b.add_argument("--cap", type=float_in(0.0, 1e15), default=0.0,
+                   help="also run with this bandwidth cap (bytes/s; 0: none)")
     add_common(b)
-    b.set_defaults(func=main)
+    b.set_defaults(func=main, check=check_args)
     return b
 
 
+def check_args(args) -> None:
+    """The cap as [flash] bandwidth_cap_bytes_per_s would take it, before the first run."""
+    input_text_file(args.config, "-c", "config file")
+    try:
+        FlashConfig(bandwidth_cap_bytes_per_s=args.cap)
+    except LeverError as e:
+        raise LeverError(f"--cap: {str(e).split(': ', 1)[-1]}") from None
+    check_sets(args)
+
+
 def main(args) -> int:
+    check_args(args)
     bench_flash(str(args.config), args.prompt, args.n_gen, cap_bytes_per_s=args.cap)
     return 0

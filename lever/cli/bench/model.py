@@ -25,13 +25,23 @@ import numpy as np
 
 from lever.backends.cpu import native
 from lever.backends.cpu.kv_cache import causal_mask
-from lever.cli.common import add_common, add_set, cpu_model
+from lever.cli.common import (
+    add_common,
+    add_set,
+    bench_tokens,
+    check_sets,
+    cpu_model,
+    input_text_file,
+    output_file,
+    rounds,
+)
 from lever.cli.table import show
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.generate import generate
 from lever.model.transformer import Model
+from lever.outputs import atomic_write
 from lever.pipelines.session import run_pipeline
 
 PP_TOKENS = (1, 8, 32)
@@ -165,7 +175,9 @@ def bench_dram(config: str, sets: list[str], prompt: str, n: int, rounds: int = 
     llama-completion (when found), `lever generate` (the target alone) and the config's pipeline
     with flash.dram_budget=1.0 (Lever's speculative decoding), which must give generate's tokens."""
 
-    cfg = load_config(config, [*sets, f"generate.n_predict={n}", 'pipeline.baseline=""', "flash.dram_budget=1.0"])
+    # greedy whatever the config says: generate's tokens are greedy, and only greedy tokens must be equal
+    cfg = load_config(config, [*sets, f"generate.n_predict={n}", 'pipeline.baseline=""', "flash.dram_budget=1.0",
+                               "generate.temperature=0.0"])
     target = cfg.model.target
     model = Model(target)
     tok = Tokenizer.from_gguf(model.file)
@@ -216,7 +228,7 @@ def bench_models(paths: list[str], n_gen: int = 32, pp: tuple[int, ...] = PP_TOK
         out("")
         report["dram"] = bench_dram(rounds=rounds, threads=threads, out=out, **dram)
     if json_path:
-        with open(json_path, "w") as f:
+        with atomic_write(json_path, "w", "--json") as f:
             json.dump(report, f, indent=1)
         out(f"\nwrote {json_path}")
     return report
@@ -227,30 +239,38 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("-m", "--model", type=Path)
     b.add_argument("-c", "--config", type=Path)
     b.add_argument("-p", "--prompt", default="def quicksort(arr):", help="-c: the prompt decoded in DRAM")
-    b.add_argument("--n-gen", type=int, default=32, help="tokens of the tg test")
-    b.add_argument("--rounds", type=int, default=3, help="alternating rounds (the medians are kept)")
+    b.add_argument("--n-gen", type=bench_tokens, default=32, help="tokens of the tg test")
+    b.add_argument("--rounds", type=rounds, default=3, help="alternating rounds (the medians are kept)")
     b.add_argument("--llama-bench", default=None, help="llama-bench binary to compare with (or $LLAMA_BENCH)")
     b.add_argument("--llama-completion", default=None,
                    help="-c: llama-completion to compare decoding with (or $LLAMA_COMPLETION; default: beside llama-bench)")
-    b.add_argument("--n-decode", type=int, default=64, help="-c: tokens decoded from --prompt, everything in DRAM")
+    b.add_argument("--n-decode", type=bench_tokens, default=64,
+                   help="-c: tokens decoded from --prompt, everything in DRAM")
     b.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     add_set(b)
     add_common(b)
-    b.set_defaults(func=main)
+    b.set_defaults(func=main, check=check_args)
     return b
 
 
-def main(args) -> int:
+
+def check_args(args) -> None:
     if bool(args.model) == bool(args.config):
         raise LeverError("lever bench model: give -m MODEL.gguf or -c CONFIG (its target and draft)")
+    if args.config is not None:
+        input_text_file(args.config, "-c", "config file")
+    output_file(args.json, "--json")
+    check_sets(args)
+
+
+def main(args) -> int:
+    check_args(args)
     if args.model:
         paths = [str(args.model)]
     else:
 
         cfg = load_config(args.config, args.set)
         paths = [p for p in (cfg.model.target, cfg.model.draft) if p]
-    if args.rounds < 1 or args.n_gen < 1:
-        raise LeverError("lever bench model: --rounds and --n-gen must be at least 1")
 
     lb = find_llama_bench(args.llama_bench)
     dram = None
