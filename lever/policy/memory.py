@@ -30,6 +30,16 @@ F32 = 4
 # (2026-11-29, x86-64, `python -m pytest tests/policy/test_memory.py`).
 RUNTIME_SLACK_BYTES = 64 * 2**20
 MARGIN_SHARE = 0.10  # peak RSS may exceed the plan by this share (plus RUNTIME_SLACK_BYTES)
+# onnxruntime-qnn's own allocations, which no GGUF header names: the runtime and HTP backend
+# libraries (in the x86-64 wheel, Qualcomm's simulator), their arenas and the compiled graph
+# sessions. Measured 2026-12-02 on the 2-core x86-64 dev box, peak RSS of `lever run -c
+# examples/snapdragon-8gen3.toml -n 8 --json` (the shipped pair, same plan, 2 runs each, within
+# 1 MiB): 295 MiB with verify and draft_batch on qnn, 80 MiB with both set to "cpu"; importing
+# onnxruntime and running one 1-node HTP session alone adds 145 MiB. So 215 MiB, rounded up.
+# Measured on the tiny pair only: a larger model's graphs and fp16 weight inputs add to it (a
+# run over the bound says so, see over_bound_warning), and on a phone the HTP libraries replace
+# the simulator.
+QNN_RUNTIME_BYTES = 224 * 2**20
 
 
 @attrs.frozen
@@ -65,6 +75,7 @@ class MemoryPlan:
     activation_bytes: int  # the largest pass's activations and logits, both models
     process_bytes: int  # the process before loading: interpreter, libraries, tokenizer
     slack_bytes: int = RUNTIME_SLACK_BYTES
+    runtime_bytes: int = 0  # an accelerator runtime's own allocations (QNN_RUNTIME_BYTES when a stage is on qnn)
 
     @property
     def total_bytes(self) -> int:
@@ -74,13 +85,30 @@ class MemoryPlan:
         parts = (("resident layers", self.resident_layer_bytes), ("head", self.head_bytes),
                  ("window", self.window_bytes), ("KV cache", self.kv_cache_bytes), ("draft", self.draft_bytes),
                  ("activations", self.activation_bytes), ("process", self.process_bytes),
-                 ("slack", self.slack_bytes))
+                 ("slack", self.slack_bytes)) + ((("QNN runtime", self.runtime_bytes),) if self.runtime_bytes else ())
         return f"{mib(self.total_bytes)} = " + " + ".join(f"{name} {mib(n)}" for name, n in parts)
 
     @property
     def rss_bound_bytes(self) -> int:
         """What peak RSS should stay under: the plan plus the stated margin."""
         return int(self.total_bytes * (1 + MARGIN_SHARE)) + RUNTIME_SLACK_BYTES
+
+    def over_bound_warning(self, peak_rss_bytes: int) -> str | None:
+        """One line for stderr when a run's peak RSS passed `rss_bound_bytes` (the plan missed
+        an allocation: a runtime's own arenas, say), else None."""
+        bound = self.rss_bound_bytes
+        if peak_rss_bytes <= bound:
+            return None
+        counted = f" (the QNN runtime counted as {mib(self.runtime_bytes)})" if self.runtime_bytes else ""
+        return (f"peak RSS {mib(peak_rss_bytes)} passed the memory plan's bound with margin ({mib(bound)}) by "
+                f"{mib(peak_rss_bytes - bound)}{counted}: the plan does not count everything this run allocated")
+
+
+def runtime_bytes_for(placement) -> int:
+    """What `placement` (a PlacementConfig) adds beyond the files' figures: QNN_RUNTIME_BYTES
+    when any stage asks for qnn. Counted even where it will fall back to the CPU: the plan is
+    made before the backend is tried, and over-counting only makes the check stricter."""
+    return QNN_RUNTIME_BYTES if any(getattr(placement, k, "cpu") == "qnn" for k in ("verify", "draft_batch")) else 0
 
 
 def mib(n: int) -> str:
@@ -96,9 +124,10 @@ def activation_bytes(spec: ModelSpec, n_tok: int, n_rows: int, n_logit_rows: int
 
 def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx: int, n_pass_tokens: int,
                 tree_rows: int = 1, draft: GGUFFile | None = None, draft_spec: ModelSpec | None = None,
-                draft_rows: int = 0, process_bytes: int | None = None) -> MemoryPlan:
+                draft_rows: int = 0, process_bytes: int | None = None, runtime_bytes: int = 0) -> MemoryPlan:
     """The plan of one run: n_ctx context rows, passes of at most n_pass_tokens tokens (the
-    prompt's prefill or a tree of tree_rows), a draft's cache of n_ctx + draft_rows rows."""
+    prompt's prefill or a tree of tree_rows), a draft's cache of n_ctx + draft_rows rows, and
+    `runtime_bytes` of an accelerator runtime (`runtime_bytes_for(cfg.placement)`)."""
     extents = layer_extents(target)
     layer_bytes = [e.buffer_bytes for e in extents]
     resident = plan_residency(layer_bytes, flash.dram_budget)
@@ -116,7 +145,7 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx:
     if process_bytes is None:
         process_bytes = psutil.Process().memory_info().rss
     return MemoryPlan(sum(resident_layer_bytes(target, spec, i) for i in resident), head, window, KVCache.bytes_for(spec, n_rows), draft_total,
-                      acts, process_bytes)
+                      acts, process_bytes, runtime_bytes=runtime_bytes)
 
 
 # The parts a configuration sizes, and the keys that size them: what to lower when it does not fit.
