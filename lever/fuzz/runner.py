@@ -15,9 +15,11 @@ corpus directory; tests/fuzz/test_runner.py replays tests/fuzz_corpus/ with `che
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import itertools
+import json
 import multiprocessing as mp
 import os
 import random
@@ -36,13 +38,17 @@ import numpy as np
 import lever
 from lever.backends.cpu.kv_cache import causal_mask
 from lever.errors import LeverError
+from lever.fuzz import files
 from lever.fuzz.inputs import Blob, Chooser, RandomChooser, Seed, chance, choice, load_seeds, mutate, seed_from_desc
-from lever.fuzz.models import faulty_model, model_desc
+from lever.fuzz.models import faulty_model, model_desc, nonfinite_model
 from lever.gguf.file import GGUFFile
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.model import finite
 from lever.model.transformer import Model
 
-TARGETS = ("loader", "tokenizer")
+TARGETS = ("loader", "tokenizer", "nonfinite", "config", "artifact", "cli")
+# How often each family comes up: GGUF headers (loader and tokenizer) stay half of the inputs
+FAMILIES = {"gguf": 50, "nonfinite": 14, "config": 12, "artifact": 12, "cli": 12}
 FORWARD_MAX_BYTES = 8 << 20  # files up to this size that open are also run through a forward pass
 ROOT = Path(__file__).resolve().parent.parent
 _counter = itertools.count()  # input file names, unique within a process
@@ -91,10 +97,44 @@ def _run(target: str, fn, path: Path) -> tuple[Outcome, object]:
 
 
 def make_input(ch: Chooser, seeds: list[Seed]) -> Blob:
-    """Half mutated seeds, half tiny models with faults."""
+    """A GGUF: half mutated seeds, half tiny models with faults."""
     if seeds and chance(ch, 50):
         return mutate(ch, choice(ch, seeds), choice(ch, seeds) if chance(ch, 20) else None)
     return faulty_model(ch)
+
+
+@attrs.define
+class Sources:
+    """What the families draw from, made once in the parent: GGUF seeds, configs, the files Lever
+    reads back, the command table (from the CLI's parser, which lives a floor above)."""
+
+    seeds: list[Seed]
+    configs: list[str] = attrs.Factory(files.config_seeds)
+    artifacts: list[files.Case] = attrs.Factory(list)
+    commands: dict = attrs.Factory(dict)
+    paths: list[str] = attrs.Factory(list)
+
+
+def make_case(ch: Chooser, src: Sources, weights: dict[str, int] = FAMILIES) -> Blob | files.Case:
+    """One input of a family drawn by its weight (families without sources are skipped)."""
+    have = {"gguf": True, "nonfinite": True, "config": bool(src.configs), "artifact": bool(src.artifacts),
+            "cli": bool(src.commands)}
+    names = [f for f in weights if have[f] and weights[f] > 0]
+    r = ch.int(0, sum(weights[f] for f in names) - 1)
+    for family in names:
+        r -= weights[family]
+        if r < 0:
+            break
+    if family == "gguf":
+        return make_input(ch, src.seeds)
+    if family == "nonfinite":
+        blob, tensor = nonfinite_model(ch)
+        return files.Case("nonfinite", blob.prefix, ".gguf", json.dumps({"size": blob.size, "tensor": tensor}))
+    if family == "config":
+        return files.config_case(ch, src.configs)
+    if family == "artifact":
+        return files.mutate_file(ch, choice(ch, src.artifacts))
+    return files.argv_case(ch, src.commands, src.paths)
 
 
 PROBE_TEXTS = ["", " ", "Hello world", "  the then  ", "don't I'LL", "1234567", "你好 😀 e\u0301 \u00a0\u200b",
@@ -146,8 +186,11 @@ def _exercise(tok, blob: Blob) -> None:
     stream.flush()
 
 
-def check(blob: Blob, workdir: Path, stage=None) -> list[Outcome]:
-    """Both targets on one input, in this process. `stage` (a shared int) records which runs."""
+def check(item: Blob | files.Case, workdir: Path, stage=None, parser_factory=None) -> list[Outcome]:
+    """One input through its targets, in this process. `stage` (a shared int) records which runs."""
+    if isinstance(item, files.Case):
+        return check_case(item, workdir, stage, parser_factory)
+    blob = item
     path = workdir / f"in-{os.getpid()}-{next(_counter)}.gguf"
     blob.write(path)
     with warnings.catch_warnings():
@@ -173,6 +216,74 @@ def _check(blob: Blob, path: Path, stage) -> list[Outcome]:
     return [loader, tokenizer]
 
 
+_parsers: dict = {}  # parser_factory -> its parser, built once per worker
+
+
+def check_case(case: files.Case, workdir: Path, stage=None, parser_factory=None) -> list[Outcome]:
+    """A non-GGUF input (lever.fuzz.files) or a GGUF with non-finite values through its target."""
+    target = "artifact" if case.family.startswith("artifact") else case.family
+    if stage is not None:
+        stage.value = TARGETS.index(target)
+    path = workdir / f"in-{os.getpid()}-{next(_counter)}{case.suffix}"
+    if case.family == "nonfinite":
+        meta = json.loads(case.extra)
+        Blob(case.data, meta["size"]).write(path)
+    elif case.family != "cli":
+        path.write_bytes(case.data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            if case.family == "nonfinite":
+                return [_run_case(target, lambda: _nonfinite(path, meta["tensor"]), path)]
+            if case.family == "config":
+                return [_run_case(target, lambda: files.check_config(case, path), path)]
+            if case.family == "cli":
+                if parser_factory not in _parsers:
+                    _parsers[parser_factory] = parser_factory()
+                return [_run_case(target, lambda: files.check_argv(case, _parsers[parser_factory]), None)]
+            return [_run_case(target, lambda: files.check_file(case, path), path)]
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def _run_case(target: str, fn, path: Path | None) -> Outcome:
+    """A family's check returns None (accepted) or the line it was refused with; a LeverError
+    escaping it must name the file; anything else is a finding."""
+    try:
+        refused = fn()
+        return Outcome(target, "ok") if refused is None else Outcome(target, "refused", detail=refused[:300])
+    except files.NotOneLine as e:
+        return Outcome(target, "finding", f"{target}: LeverError not one line naming the file at {_where(e)}",
+                       str(e)[:300])
+    except LeverError as e:
+        msg = str(e)
+        if "\n" in msg or (path is not None and str(path) not in msg):
+            return Outcome(target, "finding", f"{target}: LeverError not one line naming the file at {_where(e)}",
+                           msg[:300])
+        return Outcome(target, "refused", detail=msg[:300])
+    except Exception as e:  # noqa: BLE001 -- everything else is what the fuzzer looks for
+        return Outcome(target, "finding", f"{target}: {type(e).__name__} at {_where(e)}",
+                       f"{type(e).__name__}: {e}"[:300])
+
+
+def _nonfinite(path: Path, tensor: str) -> str | None:
+    """A model with NaN or Inf in `tensor`: the scan must list exactly that tensor; a forward must
+    stop with one line naming the file or give finite logits (the values were never read)."""
+    f = GGUFFile(path)
+    listed = [name for name, _, _ in finite.scan(f)]
+    if listed != [tensor]:
+        raise RuntimeError(f"the scan listed {listed}, the poisoned tensor is {tensor}")
+    model = Model(file=f)
+    n = min(2, model.spec.n_ctx_train)
+    ids = np.array([0, model.spec.n_vocab - 1][:n])
+    hidden = model.forward(ids, np.arange(n, dtype=np.int32), causal_mask(0, n), model.new_cache(n))
+    logits = model.logits(hidden)
+    model.check_logits(logits)
+    if not np.isfinite(logits).all():
+        raise RuntimeError("non-finite logits passed check_logits")
+    return None
+
+
 def check_bytes(data: bytes, workdir: Path) -> list[Outcome]:
     return check(Blob.of(data), workdir)
 
@@ -193,10 +304,14 @@ def corpus_name(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16] + ".gguf.gz"
 
 
-def save_finding(corpus: Path, blob: Blob, outcome: Outcome) -> Path:
+def save_finding(corpus: Path, blob: Blob | files.Case, outcome: Outcome) -> Path:
     corpus.mkdir(parents=True, exist_ok=True)
-    data = blob.materialize()
-    path = corpus / corpus_name(data)
+    if isinstance(blob, files.Case):  # kept as JSON, named by family: replayed with files.read_case
+        data = files.dump_case(blob)
+        path = corpus / (hashlib.sha256(data).hexdigest()[:16] + f".{blob.family}.json.gz")
+    else:
+        data = blob.materialize()
+        path = corpus / corpus_name(data)
     path.write_bytes(gzip.compress(data, mtime=0))
     with open(corpus / "findings.tsv", "a") as log:
         log.write(f"{path.name}\t{outcome.signature}\t{outcome.detail.replace(chr(9), ' ').replace(chr(10), ' ')}\n")
@@ -215,8 +330,8 @@ def _worker(conn, stage, mem_limit: int, fn, workdir: Path) -> None:
     if mem_limit:  # a huge allocation fails here (MemoryError, a finding) instead of taking the machine
         resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    while (msg := conn.recv()) is not None:
-        conn.send(fn(Blob(*msg), workdir, stage))
+    while (item := conn.recv()) is not None:
+        conn.send(fn(item, workdir, stage))
 
 
 class Worker:
@@ -237,11 +352,11 @@ class Worker:
         self.proc.start()
         child.close()
 
-    def run(self, blob: Blob, timeout: float) -> list[Outcome]:
+    def run(self, blob: Blob | files.Case, timeout: float) -> list[Outcome]:
         if self.proc is None:
             self.start()
         try:
-            self.conn.send((blob.prefix, blob.size))
+            self.conn.send(blob)
             if self.conn.poll(timeout):
                 return self.conn.recv()
             what = "hang", f"no answer within {timeout:g} s"
@@ -299,29 +414,38 @@ class FuzzReport:
 
 
 def run_fuzz(n: int, seed: int = 0, corpus: Path | None = None, timeout: float = 5.0, per_signature: int = 1,
-             mem_limit: int = 4 << 30, seeds: list[Seed] | None = None, progress=None) -> FuzzReport:
-    """n inputs through both targets; each new finding's input is saved to `corpus` (at most
-    `per_signature` per distinct signature)."""
+             mem_limit: int = 4 << 30, seeds: list[Seed] | None = None, progress=None, parser_factory=None,
+             families: dict[str, int] | None = None) -> FuzzReport:
+    """n inputs through their targets; each new finding's input is saved to `corpus` (at most
+    `per_signature` per distinct signature). `parser_factory` (lever.cli.main.build_parser)
+    enables the command-line family; `families` overrides FAMILIES' weights."""
     rng = random.Random(seed)
     ch = RandomChooser(rng)
     seeds = default_seeds() if seeds is None else seeds
-    report, worker = FuzzReport(), Worker(mem_limit)
-    t0 = time.perf_counter()
-    try:
-        for i in range(n):
-            blob = make_input(ch, seeds)
-            for o in worker.run(blob, timeout):
-                report.counts[(o.target, o.status)] += 1
-                if o.status == "finding":
-                    report.findings[o.signature] += 1
-                    if corpus is not None and report.findings[o.signature] <= per_signature:
-                        report.saved.append(save_finding(corpus, blob, o))
-            report.n, report.seconds = i + 1, time.perf_counter() - t0
-            if progress is not None:
-                progress(report)
-    finally:
-        worker.close()
-        report.seconds = time.perf_counter() - t0
+    report = FuzzReport()
+    with tempfile.TemporaryDirectory(prefix="lever-fuzz-seeds-") as tmp:
+        src = Sources(seeds, artifacts=files.artifact_seeds(Path(tmp)))
+        if parser_factory is not None:
+            src.commands = files.commands(parser_factory())
+            src.paths = files.argv_paths(Path(tmp))
+        weights = families if families is not None else FAMILIES
+        worker = Worker(mem_limit, functools.partial(check, parser_factory=parser_factory))
+        t0 = time.perf_counter()
+        try:
+            for i in range(n):
+                item = make_case(ch, src, weights)
+                for o in worker.run(item, timeout):
+                    report.counts[(o.target, o.status)] += 1
+                    if o.status == "finding":
+                        report.findings[o.signature] += 1
+                        if corpus is not None and report.findings[o.signature] <= per_signature:
+                            report.saved.append(save_finding(corpus, item, o))
+                report.n, report.seconds = i + 1, time.perf_counter() - t0
+                if progress is not None:
+                    progress(report)
+        finally:
+            worker.close()
+            report.seconds = time.perf_counter() - t0
     return report
 
 

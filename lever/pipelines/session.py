@@ -31,7 +31,7 @@ from lever.pipelines.compose import KVState, compose
 from lever.pipelines.target import FlashTarget
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.cost_model import CostModel, cost_model_for
-from lever.policy.memory import MemoryPlan, plan_memory
+from lever.policy.memory import MemoryPlan, plan_memory, runtime_bytes_for
 from lever.policy.memory import check as check_memory
 from lever.policy.placement import placement_for
 from lever.policy.predictor import Artifact, Predictor, artifact_path, predictor_for
@@ -326,7 +326,8 @@ class Engine:
         tree = self.tree
         plan = plan_memory(self.file, self.spec, self.flash, n_ctx=self.n_ctx, n_pass_tokens=max(n_prompt, tree.max_nodes),
                            tree_rows=tree.max_nodes, draft=self.draft_file, draft_spec=self.draft_spec,
-                           draft_rows=tree.draft_rows if self.kind.drafts else 0)
+                           draft_rows=tree.draft_rows if self.kind.drafts else 0,
+                           runtime_bytes=runtime_bytes_for(self.cfg.placement))
         check_memory(plan, self.cfg.memory, self.cfg.where)
         return plan
 
