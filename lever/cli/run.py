@@ -136,6 +136,9 @@ def tokens_verdict(equal: bool, temperature: float, other: str) -> str:
 def over_bound(mem) -> str:
     """A warning when the run's peak RSS passed the memory plan's bound with its margin (the plan
     missed an allocation: a runtime's own arenas, say), else ''."""
+    warning = getattr(mem.plan, "over_bound_warning", None)  # lever.policy.memory's own wording
+    if warning is not None:
+        return warning(mem.peak_rss_bytes) or ""
     if mem.rss_bound_bytes and mem.peak_rss_bytes > mem.rss_bound_bytes:
         mib = 2**20
         return (f"peak RSS {mem.peak_rss_bytes / mib:.0f} MiB passed the plan's bound with margin "

@@ -74,3 +74,15 @@ def test_llama_cpp_tools_must_be_there(stories, tmp_path):
 def test_bad_budgets_are_one_line(capsys, tmp_path):
     assert main(["bench", "pipelines", "-c", str(tmp_path / "x.toml"), "--budgets", "0,half"]) == 1
     assert "--budgets" in capsys.readouterr().err
+
+
+def test_a_sampled_bench_does_not_claim_or_deny_equal_tokens():
+    from lever.cli.bench.pipelines import PAPER, _print_summary
+
+    summary = {"per_budget": {}, "mean": {k: 1.0 for k in PAPER}}
+    for sampled, mismatches, needle in ((False, [], "lossless: every pipeline's tokens equal"),
+                                        (True, [], "as sampling allows"),
+                                        (False, ["lever at budget 0%"], "LOSSLESS CHECK FAILED: greedy tokens")):
+        lines = []
+        _print_summary(summary, mismatches, lines.append, sampled)
+        assert needle in lines[-1]

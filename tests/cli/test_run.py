@@ -50,3 +50,25 @@ def test_temp_and_seed_sample_reproducibly():
     a = tokens(lever_run("-p", "import os", "-n", "16", "--temp", "0.9", "--seed", "7"))
     assert a == tokens(lever_run("-p", "import os", "-n", "16", "--temp", "0.9", "--seed", "7"))
     assert_one_line_error(lever_run("-p", "x", "--temp", "nan"), "temperature")
+
+
+def test_the_summary_words_a_sampled_difference_as_sampling_allows():
+    """Greedy, a difference from the baseline is a bug; sampled, losslessness holds in
+    distribution and different tokens are what two runs' draws give (issue 18, class 10)."""
+    from lever.cli.run import tokens_verdict
+
+    assert tokens_verdict(True, 0.0, "the baseline's") == "the same tokens"
+    assert "DIFFERENT" in tokens_verdict(False, 0.0, "the baseline's") and "bug" in tokens_verdict(False, 0.0, "x")
+    sampled = tokens_verdict(False, 0.8, "the baseline's")
+    assert "DIFFERENT" not in sampled and "as sampling allows" in sampled and sampled.startswith("sampled")
+
+
+def test_the_summary_warns_when_peak_rss_passes_the_bound():
+    import types
+
+    from lever.cli.run import over_bound
+
+    plan = types.SimpleNamespace(rss_bound_bytes=100 * 2**20)  # a plan without its own wording: figured here
+    over = types.SimpleNamespace(plan=plan, peak_rss_bytes=130 * 2**20, rss_bound_bytes=100 * 2**20)
+    assert "passed" in over_bound(over) and "by 30 MiB" in over_bound(over)
+    assert over_bound(types.SimpleNamespace(plan=plan, peak_rss_bytes=90 * 2**20, rss_bound_bytes=100 * 2**20)) == ""
