@@ -49,7 +49,7 @@ def test_m_and_md_name_the_models_from_the_working_directory(tmp_path):
 def test_temp_and_seed_sample_reproducibly():
     a = tokens(lever_run("-p", "import os", "-n", "16", "--temp", "0.9", "--seed", "7"))
     assert a == tokens(lever_run("-p", "import os", "-n", "16", "--temp", "0.9", "--seed", "7"))
-    assert_one_line_error(lever_run("-p", "x", "--temp", "nan"), "temperature")
+    assert_one_line_error(lever_run("-p", "x", "--temp", "nan"), "--temp", "finite")  # the flag, as it was typed
 
 
 def test_the_summary_words_a_sampled_difference_as_sampling_allows():
