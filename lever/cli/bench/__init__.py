@@ -7,14 +7,17 @@ run, on the same machine load, and prints the ratio.
 from __future__ import annotations
 
 import argparse
+import functools
 
 from lever.cli.bench import chat, flash, fuzz, model, pipelines
+from lever.cli.common import usage_error
 
 BENCHES = (model, flash, pipelines, chat, fuzz)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks printed as ratios measured side by side")
+    b.error = functools.partial(usage_error, b)  # `lever bench nope`: one line, as every command's
     benches = b.add_subparsers(dest="bench", required=True, metavar="{model,flash,pipelines,chat,fuzz}")
     for bench in BENCHES:
         bench.add_parser(benches)
