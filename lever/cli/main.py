@@ -15,6 +15,7 @@ The heavy imports (numpy, the kernels, the commands) happen after the handlers a
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib
 import os
@@ -31,10 +32,11 @@ BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lever.cli.common import lever_version
+    from lever.cli.common import lever_version, usage_error
 
     parser = argparse.ArgumentParser(prog="lever", description="Flash-resident speculative decoding of LLMs.",
                                      epilog=EPILOG)
+    parser.error = functools.partial(usage_error, parser)  # an unknown command or flag: one line too
     parser.add_argument("--version", action="version", version=f"lever {lever_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:

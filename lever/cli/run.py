@@ -76,10 +76,16 @@ def main(args) -> int:
     res = run_pipeline(cfg, prompt, None if args.json else on_text, args.trace)
     if args.json:
         print(json.dumps(res.as_json()))
-        return 0
-    print()
-    print_summary(res, file=sys.stderr)
-    return 0
+    else:
+        print()
+        print_summary(res, file=sys.stderr)
+    return 1 if lossless_broken(res) else 0
+
+
+def lossless_broken(res) -> bool:
+    """A greedy run whose tokens differ from its baseline's: the output is not the target's own,
+    and the exit code says so (a script must not take it for a result)."""
+    return res.baseline is not None and res.temperature == 0.0 and not res.baseline_tokens_equal
 
 
 def print_summary(res, file) -> None:

@@ -1,17 +1,21 @@
 """`lever serve [-c CONFIG] [--host H] [--port P] [--queue N]`: the OpenAI-compatible server
-(lever.serve) over the configured pipeline, until SIGINT or SIGTERM."""
+(lever.serve) over the configured pipeline, until SIGINT, SIGTERM or SIGHUP: then new requests get
+503 and the admitted ones GRACE_S to finish before they are cancelled; exit 128 + the signal."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
+from lever import signals
 from lever.cli.common import add_common, add_set, check_sets, input_text_file, int_in, port
 from lever.errors import LeverError
 from lever.shipped import shipped
 
 MAX_QUEUE = 1024
+GRACE_S = 5.0  # on shutdown, how long the running generation may go on before it is cancelled
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -49,12 +53,33 @@ def main(args) -> int:
     llm = load(args.config or shipped("default.toml"), overrides=args.set)
     try:
         model_id = Path(llm.config.model.target).stem
-        config = uvicorn.Config(app(llm, model_id=model_id, queue=args.queue), host=args.host, port=args.port,
-                                log_level="warning", access_log=False)
-        server = uvicorn.Server(config)
+        asgi = app(llm, model_id=model_id, queue=args.queue)
+        server = _server_class()(uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning", access_log=False))
+
+        def stop(signum: int) -> None:  # INT, TERM or HUP: stop listening, drain, then cancel
+            server.should_exit = True
+            asgi.state.server.shutdown(GRACE_S)
+
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
               f"queue {args.queue}", file=sys.stderr, flush=True)
-        server.run()
+        with signals.on_stop(stop):
+            server.run()
     finally:
         llm.close()
+    if (s := signals.pending()) is not None:
+        raise signals.Interrupted(s)  # the command ends as every stopped command does: 128 + n
     return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server without its own signal handlers: lever.signals has INT, TERM and
+        HUP (uvicorn would take two of them, and re-raise them after its shutdown)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return Server

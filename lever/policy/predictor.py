@@ -30,6 +30,7 @@ from lever.dataflow.messages import TokenTree, children_of, likely_path
 from lever.errors import LeverError, shown
 from lever.gguf.identity import ModelIdentity
 from lever.model.finite import NonFiniteError, finite
+from lever.outputs import atomic_write
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.fields import Fields, read_msgpack
 
@@ -252,9 +253,8 @@ class Artifact:
                                 "trials": self.acceptance.trials.tolist(),
                                 "prior_weight": self.acceptance.prior_weight},
                 "report": self.report}
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_bytes(msgpack.packb(data))
-        tmp.replace(path)
+        with atomic_write(path, "wb", "predictor artifact") as f:  # whole or not at all, no temp left
+            f.write(msgpack.packb(data))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Artifact:

@@ -22,6 +22,7 @@ import msgpack
 from lever.backends.flash.config import MODES, FlashConfig
 from lever.errors import LeverError, shown
 from lever.gguf.identity import ModelIdentity
+from lever.outputs import atomic_write
 from lever.policy.fields import MAX_COUNT, Fields, read_msgpack
 
 FORMAT = "lever-profile"
@@ -120,15 +121,11 @@ class Profile:
 
 
 def write(profile: Profile, path: str | os.PathLike) -> Path:
-    """Writes atomically (a reader never sees half a profile)."""
+    """Writes atomically (a reader never sees half a profile; a temp file is never left)."""
     path = Path(path)
     data = {"format": FORMAT, "version": FORMAT_VERSION, "profile": attrs.asdict(profile)}
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_bytes(msgpack.packb(data, use_bin_type=True))
-        os.replace(tmp, path)
-    except OSError as e:
-        raise LeverError(f"{path}: cannot write profile: {e.strerror or e}") from None
+    with atomic_write(path, "wb", "profile") as f:
+        f.write(msgpack.packb(data, use_bin_type=True))
     return path
 
 

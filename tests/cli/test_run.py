@@ -72,3 +72,17 @@ def test_the_summary_warns_when_peak_rss_passes_the_bound():
     over = types.SimpleNamespace(plan=plan, peak_rss_bytes=130 * 2**20, rss_bound_bytes=100 * 2**20)
     assert "passed" in over_bound(over) and "by 30 MiB" in over_bound(over)
     assert over_bound(types.SimpleNamespace(plan=plan, peak_rss_bytes=90 * 2**20, rss_bound_bytes=100 * 2**20)) == ""
+
+
+def test_a_greedy_run_that_differs_from_its_baseline_exits_non_zero():
+    """Greedy output must be the target's own: a difference is a failed run, not a figure."""
+    from types import SimpleNamespace
+
+    from lever.cli.run import lossless_broken
+
+    run = lambda equal, temp, baseline=object(): SimpleNamespace(baseline=baseline, baseline_tokens_equal=equal,  # noqa: E731
+                                                                 temperature=temp)
+    assert lossless_broken(run(False, 0.0))
+    assert not lossless_broken(run(True, 0.0))
+    assert not lossless_broken(run(False, 0.8))  # sampled: the runs draw differently
+    assert not lossless_broken(run(False, 0.0, baseline=None))

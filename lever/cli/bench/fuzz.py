@@ -1,4 +1,6 @@
-"""`lever bench fuzz`: crafted and mutated GGUFs through the loader and the tokenizer (lever.fuzz)."""
+"""`lever bench fuzz`: hostile inputs through what users reach with them (lever.fuzz): crafted and
+mutated GGUFs (the loader, the tokenizer, non-finite weights), configs with --set overrides, the
+files Lever reads back, and command lines (this package's parser, hence passed from here)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from lever.fuzz.runner import run_fuzz
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    b = sub.add_parser("fuzz", help="crafted and mutated GGUFs through the loader and the tokenizer")
+    b = sub.add_parser("fuzz", help="hostile GGUFs, configs, read-back files and command lines through Lever")
     b.add_argument("--n", type=int_in(1, MAX_INPUTS), default=100_000, help="inputs to run")
     b.add_argument("--seed", type=int_in(0, INT64_MAX), default=0, help="random seed")
     b.add_argument("--corpus", type=Path, default=None, help="write each finding's input here, named by hash")
@@ -43,6 +45,8 @@ def check_args(args) -> None:
 
 
 def main(args) -> int:
+    from lever.cli.main import build_parser  # the command-line family fuzzes every parser of the package
+
     check_args(args)
     n = args.n
     columns = (TextColumn("fuzzing"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
@@ -54,6 +58,6 @@ def main(args) -> int:
             if r.n % 50 == 0 or r.n == n:
                 bar.update(task, completed=r.n, status=f"{r.rate:.0f}/s, {sum(r.findings.values())} findings")
 
-        report = run_fuzz(n, args.seed, args.corpus, args.timeout, progress=progress)
+        report = run_fuzz(n, args.seed, args.corpus, args.timeout, progress=progress, parser_factory=build_parser)
     print("\n".join(report.lines()))
     return 0
