@@ -37,6 +37,7 @@ from lever.errors import LeverError
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.cost_model import CostModel
 from lever.policy.growth import POLICIES, Candidate, GrowthPolicy
+from lever.policy.lookup import SOURCES, Lookup
 from lever.policy.online import OnlineCost, Scales
 
 BAR_WEIGHT = 0.5  # of the newest tree in the moving rate bar
@@ -58,6 +59,7 @@ class TreeExpandConfig:
     confidence: float = 0.3  # confidence: add nodes whose path probability stays above this
     lookahead_nodes: int = 0  # nodes drafted ahead while the target verifies (0: off), within the pass's idle time
     acceptance: str = "online"  # gain-cost: "online" learns draft probability -> acceptance from each cycle; "calibrated" starts from `lever calibrate`'s table and learns on; "identity"
+    sources: tuple[str, ...] = ("model",)  # who proposes children: the draft model, "prompt-lookup", "ngram" (lever.policy.lookup); without "model", no draft model runs
     adapt: bool = True  # correct the cost model from each cycle's measured pass, Accept and draft times (lever.policy.online); a seeded sampled run keeps the profile, to stay reproducible
 
     def __attrs_post_init__(self):
@@ -68,12 +70,25 @@ class TreeExpandConfig:
                 raise LeverError(f"[tree_expand] {name}: must be in [1, {MAX_TREE_SIZE}], got {getattr(self, name)}")
         if self.acceptance not in ("online", "identity", "calibrated"):
             raise LeverError(f"[tree_expand] acceptance: {self.acceptance!r} is not 'online', 'identity' or 'calibrated'")
+        unknown = [x for x in self.sources if x not in SOURCES]
+        if not self.sources or unknown or len(set(self.sources)) != len(self.sources):
+            raise LeverError(f"[tree_expand] sources: {list(self.sources)} must be distinct names of {', '.join(SOURCES)}")
         if not 0 <= self.lookahead_nodes <= MAX_TREE_SIZE:
             raise LeverError(f"[tree_expand] lookahead_nodes: must be in [0, {MAX_TREE_SIZE}], got {self.lookahead_nodes}")
 
     @property
     def growth(self) -> GrowthPolicy:
         return POLICIES[self.policy]
+
+    @property
+    def uses_model(self) -> bool:
+        """Whether trees need the draft model: a drafting policy with "model" among its sources."""
+        return self.growth.drafts and "model" in self.sources
+
+    @property
+    def lookup_sources(self) -> tuple[str, ...]:
+        """The free sources (lever.policy.lookup), for a policy that drafts at all."""
+        return tuple(x for x in self.sources if x != "model") if self.growth.drafts else ()
 
     @property
     def draft_rows(self) -> int:
@@ -155,6 +170,11 @@ class TreeBuilder:
     n_carried_used: int = 0  # nodes of this tree that came drafted ahead
     sent_s: float = 0.0  # the cycle's predicted time when the tree was sent
     sent_tokens: float = 0.0  # its expected tokens then
+    lookup: Lookup | None = None  # the free sources (prompt lookup, n-grams); None: the model's proposals alone
+    tables: dict = attrs.field(factory=dict)  # a free source's name -> its acceptance table (None: the identity)
+    uses_model: bool = True  # the draft model expands nodes; False: the free sources alone grow the tree
+    source: list[str] = attrs.field(factory=list)  # who proposed each node
+    _kids: dict = attrs.field(factory=dict)  # node -> the tokens of its children in the tree (no duplicate siblings)
     _seq: int = 0
 
     @property
@@ -166,19 +186,47 @@ class TreeBuilder:
         """Nodes this tree may reach: the caps, the context, and a chain's fixed length."""
         return self.config.growth.limit(self.config, min(self.config.max_nodes, self.room))
 
-    def add(self, token: int, parent: int, gain: float, q: float = 1.0, rank: int = 0) -> int:
+    def add(self, token: int, parent: int, gain: float, q: float = 1.0, rank: int = 0, source: str = "model") -> int:
         self.q_draft.append(q)
         self.rank.append(rank)
+        self.source.append(source)
         self.tokens.append(token)
         self.parents.append(parent)
         self.depth.append(0 if parent < 0 else self.depth[parent] + 1)
         self.gain.append(gain)
         self.row.append(-1)
-        return self.n_nodes - 1
+        node = self.n_nodes - 1
+        self._kids.setdefault(parent, set()).add(token)
+        if self.lookup is not None:
+            self._propose(node)
+        return node
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from below the root down to `node` (the root is the text's last token)."""
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
+    def _propose(self, node: int) -> None:
+        """The free sources' children of a node that just joined: candidates at once, no forward."""
+        if not self._expandable(node):
+            return
+        kids = self._kids.get(node, ())
+        for source, t, q, rank in self.lookup.propose(self.path(node)):
+            if t in kids:
+                continue
+            table = self.tables.get(source)
+            p = table(q, rank) if table is not None else q
+            heapq.heappush(self.candidates, Candidate(-self.gain[node] * p, self._seq, node, int(t), float(q), rank, source))
+            self._seq += 1
 
     def request(self, nodes: list[int], given: list[int] = (), keep: tuple[int, ...] | None = None,
                 carry: tuple[int, ...] = ()) -> ExpandRequest:
-        """Ask the draft to expand `nodes` (after extending its cache with `given` tokens)."""
+        """Ask the draft to expand `nodes` (after extending its cache with `given` tokens); a
+        node a free source proposed may hang below others the draft never ran: they run first."""
+        nodes = self._with_ancestors(nodes)
         first = self.n_pending
         toks, parents = list(given), [first - 1 + i if i else -1 for i in range(len(given))]
         for i, n in enumerate(nodes):
@@ -194,15 +242,31 @@ class TreeBuilder:
         return ExpandRequest(self.cycle, np.asarray(toks, np.int64), np.asarray(parents, np.int32),
                              self.config.top_k, len(given), keep, carry)
 
+    def _with_ancestors(self, nodes: list[int]) -> list[int]:
+        if self.lookup is None:
+            return list(nodes)
+        out, seen = [], set()
+        for n in nodes:
+            chain, a = [], n
+            while a >= 0 and self.row[a] < 0 and a not in seen:
+                chain.append(a)
+                seen.add(a)
+                a = self.parents[a]
+            out += reversed(chain)
+        return out
+
     def _absorb(self, row: int, toks, probs, q_dist=None) -> None:
         """A node's children from the draft become candidates."""
         self.proposals[row] = (toks, probs, q_dist)
         node = self.node_of_row[row]
         if self.depth[node] + 2 > self.remaining:  # its children would come after the generation's end
             return
+        kids = self._kids.get(node, ())
         for rank, (t, q) in enumerate(zip(toks, probs)):
             if t < 0:  # fewer tokens had mass than were asked for
                 break
+            if t in kids:  # a free source proposed it already, and it joined
+                continue
             p = self.acceptance(float(q), rank) if self.acceptance is not None else float(q)
             heapq.heappush(self.candidates, Candidate(-self.gain[node] * p, self._seq, node, int(t), float(q), rank))
             self._seq += 1
@@ -226,7 +290,12 @@ class TreeBuilder:
 
     def next_round(self, keep: tuple[int, ...] | None = None, carry: tuple[int, ...] = ()) -> ExpandRequest | None:
         """Picks the next nodes; those drafted ahead bring their children at once, the rest
-        go to the draft. A cycle's first round always reaches the draft (it carries the rows to keep)."""
+        go to the draft. A cycle's first round always reaches the draft (it carries the rows to keep).
+        With no draft model, the free sources' candidates join while they pay, and no request goes out."""
+        if not self.uses_model:
+            while self.n_nodes < self.limit and self.config.growth.select(self):
+                pass
+            return None
         expand: list[int] = []
         while True:
             ready = []
@@ -254,13 +323,15 @@ class TreeBuilder:
     # -- what a growth policy reads and does (lever.policy.growth.Builder)
 
     def best_candidate(self) -> Candidate | None:
+        while self.candidates and self.candidates[0].token in self._kids.get(self.candidates[0].parent, ()):
+            heapq.heappop(self.candidates)  # a sibling with its token joined from another source
         return self.candidates[0] if self.candidates else None
 
     def take(self, c: Candidate) -> int:
         """The best candidate, c, joins the tree."""
         assert self.candidates[0] is c
         heapq.heappop(self.candidates)
-        return self.add(c.token, c.parent, c.gain, c.q, c.rank)
+        return self.add(c.token, c.parent, c.gain, c.q, c.rank, c.source)
 
     def drop_candidates(self) -> None:
         self.candidates.clear()
@@ -335,7 +406,10 @@ class TreeBuilder:
             if i >= 0:
                 nodes.append(i)
             else:  # candidates leave the heap in gain order, as `best` took them
-                nodes.append(self.take(self.candidates[0]))
+                c = self.best_candidate()
+                if c is None:
+                    break
+                nodes.append(self.take(c))
         self.lookahead_s += self.cost.expand_s(len(nodes))
         self.n_ahead += len(nodes)
         return attrs.evolve(self.request(nodes), ahead=True)
@@ -435,6 +509,9 @@ class TreeExpand(Stage):
     ahead_beside: bool = False  # drafting ahead runs on cores of its own beside the pass ([runtime] ahead_cores)
     online: OnlineCost | None = None  # the cost model corrected by measurements ([tree_expand] adapt)
     cycles: list[CycleRecord] = attrs.field(factory=list)
+    greedy: bool = True  # the free sources propose only under greedy verification (Accept's sampling needs a draft distribution)
+    lookup: Lookup | None = None  # the free sources over the text so far ([tree_expand] sources)
+    lookup_tables: dict = attrs.field(factory=dict)  # a free source -> its acceptance table, learned like the model's
     _committed: int = 0  # target rows committed, to keep trees inside the context
     _emitted: int = 0  # tokens Accept has emitted
     _bar_rate: float = 0.0  # moving estimate of the predicted rate of the trees sent, tokens/s
@@ -446,6 +523,11 @@ class TreeExpand(Stage):
             self.acceptance = AcceptanceTable()
         if self.online is None and self.config.adapt and isinstance(self.cost, CostModel):
             self.online = OnlineCost(self.cost)
+        if self.lookup is None and self.greedy and self.config.lookup_sources:
+            self.lookup = Lookup(self.config.lookup_sources)
+            self.lookup.extend(self.prompt)
+            if self.config.growth.learns_acceptance:
+                self.lookup_tables = {x: AcceptanceTable() for x in self.config.lookup_sources}
 
     @property
     def priced_by(self) -> Cost:
@@ -454,7 +536,13 @@ class TreeExpand(Stage):
 
     @property
     def drafting(self) -> bool:
-        return self.config.growth.drafts
+        """Whether the draft model runs (a drafting policy with "model" among its sources)."""
+        return self.config.uses_model
+
+    @property
+    def speculating(self) -> bool:
+        """Whether trees grow at all (from the model, the free sources or both)."""
+        return self.drafting or self.lookup is not None
 
     @property
     def idle_value(self) -> float:
@@ -479,7 +567,7 @@ class TreeExpand(Stage):
     def observe(self, acc: Accepted, now_s: float) -> None:
         """What the cycle that `acc` ends measured: into the online estimates and the record."""
         prev = self._last
-        if prev is not None and prev.n_sent and self._last_accepted_t is not None and self.drafting:
+        if prev is not None and prev.n_sent and self._last_accepted_t is not None and self.speculating:
             measured_s = now_s - self._last_accepted_t
             self.cycles.append(CycleRecord(prev.n_sent, prev.sent_s, prev.sent_tokens, measured_s,
                                            len(acc.tokens), self.online.scales if self.online else Scales()))
@@ -491,12 +579,14 @@ class TreeExpand(Stage):
 
     def learn(self, prev: TreeBuilder, acc: Accepted) -> None:
         """Every sent node whose parent the target reached was a trial, accepted or not (unless pruned)."""
-        if self.acceptance is None:
+        if self.acceptance is None and not self.lookup_tables:
             return
         reached, pruned = set(acc.keep), set(acc.pruned)
         for i in range(1, prev.n_sent):
             if prev.parents[i] in reached and i not in pruned:
-                self.acceptance.observe(prev.q_draft[i], prev.rank[i], i in reached)
+                table = self.acceptance if prev.source[i] == "model" else self.lookup_tables.get(prev.source[i])
+                if table is not None:
+                    table.observe(prev.q_draft[i], prev.rank[i], i in reached)
 
     def first_request(self) -> ExpandRequest:
         """The draft prefills the prompt while the target does."""
@@ -511,11 +601,16 @@ class TreeExpand(Stage):
         if self._last is not None:
             self.learn(self._last, acc)
         remaining = MAX_TREE_SIZE + 1 if self.n_predict is None else self.n_predict - self._emitted
+        if self.lookup is not None:
+            self.lookup.extend(acc.tokens)  # the root, the text's last token, is the newest of them
         b = TreeBuilder(self.config, self.priced_by, acc.pass_id + 1, room=self.n_ctx - self._committed,
                         remaining=remaining, acceptance=self.acceptance, ahead_beside=self.ahead_beside,
-                        bar_rate=self._bar_rate, idle_value=self.idle_value)
+                        bar_rate=self._bar_rate, idle_value=self.idle_value, lookup=self.lookup,
+                        tables=self.lookup_tables, uses_model=self.drafting)
         b.add(acc.tokens[-1], -1, 1.0)
         if not self.drafting:
+            if self.lookup is not None:
+                b.next_round()  # the free sources alone: the tree grows here, no draft request
             return b, None
         prev = self._last
         if prev is None:  # after the prefill: the draft holds the whole prompt as pending rows

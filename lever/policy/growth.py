@@ -35,6 +35,7 @@ class Candidate:
     token: int = attrs.field(order=False)
     q: float = attrs.field(order=False)  # the draft's probability of it, given its parent
     rank: int = attrs.field(order=False)  # its place among its parent's proposals
+    source: str = attrs.field(default="model", order=False)  # who proposed it (lever.policy.lookup.SOURCES)
 
     @property
     def gain(self) -> float:

@@ -1,0 +1,109 @@
+"""`lever bench sources -c CONFIG --prompts FILE`: who proposes the tree's tokens, side by side.
+
+For each DRAM budget and prompt: Flash-AR, then Lever with children from the draft model only,
+from the free sources only (prompt lookup and the n-gram cache, lever.policy.lookup: no draft
+model loaded at all), and from both in the same tree. Per variant: tokens per pass, ms/token
+and the ratio to Flash-AR's speed on the same prompt. Greedy, so every variant's tokens must be
+Flash-AR's (the bench checks, and fails if not). Run it on prompts whose text repeats (code the
+prompt contains and the answer edits, a document to summarize) and on plain completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from lever.cli.bench.pipelines import BUDGET, read_prompts
+from lever.cli.common import (
+    MAX_PROMPT_BYTES,
+    add_common,
+    add_set,
+    bench_tokens,
+    check_sets,
+    input_text_file,
+    output_file,
+    parse_list,
+)
+from lever.cli.table import show
+from lever.errors import LeverError
+from lever.outputs import atomic_write
+from lever.shipped import shipped
+
+FREE = '["prompt-lookup", "ngram"]'
+VARIANTS = {  # name -> overrides of a speculative gain-cost config
+    "model": ['tree_expand.sources=["model"]'],
+    "lookup": [f"tree_expand.sources={FREE}", 'model.draft=""'],
+    "model+lookup": ['tree_expand.sources=["model", "prompt-lookup", "ngram"]'],
+}
+SPECULATIVE = ['pipeline.kind="speculative"', 'tree_expand.policy="gain-cost"', "generate.temperature=0.0"]
+
+
+def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float, ...], sets: list[str] = (),
+                  out=print, json_path: str | None = None) -> dict:
+    from lever.config import load_config
+    from lever.pipelines.session import run_pipeline
+
+    def run(extra: list[str], budget: float, prompt: str):
+        cfg = load_config(config, [*sets, *extra, f"flash.dram_budget={budget}", f"generate.n_predict={n}",
+                                   'pipeline.baseline=""'])
+        return run_pipeline(cfg, prompt)
+
+    result: dict = {"config": config, "n_gen": n, "budgets": {}}
+    for b in budgets:
+        per: dict[str, list[dict]] = {"flash-ar": []} | {k: [] for k in VARIANTS}
+        for i, prompt in enumerate(prompts):
+            base = run(['pipeline.kind="flash-ar"', "generate.temperature=0.0"], b, prompt)
+            per["flash-ar"].append({"ms_per_token": base.ms_per_token, "tokens_per_pass": 1.0})
+            for name, extra in VARIANTS.items():
+                r = run([*SPECULATIVE, *extra], b, prompt)
+                if r.tokens != base.tokens:
+                    raise LeverError(f"bench sources: prompt {i}, {name} at {b:g}: tokens differ from Flash-AR's "
+                                     "(greedy output must not)")
+                per[name].append({"ms_per_token": r.ms_per_token, "tokens_per_pass": r.tree.accepted_per_pass,
+                                  "speedup": base.ms_per_token / r.ms_per_token, "nodes": r.tree.mean_nodes})
+        result["budgets"][str(b)] = per
+        rows = []
+        for name, runs in per.items():
+            ms = statistics.fmean(x["ms_per_token"] for x in runs)
+            tpp = statistics.fmean(x["tokens_per_pass"] for x in runs)
+            sp = statistics.fmean(x.get("speedup", 1.0) for x in runs)
+            rows.append([name, f"{tpp:.2f}", f"{ms:.1f}", f"{1e3 / ms:.2f}", f"{sp:.2f}x"])
+        show(["source", "tokens/pass", "ms/token", "tok/s", "x Flash-AR"], rows, out,
+             title=f"{len(prompts)} prompts x {n} tokens, DRAM budget {100 * b:.0f}% ({config}); tokens equal Flash-AR's")
+    if json_path:
+        with atomic_write(json_path, "w", "--json") as f:
+            f.write(json.dumps(result, indent=1))
+    return result
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    b = sub.add_parser("sources", help="children from the draft model, prompt lookup and n-grams, side by side")
+    b.add_argument("-c", "--config", type=Path, required=True, help="a speculative pipeline's TOML config")
+    b.add_argument("--prompts", type=Path, default=None,
+                   help="prompts separated by lines holding only --- (default: examples/prompts/repeat.txt)")
+    b.add_argument("--n-gen", type=bench_tokens, default=48, help="tokens generated per prompt")
+    b.add_argument("--budgets", default="0,0.25", help="DRAM budgets, fractions of the layer bytes")
+    b.add_argument("--json", type=Path, default=None, help="write every figure to this file")
+    add_set(b)
+    add_common(b)
+    b.set_defaults(func=main, check=check_args)
+    return b
+
+
+def check_args(args) -> tuple[float, ...]:
+    budgets = parse_list(args.budgets, "--budgets", BUDGET, max_items=21)
+    input_text_file(args.config, "-c", "config file")
+    if args.prompts is not None:
+        input_text_file(args.prompts, "--prompts", "prompts file", MAX_PROMPT_BYTES)
+    output_file(args.json, "--json")
+    check_sets(args)
+    return budgets
+
+
+def main(args) -> int:
+    budgets = check_args(args)
+    prompts = read_prompts(args.prompts or shipped("prompts", "repeat.txt"))
+    bench_sources(str(args.config), prompts, args.n_gen, budgets, args.set, json_path=args.json)
+    return 0
