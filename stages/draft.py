@@ -9,6 +9,10 @@ which to keep (the accepted path), so the draft's cache follows the accepted tex
 A NaN or an Inf in the draft's hidden state or logits ends the run with one line naming the
 draft's file, the position and the layer or tensor at fault; the checks reuse reductions the
 forward and the softmax make anyway.
+When the draft's token table is not the target's (lever.gguf.vocab_map), messages stay in target
+ids: tokens fed in go through the map to draft ids, draft tokens with no target counterpart are
+masked before the top-k or the draw, and what comes out goes back to target ids, with the drawn-from
+distribution q over the target's vocabulary. With the same table there is no map and none of it runs.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from lever.dataflow.graph import Stage
 from lever.dataflow.messages import ExpandRequest, Expansion
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
+from lever.gguf.vocab_map import VocabMap
 from lever.model.finite import NonFiniteError, finite
 from lever.model.sampling import SamplingParams, distribution, draw_without_replacement
 from lever.model.transformer import Model
@@ -52,6 +57,23 @@ def softmax_top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return top, (np.exp(top_z - m) / norm).astype(np.float32)
 
 
+# Below any logit a model computes, and finite: exp() of it minus the row's max underflows to 0
+# silently, and the finite checks above still see only the model's own NaN and Inf.
+MASKED_LOGIT = np.float32(-1e30)
+
+
+def mapped_top_k(logits: np.ndarray, k: int, vocab: VocabMap) -> tuple[np.ndarray, np.ndarray]:
+    """softmax_top_k over the draft tokens that have a target counterpart, in target ids: the
+    others are masked first, so k real children come back (-1 pads only when fewer than k map).
+    The probabilities are the draft's restricted to the mapped tokens. `logits` is overwritten."""
+    if vocab.unmapped.size:
+        logits[:, vocab.unmapped] = MASKED_LOGIT
+    top, probs = softmax_top_k(logits, k)
+    tokens = vocab.to_target[top]
+    probs[tokens < 0] = 0.0  # a masked token, reached only when fewer than k map
+    return tokens, probs
+
+
 @attrs.define
 class Drafter:
     """The synchronous core: a model, its cache, and the parents of this cycle's pending rows."""
@@ -65,6 +87,7 @@ class Drafter:
     batch_layer_fn: Callable | None = None  # the backend of forwards over several tokens ([placement] draft_batch); None: CPU
     sampling: SamplingParams | None = None  # when the run samples: children are drawn from the draft's distribution
     rng: np.random.Generator = attrs.field(factory=np.random.default_rng)
+    vocab: VocabMap | None = None  # the draft's ids are not the target's (lever.gguf.vocab_map); None: the same table
 
     def keep(self, rows: tuple[int, ...], carry: tuple[int, ...] = ()) -> None:
         """A new cycle: of the pending rows, `rows` (ascending: the accepted path) join the
@@ -108,8 +131,9 @@ class Drafter:
             pos[j] = self.n_committed + depth[row]
             mask[j, [self.n_committed + a for a in self._ancestors(row)]] = True
         batched = req.tokens.size > 1
+        fed = req.tokens if self.vocab is None else self.vocab.to_draft[req.tokens]  # target ids -> the draft's
         try:
-            hidden = self.model.forward(req.tokens, pos, mask, self.cache, self.batch_layer_fn if batched else None)
+            hidden = self.model.forward(fed, pos, mask, self.cache, self.batch_layer_fn if batched else None)
         except NonFiniteError as e:
             raise e.evolve(role="draft", path=self.model.file.path) from None
         self.forwards += 1
@@ -122,7 +146,10 @@ class Drafter:
         rows = (first + expand).astype(np.int32)
         try:
             if self.sampling is None or self.sampling.greedy:
-                tokens, probs = softmax_top_k(logits, req.top_k)
+                if self.vocab is None:
+                    tokens, probs = softmax_top_k(logits, req.top_k)
+                else:
+                    tokens, probs = mapped_top_k(logits, req.top_k, self.vocab)
                 return Expansion(req.cycle, rows, tokens, probs)
             return Expansion(req.cycle, rows, *self.draw(logits, req.top_k))
         except NonFiniteError:  # the failure path: which row, and which tensor of the head
@@ -132,12 +159,25 @@ class Drafter:
         """Children drawn without replacement from the draft's distribution under the run's
         sampling parameters (so close to the target's): tokens (-1 pads), their probabilities, q."""
         q = np.stack([distribution(row, self.sampling) for row in logits]).astype(np.float32)
+        vocab = self.vocab
+        if vocab is not None:
+            # drawn from the draft's distribution restricted to the tokens that map, renormalized
+            # (Accept's rejection sampling is exact for whatever q the draws really came from)
+            q[:, vocab.unmapped] = 0.0
+            mass = q.sum(axis=1, keepdims=True)
+            q = np.divide(q, mass, out=np.zeros_like(q), where=mass > 0)  # no mass left: nothing drawn
         tokens = np.full((len(q), k), -1, np.int64)
         probs = np.zeros((len(q), k), np.float32)
         for i, row in enumerate(q):
             drawn = draw_without_replacement(row, k, self.rng)
             tokens[i, : drawn.size], probs[i, : drawn.size] = drawn, row[drawn]
-        return tokens, probs, q
+        if vocab is None:
+            return tokens, probs, q
+        # ... and that q over the target's ids, zeros where no draft token maps (a one-to-one map:
+        # the same numbers, other places)
+        q_target = np.zeros((len(q), vocab.n_target), np.float32)
+        q_target[:, vocab.mapped_target] = q[:, vocab.mapped_draft]
+        return np.where(tokens >= 0, vocab.to_target[np.maximum(tokens, 0)], -1), probs, q_target
 
 
 @attrs.frozen

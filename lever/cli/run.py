@@ -113,6 +113,11 @@ def print_summary(res, file) -> None:
               f"flash busy {100 * t.flash_busy_share:.0f}% of the run")
         p("  drafting    forwards by tokens in them: "
           + ", ".join(f"{k} x{c}" for k, c in sorted(tr.draft_forward_tokens.items())))
+    if getattr(res, "vocab", None) is not None:  # only for a mapped pair: the same table maps all of both, at no cost
+        v = res.vocab
+        p(f"  vocabulary  draft -> target: {v.draft_mapped:,} of {v.draft_tokens:,} draft tokens map "
+          f"({share(v.draft_mapped, v.draft_tokens)}); {v.target_reachable:,} of {v.target_tokens:,} target tokens "
+          f"reachable ({share(v.target_reachable, v.target_tokens)}); mapped in {v.build_ms:.0f} ms at load")
     if mem.plan is not None:
         p(f"  memory      peak RSS {mem.peak_rss_bytes / mib:.0f} MiB, planned before loading {mem.plan.describe()}; "
           f"bound with margin {mem.rss_bound_bytes / mib:.0f} MiB")
@@ -127,6 +132,11 @@ def print_summary(res, file) -> None:
         same = tokens_verdict(res.baseline_tokens_equal, res.temperature, "the baseline's")
         p(f"  vs {b.pipeline:<8} {res.speedup:.2f}x its speed: {b.ms_per_token:.1f} ms/token on the same prompt, "
           f"{b.flash_mb_per_token:.1f} MB/token from the device, {same}")
+
+
+def share(part: int, whole: int) -> str:
+    """part of whole as a percentage, cut (not rounded) to one decimal: 100% only when all."""
+    return "100%" if part == whole else f"{int(1000 * part / whole) / 10 if whole else 0:.1f}%"
 
 
 def tokens_verdict(equal: bool, temperature: float, other: str) -> str:

@@ -13,7 +13,6 @@ and whole-sequence text come from the same table and always agree.
 from __future__ import annotations
 
 import codecs
-import operator
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -440,69 +439,19 @@ def _eog_ids(v: _Vocab) -> set[int]:
 
 
 
-# --- a model pair's shared vocabulary -------------------------------------------------------
-
-
-def _table(f: GGUFFile, key: str):
-    v = f.metadata.get(f"tokenizer.ggml.{key}")
-    return v if isinstance(v, list) else None  # string arrays are lists (numeric ones numpy)
-
-
-def _special_id(f: GGUFFile, key: str):
-    """A special id as comparable: None for absent or "no such token" (-1 however stored); the
-    draft's metadata is not otherwise checked, so anything odd compares as its repr."""
-    v = f.metadata.get(f"tokenizer.ggml.{key}")
-    if v is None or (isinstance(v, (int, np.integer)) and not isinstance(v, bool) and int(v) in _NO_TOKEN):
-        return None
-    return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else shown(repr(v), 30)
+# --- a model pair's vocabularies -------------------------------------------------------------
 
 
 def compare_vocabularies(target: GGUFFile, draft: GGUFFile) -> list[str]:
-    """Checks that a draft's token ids mean what the target's mean, before the pair is used:
-    refuses with one line and figures, or returns warnings (one line each) to print.
+    """Checks that a draft can draft for the target before the pair is used: refuses with one
+    line and figures, or returns warnings (one line each) to print.
 
-    Speculation stays lossless whatever the draft proposes (the target verifies every token
-    by id), so a draft whose id i is another string than the target's id i does not change
-    the output: it only makes nearly every proposal wrong, and the run silently slower than
-    the target alone. So:
-    - another table length, or any normal (text or byte) token spelled differently: refused.
-      Proposals mean other text; mapping between vocabularies is a later feature.
-    - differences only in special tokens (control, user-defined, unused: chat markers and
-      reserved slots a fine-tune may rename), in the special ids (BOS, EOS, EOT...) or in the
-      merges: warned. Text tokens map one to one, so the draft's proposals stay mostly right;
-      what suffers is its guess at turn ends, or at text its own merges would cut otherwise.
-    Only the target's tokenizer ever encodes or decodes, so token types and the draft's flags
-    do not matter. Cost, Qwen2.5-Coder 1.5B/0.5B (151,936 tokens, 151,387 merges), measured
-    2026-12-02 on the 2-core dev box: 12 ms for identical tables (two list comparisons, 7 and
-    8 ms), 15 ms when every token differs (the figures)."""
-    names = f"draft {draft.path} and target {target.path}"
-    a, b = _table(target, "tokens"), _table(draft, "tokens")
-    if a is None or b is None:
-        missing = "draft" if b is None else "target"
-        return [f"{names}: the {missing} has no token table, so Lever cannot check that the pair shares one"]
-    if len(a) != len(b):
-        raise LeverError(f"{names}: token tables of {len(b):,} and {len(a):,} tokens; the draft's proposals would "
-                         f"be other tokens to the target (lossless but slow): use a draft of the target's vocabulary")
-    warnings = []
-    if a != b:
-        differ = np.fromiter(map(operator.ne, a, b), bool, count=len(a))  # ~8 ms when all 151,936 differ
-        types = target.metadata.get("tokenizer.ggml.token_type")  # checked by the target's Tokenizer
-        special = (np.isin(np.asarray(types), (CONTROL, USER_DEFINED, UNUSED))
-                   if isinstance(types, np.ndarray) and len(types) == len(a) else np.zeros(len(a), bool))
-        text = np.flatnonzero(differ & ~special)
-        i = int(text[0]) if text.size else int(np.flatnonzero(differ)[0])
-        figures = (f"{len(a):,} tokens, {int(differ.sum()):,} differ (first at id {i}: "
-                   f"{shown(str(b[i]), 30)!r} vs {shown(str(a[i]), 30)!r})")
-        if text.size:
-            raise LeverError(f"{names}: {figures}; the draft's proposals would be other text to the target "
-                             f"(lossless but slow): use a draft of the target's vocabulary")
-        warnings.append(f"{names}: {figures}, special tokens only: proposals of those will be rejected")
-    ids = [(k, _special_id(target, k), _special_id(draft, k)) for k in _ID_KEYS]
-    if moved := [f"{k} {y} vs {x}" for k, x, y in ids if x != y]:
-        warnings.append(f"{names}: special ids differ ({', '.join(moved)}): the draft may mispredict where text ends")
-    ma, mb = _table(target, "merges"), _table(draft, "merges")
-    if ma != mb:
-        n = sum(map(operator.ne, ma or [], mb or [])) + abs(len(ma or []) - len(mb or []))
-        warnings.append(f"{names}: merges differ ({n:,} of {max(len(ma or []), len(mb or [])):,}): the draft was "
-                        f"trained on other cuts of the same text, so fewer of its proposals may be accepted")
-    return warnings
+    Speculation stays lossless whatever the draft proposes (the target verifies every token by
+    id), so what is checked is speed: a draft whose ids mean other text than the target's would
+    make nearly every proposal wrong. Tables of the same tokenizer whose ids differ (permuted,
+    padded, special tokens only one has) are mapped by string (lever.gguf.vocab_map, which makes
+    the map too); tokenizers that cut text differently (another kind, pre-tokenizer or merges)
+    are refused; special ids that do not correspond are warned."""
+    from lever.gguf.vocab_map import pair_vocabularies  # it builds on this module
+
+    return pair_vocabularies(target, draft)[1]

@@ -26,6 +26,7 @@ from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import read_spec
+from lever.gguf.vocab_map import paired
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
 from lever.pipelines.target import FlashTarget
@@ -123,14 +124,22 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
     if tree.growth.drafts:
         if draft_model is None:
             raise LeverError(f"[tree_expand] policy {tree.policy!r} needs a draft model ([model] draft)")
-        if draft_model.spec.n_vocab != spec.n_vocab:
-            raise LeverError(f"[model] draft: vocabulary of {draft_model.spec.n_vocab} tokens, the target has {spec.n_vocab}")
+        # another token table of the same tokenizer is mapped (made once, at Engine.open; other
+        # tokenizers were refused there); the same table is not, and drafting runs as it always did
+        vocab, _ = paired(target.model.file, draft_model.file)
+        n_draft = draft_model.spec.n_vocab
+        if vocab is None and n_draft != spec.n_vocab:
+            raise LeverError(f"[model] draft: vocabulary of {n_draft} tokens, the target has {spec.n_vocab}")
+        if vocab is not None and (vocab.n_draft, vocab.n_target) != (n_draft, spec.n_vocab):
+            raise LeverError(f"[model] draft: {n_draft:,} and {spec.n_vocab:,} embedding rows for token tables of "
+                             f"{vocab.n_draft:,} and {vocab.n_target:,} (draft, target): a row without a token "
+                             f"cannot be mapped")
         if tree.top_k > spec.n_vocab:
             raise LeverError(f"[tree_expand] top_k: {tree.top_k} children per node, but the vocabulary has {spec.n_vocab} tokens")
         cache = kv.draft if kv is not None and kv.draft is not None else draft_model.new_cache(n_ctx + tree.draft_rows)
         core = Drafter(draft_model, cache, n_past, sampling=params,
                           rng=np.random.default_rng(None if params.seed is None else [params.seed, 1]),
-                          batch_layer_fn=placement.draft_batch_fn if placement is not None else None)
+                          batch_layer_fn=placement.draft_batch_fn if placement is not None else None, vocab=vocab)
         draft = Draft("draft", core, compute, tracer)
         p.connect(expand, "expand", draft, "expand", 1)
         p.connect(draft, "expansion", expand, "expansion", 1)

@@ -24,7 +24,8 @@ from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import read_spec
-from lever.gguf.tokenizer import StreamDecoder, Tokenizer, compare_vocabularies
+from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.gguf.vocab_map import VocabFigures, paired
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
 from lever.pipelines.compose import KVState, compose
@@ -151,6 +152,7 @@ class RunResult:
     channels: dict[str, dict] = attrs.field(factory=dict)  # each channel's ChannelStats (messages, backlog)
     temperature: float = 0.0  # 0: greedy, so the tokens must equal the target's own greedy decoding
     baseline: RunResult | None = None  # [pipeline] baseline run on the same prompt, when configured
+    vocab: VocabFigures | None = None  # the draft's token table mapped to the target's; None: the same table (or no draft)
 
     @property
     def speedup(self) -> float:
@@ -275,9 +277,9 @@ class Engine:
                 raise LeverError(f"{cfg.where}: [model] draft: a speculative pipeline needs a draft model")
             engine.draft_file = GGUFFile(cfg.model.draft)
             engine.draft_spec = read_spec(engine.draft_file)
-            # another vocabulary is refused, minor differences warned (see compare_vocabularies):
-            # output would stay lossless, only speed would silently collapse
-            for line in compare_vocabularies(f, engine.draft_file):
+            # another tokenizer is refused, another table of the same one mapped, once, here (compose
+            # reads the map back), special ids that differ warned: see lever.gguf.vocab_map
+            for line in paired(f, engine.draft_file)[1]:
                 print(f"lever: warning: {line}", file=sys.stderr)
         engine.plan(len(engine.encode(prompt)) if prompt is not None else 1)
         with native.default_threads(cfg.runtime.threads), ThreadPoolExecutor(1, "lever-load") as pool:
@@ -465,4 +467,5 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
         stop_reason=out.stop_reason, timing=timing, flash=flash, memory=memory, tree=trees_run,
         placement=place.where | {f"qnn {i}": _qnn_figures(r) for i, r in enumerate(place.runners)},
         channels={k: attrs.asdict(v) for k, v in h.pipeline.channel_stats.items()}, temperature=g.temperature,
+        vocab=h.draft.core.vocab.figures if h.draft is not None and h.draft.core.vocab is not None else None,
     )
