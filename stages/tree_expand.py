@@ -174,7 +174,8 @@ class TreeBuilder:
     tables: dict = attrs.field(factory=dict)  # a free source's name -> its acceptance table (None: the identity)
     uses_model: bool = True  # the draft model expands nodes; False: the free sources alone grow the tree
     source: list[str] = attrs.field(factory=list)  # who proposed each node
-    _kids: dict = attrs.field(factory=dict)  # node -> the tokens of its children in the tree (no duplicate siblings)
+    _child: dict = attrs.field(factory=dict)  # (parent, token) -> the child node: no two siblings share a token
+    also: dict = attrs.field(factory=dict)  # node -> [(source, q, rank)] of the other sources that proposed it too
     _seq: int = 0
 
     @property
@@ -196,7 +197,7 @@ class TreeBuilder:
         self.gain.append(gain)
         self.row.append(-1)
         node = self.n_nodes - 1
-        self._kids.setdefault(parent, set()).add(token)
+        self._child[(parent, token)] = node
         if self.lookup is not None:
             self._propose(node)
         return node
@@ -213,10 +214,7 @@ class TreeBuilder:
         """The free sources' children of a node that just joined: candidates at once, no forward."""
         if not self._expandable(node):
             return
-        kids = self._kids.get(node, ())
         for source, t, q, rank in self.lookup.propose(self.path(node)):
-            if t in kids:
-                continue
             table = self.tables.get(source)
             p = table(q, rank) if table is not None else q
             heapq.heappush(self.candidates, Candidate(-self.gain[node] * p, self._seq, node, int(t), float(q), rank, source))
@@ -261,14 +259,15 @@ class TreeBuilder:
         node = self.node_of_row[row]
         if self.depth[node] + 2 > self.remaining:  # its children would come after the generation's end
             return
-        kids = self._kids.get(node, ())
         for rank, (t, q) in enumerate(zip(toks, probs)):
             if t < 0:  # fewer tokens had mass than were asked for
                 break
-            if t in kids:  # a free source proposed it already, and it joined
-                continue
             p = self.acceptance(float(q), rank) if self.acceptance is not None else float(q)
-            heapq.heappush(self.candidates, Candidate(-self.gain[node] * p, self._seq, node, int(t), float(q), rank))
+            c = Candidate(-self.gain[node] * p, self._seq, node, int(t), float(q), rank)
+            if (node, int(t)) in self._child:  # a free source proposed it, and it joined: one node, both estimates
+                self._merge(c)
+                continue
+            heapq.heappush(self.candidates, c)
             self._seq += 1
 
     def _carried_row(self, parent: int, token: int) -> int | None:
@@ -323,9 +322,16 @@ class TreeBuilder:
     # -- what a growth policy reads and does (lever.policy.growth.Builder)
 
     def best_candidate(self) -> Candidate | None:
-        while self.candidates and self.candidates[0].token in self._kids.get(self.candidates[0].parent, ()):
-            heapq.heappop(self.candidates)  # a sibling with its token joined from another source
+        while self.candidates and (self.candidates[0].parent, self.candidates[0].token) in self._child:
+            self._merge(heapq.heappop(self.candidates))  # a sibling with its token joined from another source
         return self.candidates[0] if self.candidates else None
+
+    def _merge(self, c: Candidate) -> None:
+        """Another source's proposal of a node already in the tree: the node keeps the better
+        estimate (its subtree is priced from it), and every proposer's table learns from it."""
+        node = self._child[(c.parent, c.token)]
+        self.also.setdefault(node, []).append((c.source, c.q, c.rank))
+        self.gain[node] = max(self.gain[node], c.gain)
 
     def take(self, c: Candidate) -> int:
         """The best candidate, c, joins the tree."""
@@ -584,9 +590,10 @@ class TreeExpand(Stage):
         reached, pruned = set(acc.keep), set(acc.pruned)
         for i in range(1, prev.n_sent):
             if prev.parents[i] in reached and i not in pruned:
-                table = self.acceptance if prev.source[i] == "model" else self.lookup_tables.get(prev.source[i])
-                if table is not None:
-                    table.observe(prev.q_draft[i], prev.rank[i], i in reached)
+                for source, q, rank in [(prev.source[i], prev.q_draft[i], prev.rank[i]), *prev.also.get(i, ())]:
+                    table = self.acceptance if source == "model" else self.lookup_tables.get(source)
+                    if table is not None:
+                        table.observe(q, rank, i in reached)
 
     def first_request(self) -> ExpandRequest:
         """The draft prefills the prompt while the target does."""

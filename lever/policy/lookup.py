@@ -11,7 +11,8 @@ without "model"). Both read the text so far: the prompt and every token emitted 
                    acceptance table maps to a measured acceptance.
     ngram          the tokens that followed the node's last NGRAM_N tokens (or fewer, when that
                    context was never seen), by count: the text's own habits. Its `q` is the
-                   count's share, as a draft probability is.
+                   count's share with one unseen continuation added (c / (n + 1)): a context
+                   seen twice with the same follower is not a certainty.
 
 Each source's proposals go through an acceptance table of its own (TreeExpand learns them from
 every cycle, as it learns the model's), so a source that misleads on some text stops being
@@ -104,5 +105,5 @@ class Lookup:
             total = sum(counts.values())
             if total < MIN_COUNT:
                 continue
-            return [(t, c / total) for t, c in counts.most_common(NGRAM_CHILDREN)]
+            return [(t, c / (total + 1)) for t, c in counts.most_common(NGRAM_CHILDREN)]
         return []

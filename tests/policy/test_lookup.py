@@ -27,7 +27,7 @@ def test_ngram_proposes_the_commonest_continuations_with_their_shares():
     lk = Lookup(("ngram",))
     lk.extend([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2])
     got = lk.ngram([])
-    assert got == [(3, 2 / 3), (4, 1 / 3)]  # after "1 2": 3 twice, 4 once
+    assert got == [(3, 2 / 4), (4, 1 / 4)]  # after "1 2": 3 twice, 4 once (and one unseen)
     assert [s for s, *_ in lk.propose([])] == ["ngram", "ngram"]
 
 
