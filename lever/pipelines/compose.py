@@ -100,7 +100,8 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
         tree = attrs.evolve(tree, adapt=False)
     compute = ComputeSlot(cfg.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
     expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer, cfg.generate.n_predict,
-                        acceptance=acceptance, ahead_beside=bool(compute.ahead_cores), committed=n_past)
+                        acceptance=acceptance, ahead_beside=bool(compute.ahead_cores), committed=n_past,
+                        greedy=params.greedy)
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
     verify = PrunedVerify("verify", spec, target.embed, kv.target if kv is not None else KVCache(spec, n_ctx + tree.max_nodes),
@@ -121,7 +122,7 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
     p.connect(accept, "accepted", expand, "accepted", ch.tokens)
     p.connect(accept, "emitted", output, "emitted", 4)
     draft = None
-    if tree.growth.drafts:
+    if tree.uses_model:  # else no draft model runs: trees grow from the free sources alone, or not at all
         if draft_model is None:
             raise LeverError(f"[tree_expand] policy {tree.policy!r} needs a draft model ([model] draft)")
         # another token table of the same tokenizer is mapped (made once, at Engine.open; other

@@ -272,9 +272,10 @@ class Engine:
         f = GGUFFile(cfg.model.target)
         spec = read_spec(f)
         engine = cls(cfg, kind, f, spec, Tokenizer.from_gguf(f), min(cfg.model.n_ctx, spec.n_ctx_train))
-        if kind.drafts:
+        if kind.drafts and cfg.tree_expand.uses_model:  # sources without "model" need none (lever.policy.lookup)
             if not cfg.model.draft:
-                raise LeverError(f"{cfg.where}: [model] draft: a speculative pipeline needs a draft model")
+                raise LeverError(f"{cfg.where}: [model] draft: a speculative pipeline needs a draft model "
+                                 "(or [tree_expand] sources without \"model\")")
             engine.draft_file = GGUFFile(cfg.model.draft)
             engine.draft_spec = read_spec(engine.draft_file)
             # another tokenizer is refused, another table of the same one mapped, once, here (compose
