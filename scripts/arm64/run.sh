@@ -153,6 +153,12 @@ isa=$(arm -c "import platform; from lever.backends.cpu import native as n; print
 echo "    $isa"
 [ "$isa" = "aarch64 neon" ] || { echo "    FAIL: expected aarch64 neon"; fail=1; }
 
+step "ISA under qemu-aarch64 -cpu cortex-a72 (Armv8.0: no dotprod, no fp16 arithmetic)"
+old_isa=$(nice -n 10 qemu-aarch64-static -cpu cortex-a72 -L "$SYSROOT" "$SYSROOT/usr/bin/python3.11" -c \
+  "from lever.backends.cpu import native as n; import numpy as np; print(n.best_isa())")
+echo "    $old_isa"
+[ "$old_isa" = "scalar" ] || { echo "    FAIL: expected scalar on a core without dotprod"; fail=1; }
+
 step "native parity tests under emulation"
 t=$SECONDS
 # numpy's own float16 -> float32 cast on aarch64 quiets signaling NaNs (the hardware FCVT does),
@@ -204,7 +210,7 @@ run_line=$(echo "$run_line" | tail -1)
 took $t
 
 echo
-echo "arm64: ISA $isa; native tests: $tests_line"
+echo "arm64: ISA $isa (cortex-a72: $old_isa); native tests: $tests_line"
 echo "arm64: $fp_line"
 echo "arm64: $run_line"
 echo "arm64: $([ $fail = 0 ] && echo ok || echo FAILED) in $((SECONDS - T0))s"
