@@ -34,7 +34,7 @@ def test_code_being_rewritten_is_accepted_several_tokens_a_pass_with_no_draft_mo
     """The first of the shipped rewrite prompts: the answer copies much of the function."""
     prompt = read_prompts(shipped("prompts", "repeat.txt"))[0]
     target = shipped("models", "stdlib-target-q4_0.gguf")
-    cfg = config(target, *SPEC, 'model.draft=""', FREE, "generate.n_predict=48", "flash.bandwidth_cap_bytes_per_s=5e6")
+    cfg = config(target, *SPEC, 'model.draft=""', FREE, "generate.n_predict=48")
     res = run_pipeline(cfg, prompt)
     assert res.tokens == reference_tokens(target, prompt, 48)
     assert res.tree.accepted_per_pass > 1.5, res.tree.accepted_per_pass
