@@ -240,6 +240,9 @@ class TreeBuilder:
         return ExpandRequest(self.cycle, np.asarray(toks, np.int64), np.asarray(parents, np.int32),
                              self.config.top_k, len(given), keep, carry)
 
+    def forward_tokens(self, nodes: list[int]) -> int:
+        return len(self._with_ancestors(nodes))
+
     def _with_ancestors(self, nodes: list[int]) -> list[int]:
         if self.lookup is None:
             return list(nodes)

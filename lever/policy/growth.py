@@ -71,6 +71,8 @@ class Builder(Protocol):
 
     def price_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float: ...  # latency less the idle time's worth
 
+    def forward_tokens(self, nodes: list[int]) -> int: ...  # tokens a draft forward expanding `nodes` runs
+
 
 class GrowthPolicy:
     """The default answers are a policy that drafts nothing."""
@@ -177,7 +179,8 @@ class GainCost(GrowthPolicy):
         before = b.price_s()  # each price walks every layer: the last one accepted is the next one's start
         for n in sorted(nodes, key=lambda n: -b.gain[n]):
             k = len(chosen) + 1
-            after = b.price_s(b.n_nodes + k, b.cost.expand_s(k))
+            # the forward runs the node's ancestors a free source proposed and the draft never ran
+            after = b.price_s(b.n_nodes + k, b.cost.expand_s(b.forward_tokens([*chosen, n])))
             if not pays(b, b.child_gain(n), before, after):
                 break
             chosen.append(n)
