@@ -436,22 +436,3 @@ def _eog_ids(v: _Vocab) -> set[int]:
     ids.update(i for i in named if v.tokens[i] in _EOG_NAMES)
     ids.discard(None)
     return ids
-
-
-
-# --- a model pair's vocabularies -------------------------------------------------------------
-
-
-def compare_vocabularies(target: GGUFFile, draft: GGUFFile) -> list[str]:
-    """Checks that a draft can draft for the target before the pair is used: refuses with one
-    line and figures, or returns warnings (one line each) to print.
-
-    Speculation stays lossless whatever the draft proposes (the target verifies every token by
-    id), so what is checked is speed: a draft whose ids mean other text than the target's would
-    make nearly every proposal wrong. Tables of the same tokenizer whose ids differ (permuted,
-    padded, special tokens only one has) are mapped by string (lever.gguf.vocab_map, which makes
-    the map too); tokenizers that cut text differently (another kind, pre-tokenizer or merges)
-    are refused; special ids that do not correspond are warned."""
-    from lever.gguf.vocab_map import pair_vocabularies  # it builds on this module
-
-    return pair_vocabularies(target, draft)[1]

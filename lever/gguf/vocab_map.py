@@ -1,7 +1,7 @@
 """Which draft token is which target token, when the two files' token tables differ.
 
 It sits between loading and drafting: Engine.open pairs the two files once (`pair_vocabularies`:
-refuse, warn, or map; lever.gguf.tokenizer.compare_vocabularies is its checking half), compose
+refuse, warn, or map; compare_vocabularies below is its checking half), compose
 hands the map to the Drafter (stages/draft.py), which feeds the draft the target's tokens in the
 draft's own ids and turns what the draft proposes back into target ids. Everything downstream
 (TreeExpand, verification, Accept, both KV caches: one row per target token) sees target ids only.
@@ -264,3 +264,16 @@ def paired(target: GGUFFile, draft: GGUFFile) -> tuple[VocabMap | None, list[str
         del _PAIRED[k]  # files gone since: their ids may come back for others
     _PAIRED[key] = (weakref.ref(target), weakref.ref(draft), result)
     return result
+
+
+def compare_vocabularies(target: GGUFFile, draft: GGUFFile) -> list[str]:
+    """Checks that a draft can draft for the target before the pair is used: refuses with one
+    line and figures, or returns warnings (one line each) to print.
+
+    Speculation stays lossless whatever the draft proposes (the target verifies every token by
+    id), so what is checked is speed: a draft whose ids mean other text than the target's would
+    make nearly every proposal wrong. Tables of the same tokenizer whose ids differ (permuted,
+    padded, special tokens only one has) are mapped by string (`pair_vocabularies` makes the map
+    too); tokenizers that cut text differently (another kind, pre-tokenizer or merges) are
+    refused; special ids that do not correspond are warned."""
+    return pair_vocabularies(target, draft)[1]
