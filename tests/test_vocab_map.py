@@ -175,11 +175,7 @@ class MappedSamplingDraft(exact.SamplingDraft):
         self.drafter = drafter
 
     def __call__(self, req):
-        if req.keep is not None:
-            self.paths = []
-        for tok, parent in zip(req.tokens.tolist(), req.parents.tolist()):
-            self.paths.append(self.prefix if parent < 0 else self.paths[parent] + (tok,))
-        rows = np.arange(len(self.paths) - req.tokens.size + req.n_given, len(self.paths), dtype=np.int32)
+        rows = self.rows(req)
         # a draft distribution over its own ids (salt 3), most of its mass on the ids that map
         logits = np.log(np.stack([np.random.default_rng([3, *self.paths[r]]).dirichlet(np.full(DRAFT_V, 0.6))
                                   for r in rows]))

@@ -295,19 +295,20 @@ def artifact_seeds(workdir: Path) -> list[Case]:
     return cases
 
 
-def _paths(doc, prefix=()):
+def paths_in(doc, prefix=()):
+    """Every (path, value) inside a decoded document (tests/policy/test_fields.py mutates by it too)."""
     yield prefix, doc
     if isinstance(doc, dict):
         for k, v in doc.items():
-            yield from _paths(v, (*prefix, k))
+            yield from paths_in(v, (*prefix, k))
     elif isinstance(doc, list):
         for i, v in enumerate(doc):
-            yield from _paths(v, (*prefix, i))
+            yield from paths_in(v, (*prefix, i))
 
 
 def _mutate_doc(ch: Chooser, doc):
     for _ in range(ch.int(1, 3)):
-        paths = list(_paths(doc))
+        paths = list(paths_in(doc))
         path, value = choice(ch, paths)
         parent = doc
         for k in path[:-1]:

@@ -14,6 +14,7 @@ import pytest
 
 from lever.backends.cpu.kv_cache import KVCache
 from lever.errors import LeverError
+from lever.fuzz.files import paths_in
 from lever.gguf.identity import ModelIdentity
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState
@@ -28,17 +29,6 @@ N_MUTATIONS = 300  # per kind here; a few thousand were run by hand (see the cla
 _ODD_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**63 - 1, -(2**63), 2**64 - 1, 0.5, -0.0, math.nan, math.inf,
                -math.inf, 1e308, -1e308, 1e-308, "", "x", "é\n\x00", b"", b"\x00" * 3, [], [1], [[]], {}, {"a": 1},
                msgpack.ExtType(5, b"\x00")]
-
-
-def _paths(doc, prefix=()):
-    """Every (path, value) inside a decoded document."""
-    yield prefix, doc
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            yield from _paths(v, (*prefix, i))
 
 
 def _set(doc, path, value):
@@ -66,7 +56,7 @@ def mutate(raw: bytes, rng: np.random.Generator) -> bytes:
         return [b"", b"{\"format\": 1}", b"\xc1", rng.bytes(64), raw + b"\x00"][rng.integers(5)]
     doc = msgpack.unpackb(raw, raw=False)
     for _ in range(rng.integers(1, 4)):
-        paths = list(_paths(doc))
+        paths = list(paths_in(doc))
         path, value = paths[rng.integers(len(paths))]
         op = rng.integers(6)
         if op == 0 and path:  # delete

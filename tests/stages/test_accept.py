@@ -79,12 +79,16 @@ class SamplingDraft:
     def __init__(self, prefix, rng):
         self.prefix, self.rng, self.paths = tuple(prefix), rng, []
 
-    def __call__(self, req):
+    def rows(self, req) -> np.ndarray:
+        """The request's tokens appended to the paths kept; the rows to expand."""
         if req.keep is not None:
             self.paths = []
         for tok, parent in zip(req.tokens.tolist(), req.parents.tolist()):
             self.paths.append(self.prefix if parent < 0 else self.paths[parent] + (tok,))
-        rows = np.arange(len(self.paths) - req.tokens.size + req.n_given, len(self.paths), dtype=np.int32)
+        return np.arange(len(self.paths) - req.tokens.size + req.n_given, len(self.paths), dtype=np.int32)
+
+    def __call__(self, req):
+        rows = self.rows(req)
         q = np.stack([synthetic(self.paths[r], 2) for r in rows]).astype(np.float32)
         toks = np.full((rows.size, req.top_k), -1, np.int64)
         for i in range(rows.size):
