@@ -42,6 +42,7 @@ from lever.policy.online import OnlineCost, Scales
 
 BAR_WEIGHT = 0.5  # of the newest tree in the moving rate bar
 IDLE_PRIOR_CYCLES = 2  # pseudo-cycles at a hit share of one half, before drafting ahead has been seen
+FREE_PRIOR = 0.1  # a free source's acceptance before its first trial: pessimistic, one cycle corrects it
 MAX_TREE_SIZE = 1024  # bound on a tree's nodes, depth and fan-out: one pass verifies it, one draft forward expands a round
 
 
@@ -520,7 +521,7 @@ class TreeExpand(Stage):
     cycles: list[CycleRecord] = attrs.field(factory=list)
     greedy: bool = True  # the free sources propose only under greedy verification (Accept's sampling needs a draft distribution)
     lookup: Lookup | None = None  # the free sources over the text so far ([tree_expand] sources)
-    lookup_tables: dict = attrs.field(factory=dict)  # a free source -> its acceptance table, learned like the model's
+    lookup_tables: dict = attrs.field(factory=dict)  # a free source -> its acceptance table, learned from the emitted text
     _committed: int = 0  # target rows committed, to keep trees inside the context
     _emitted: int = 0  # tokens Accept has emitted
     _bar_rate: float = 0.0  # moving estimate of the predicted rate of the trees sent, tokens/s
@@ -536,7 +537,7 @@ class TreeExpand(Stage):
             self.lookup = Lookup(self.config.lookup_sources)
             self.lookup.extend(self.prompt)
             if self.config.growth.learns_acceptance:
-                self.lookup_tables = {x: AcceptanceTable() for x in self.config.lookup_sources}
+                self.lookup_tables = {x: AcceptanceTable(pooled_prior=FREE_PRIOR) for x in self.config.lookup_sources}
 
     @property
     def priced_by(self) -> Cost:
@@ -587,16 +588,19 @@ class TreeExpand(Stage):
             self.online.observe_pass(acc.timing, len(acc.tokens))
 
     def learn(self, prev: TreeBuilder, acc: Accepted) -> None:
-        """Every sent node whose parent the target reached was a trial, accepted or not (unless pruned)."""
-        if self.acceptance is None and not self.lookup_tables:
+        """The model's table: every sent node whose parent the target reached was a trial,
+        accepted or not (unless pruned). The free sources' tables: what they would have
+        proposed at each emitted token (`Lookup.trials`), before the text is extended."""
+        for source, q, rank, right in self.lookup.trials(acc.tokens) if self.lookup_tables else ():
+            self.lookup_tables[source].observe(q, rank, right)
+        if self.acceptance is None or prev is None:
             return
         reached, pruned = set(acc.keep), set(acc.pruned)
         for i in range(1, prev.n_sent):
             if prev.parents[i] in reached and i not in pruned:
                 for source, q, rank in [(prev.source[i], prev.q_draft[i], prev.rank[i]), *prev.also.get(i, ())]:
-                    table = self.acceptance if source == "model" else self.lookup_tables.get(source)
-                    if table is not None:
-                        table.observe(q, rank, i in reached)
+                    if source == "model":
+                        self.acceptance.observe(q, rank, i in reached)
 
     def first_request(self) -> ExpandRequest:
         """The draft prefills the prompt while the target does."""
@@ -608,8 +612,7 @@ class TreeExpand(Stage):
         """A new tree rooted at the newest token, and the draft request that starts it."""
         self._committed += len(acc.keep)
         self._emitted += len(acc.tokens)
-        if self._last is not None:
-            self.learn(self._last, acc)
+        self.learn(self._last, acc)
         remaining = MAX_TREE_SIZE + 1 if self.n_predict is None else self.n_predict - self._emitted
         if self.lookup is not None:
             self.lookup.extend(acc.tokens)  # the root, the text's last token, is the newest of them

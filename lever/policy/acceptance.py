@@ -8,6 +8,13 @@ parent. It starts as the identity (each cell holds `prior_weight` pseudo-observa
 node's own probability) and learns online from every cycle's outcome, so a run calibrates
 itself within a few cycles; `lever calibrate` fits it offline on a corpus, and
 `[tree_expand] acceptance = "calibrated"` starts from that table.
+
+A free source (lever.policy.lookup) has a table too, but its `q` is a confidence, not a
+probability: the identity would take an n-gram seen twice for a two-in-three chance, and on
+text that does not repeat such nodes are accepted a few times in a hundred. So its cells start
+from the source's pooled acceptance instead (`pooled_prior`): every trial of the source, in any
+cell, moves the prior of all of them, starting from a pessimistic guess that one or two cycles
+correct either way (on text that repeats, long matches are accepted nine times in ten).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import numpy as np
 class AcceptanceTable:
     n_bins: int = 10
     prior_weight: float = 4.0  # pseudo-observations at the identity, per cell
+    pooled_prior: float | None = None  # a free source's: cells start at its pooled acceptance, this before any trial (None: the identity)
+    pooled_weight: float = 1.0  # pseudo-observations at `pooled_prior`: a guess, so the first trials overrule it
     accepted: np.ndarray = attrs.field(init=False)  # (2, n_bins): first child, other children
     trials: np.ndarray = attrs.field(init=False)
 
@@ -33,7 +42,13 @@ class AcceptanceTable:
     def __call__(self, q: float, rank: int) -> float:
         """Estimated acceptance of a node the draft gave probability q as its rank-th child."""
         r, b = self._cell(q, rank)
-        return (self.accepted[r, b] + self.prior_weight * q) / (self.trials[r, b] + self.prior_weight)
+        prior = q if self.pooled_prior is None else self.pooled()
+        return (self.accepted[r, b] + self.prior_weight * prior) / (self.trials[r, b] + self.prior_weight)
+
+    def pooled(self) -> float:
+        """The share of all trials accepted, with `pooled_weight` observations at `pooled_prior`."""
+        p0 = 0.5 if self.pooled_prior is None else self.pooled_prior
+        return float((self.accepted.sum() + self.pooled_weight * p0) / (self.trials.sum() + self.pooled_weight))
 
     def first_child(self) -> float:
         """A first child's acceptance before its probability is known: the share of first

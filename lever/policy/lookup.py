@@ -14,9 +14,12 @@ without "model"). Both read the text so far: the prompt and every token emitted 
                    count's share with one unseen continuation added (c / (n + 1)): a context
                    seen twice with the same follower is not a certainty.
 
-Each source's proposals go through an acceptance table of its own (TreeExpand learns them from
-every cycle, as it learns the model's), so a source that misleads on some text stops being
-used there. They are proposals only: the target verifies everything, so output is the target's
+Each source's proposals go through an acceptance table of its own, so a source that misleads
+on some text stops being used there. The tables learn from the text itself, not from the tree:
+every token Accept emits is a trial of what each source would have proposed at its position
+(`trials`), whether or not that proposal joined the tree. Their cost is nothing, and a table
+learned from tree trials alone would see only the proposals it already rated high (and none at
+all from a source it had stopped trusting). They are proposals only: the target verifies everything, so output is the target's
 own whatever they propose.
 """
 
@@ -57,6 +60,15 @@ class Lookup:
                 if i - n < 0:
                     break
                 self._next[tuple(self.tokens[i - n : i])][self.tokens[i]] += 1
+
+    def trials(self, new: list[int]) -> list[tuple[str, float, int, bool]]:
+        """(source, q, rank, right) of every proposal the sources make at each position of
+        `new`, the tokens about to be appended (call before `extend`): right when it is the
+        token that came."""
+        out = []
+        for i, t in enumerate(new):
+            out += [(source, q, rank, tok == t) for source, tok, q, rank in self.propose(new[:i])]
+        return out
 
     def propose(self, path: list[int]) -> list[tuple[str, int, float, int]]:
         """(source, token, q, rank) children for the text so far followed by `path` (the tree's

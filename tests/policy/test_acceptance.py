@@ -29,3 +29,18 @@ def test_first_child_is_the_share_accepted_leaning_on_the_identity_before_data()
         c.observe(0.45, 0, i % 10 != 0)  # 90% of first children accepted at q ~0.45
         c.observe(0.3, 1, False)  # later children do not count
     assert c.first_child() == pytest.approx((36 + 4 * 0.45) / 44)
+
+
+def test_a_free_sources_cells_start_at_its_pooled_acceptance():
+    """A free source's q is a confidence: its cells lean on what the source as a whole achieved,
+    a pessimistic guess before anything, and the first trials overrule that guess."""
+    c = AcceptanceTable(pooled_prior=0.1, pooled_weight=1.0, prior_weight=4)
+    assert c(1.0, 0) == pytest.approx(0.1) and c(0.25, 0) == pytest.approx(0.1)
+    for _ in range(9):
+        c.observe(0.95, 0, True)  # long matches, always right
+    c.observe(0.25, 0, False)
+    pooled = (9 + 0.1) / 11
+    assert c.pooled() == pytest.approx(pooled)
+    assert c(0.9, 0) == pytest.approx((9 + 4 * pooled) / 13)  # a cell with data: mostly its own
+    assert c(0.55, 0) == pytest.approx(pooled)  # a cell without: the source's
+    assert c(0.25, 0) == pytest.approx(4 * pooled / 5)

@@ -58,3 +58,15 @@ def test_prompt_lookup_matches_a_brute_force_search():
                 want = (text[ends[-1] + 1], n)
                 break
         assert lk.prompt_lookup(path) == want, (text, path)
+
+
+def test_trials_score_each_emitted_token_against_what_each_source_proposed_there():
+    lk = Lookup(("prompt-lookup", "ngram"))
+    lk.extend([1, 2, 3, 1, 2, 3, 1, 2])
+    got = lk.trials([3, 9])
+    # after the text: lookup says 3 (it matched "1 2 3 1 2", 5 long), the n-gram cache 3 (twice
+    # after "1 2"); one token on, lookup says 1 (6 long) and so does the cache (twice after
+    # "2 3"): 9 came, so both were wrong
+    assert got == [("prompt-lookup", 5 / MAX_MATCH, 0, True), ("ngram", 2 / 3, 0, True),
+                   ("prompt-lookup", 6 / MAX_MATCH, 0, False), ("ngram", 2 / 3, 0, False)]
+    assert lk.tokens == [1, 2, 3, 1, 2, 3, 1, 2]  # scoring does not extend the text

@@ -232,3 +232,19 @@ def test_no_node_past_the_generations_end():
     while req is not None:
         req = b.on_expansion(draft(req))
     assert b.n_nodes == 9
+
+
+def test_a_free_source_learns_from_every_emitted_token_not_only_from_its_nodes():
+    """Its table is trained by the text: each emitted token is a trial of what the source would
+    have proposed there, whether or not that proposal was in the tree (here none was: the
+    tree had no room for it), so a source it had stopped trusting can win its trust back."""
+    cfg = TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup"), max_nodes=1)
+    stage = TreeExpand("x", cfg, prompt=[1, 2, 3, 4, 1, 2, 3])
+    table = stage.lookup_tables["prompt-lookup"]
+    assert table.pooled() < 0.2  # a pessimistic guess before any trial
+    b, req = stage.start_cycle(Accepted(0, (4,), (0, 1, 2, 3, 4, 5, 6)))  # lookup said 4: right
+    assert b.n_nodes == 1 and table.trials.sum() == 1 and table.accepted.sum() == 1
+    stage._last = b
+    stage.start_cycle(Accepted(1, (1, 2, 9), (0,)))  # lookup said 1, 2, 3: right, right, wrong
+    assert table.trials.sum() == 4 and table.accepted.sum() == 3
+    assert table.pooled() > 0.6
