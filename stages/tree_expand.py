@@ -178,6 +178,7 @@ class TreeBuilder:
     _child: dict = attrs.field(factory=dict)  # (parent, token) -> the child node: no two siblings share a token
     also: dict = attrs.field(factory=dict)  # node -> [(source, q, rank)] of the other sources that proposed it too
     _seq: int = 0
+    _proposed: set = attrs.field(factory=set)  # nodes the free sources have proposed children of
 
     @property
     def n_nodes(self) -> int:
@@ -212,9 +213,16 @@ class TreeBuilder:
         return out[::-1]
 
     def _propose(self, node: int) -> None:
-        """The free sources' children of a node that just joined: candidates at once, no forward."""
-        if not self._expandable(node):
+        """The free sources' children of the root or of a node one of them proposed (alone or
+        with the model): candidates at once, no forward. Not under the model's own nodes: a
+        source continues text it predicted, and its estimate (learned on the text as it came)
+        says nothing of how it continues text the draft made up; trees whose lookup chains hung
+        under the model's guesses expected two tokens a pass more than they got."""
+        if node in self._proposed or not self._expandable(node):
             return
+        if node and self.source[node] == "model" and all(x[0] == "model" for x in self.also.get(node, ())):
+            return
+        self._proposed.add(node)
         for source, t, q, rank in self.lookup.propose(self.path(node)):
             table = self.tables.get(source)
             p = table(q, rank) if table is not None else q
@@ -332,10 +340,13 @@ class TreeBuilder:
 
     def _merge(self, c: Candidate) -> None:
         """Another source's proposal of a node already in the tree: the node keeps the better
-        estimate (its subtree is priced from it), and every proposer's table learns from it."""
+        estimate (its subtree is priced from it); the model's table learns from it if the model
+        proposed it too (the free sources' learn from the text, TreeExpand.learn)."""
         node = self._child[(c.parent, c.token)]
         self.also.setdefault(node, []).append((c.source, c.q, c.rank))
         self.gain[node] = max(self.gain[node], c.gain)
+        if c.source != "model":  # a free source's text now runs through it
+            self._propose(node)
 
     def take(self, c: Candidate) -> int:
         """The best candidate, c, joins the tree."""

@@ -248,3 +248,32 @@ def test_a_free_source_learns_from_every_emitted_token_not_only_from_its_nodes()
     stage.start_cycle(Accepted(1, (1, 2, 9), (0,)))  # lookup said 1, 2, 3: right, right, wrong
     assert table.trials.sum() == 4 and table.accepted.sum() == 3
     assert table.pooled() > 0.6
+
+
+def grow_with(lookup_text: list[int]) -> TreeBuilder:
+    from lever.policy.lookup import Lookup
+
+    lk = Lookup(("prompt-lookup",))
+    lk.extend(lookup_text)
+    b = TreeBuilder(TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup"), max_nodes=16),
+                    FlatCost(), cycle=1, room=1000, lookup=lk)
+    b.add(lookup_text[-1], -1, 1.0)
+    draft, req = FakeDraft(), None
+    req = b.request([0], given=[], keep=())
+    while req is not None:
+        req = b.on_expansion(draft(req))
+    return b
+
+
+def test_a_free_source_continues_its_own_text_not_the_drafts_guesses():
+    # "5 10" came before, followed by 30: below the draft's 10 prompt lookup would say 30, but
+    # that 10 is the draft's guess, not text the lookup predicted, so it proposes nothing there
+    b = grow_with([5, 10, 30, 31, 7, 5])
+    assert 10 in b.tokens and 30 not in b.tokens
+    # here the lookup predicts the 10 itself ("7 5" -> 10), so the node is both sources', and
+    # the lookup goes on below it: 30, then 31
+    b = grow_with([7, 5, 10, 30, 31, 9, 7, 5])
+    ten = b.tokens.index(10)
+    assert b.parents[ten] == 0 and "prompt-lookup" in [b.source[ten], *(x[0] for x in b.also.get(ten, ()))]
+    thirty = b.tokens.index(30)
+    assert b.parents[thirty] == ten and b.parents[b.tokens.index(31)] == thirty

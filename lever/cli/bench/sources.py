@@ -6,6 +6,11 @@ model loaded at all), and from both in the same tree. Per variant: tokens per pa
 and the ratio to Flash-AR's speed on the same prompt. Greedy, so every variant's tokens must be
 Flash-AR's (the bench checks, and fails if not). Run it on prompts whose text repeats (code the
 prompt contains and the answer edits, a document to summarize) and on plain completion.
+
+`--rounds R` runs the model and model+lookup variants R times per prompt, alternating their
+order (llama-bench's `-r`): on a shared machine one run's ms/token moves by 15% or more, and
+those two are what the comparison is about; Flash-AR and lookup alone run once. A prompt's
+figure is the median of its rounds.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from lever.cli.common import (
     input_text_file,
     output_file,
     parse_list,
+    rounds,
 )
 from lever.cli.table import show
 from lever.errors import LeverError
@@ -40,8 +46,19 @@ VARIANTS = {  # name -> overrides of a speculative gain-cost config
 SPECULATIVE = ['pipeline.kind="speculative"', 'tree_expand.policy="gain-cost"', "generate.temperature=0.0"]
 
 
+REPEATED = ("model", "model+lookup")  # the variants --rounds repeats
+
+
+def _order(k: int) -> list[str]:
+    """The variants of round k: all of them first, then the repeated two, every other round
+    the other way round (a run after another is not always as fast as the first)."""
+    if k == 0:
+        return list(VARIANTS)
+    return list(REPEATED) if k % 2 == 0 else list(REPEATED)[::-1]
+
+
 def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float, ...], sets: list[str] = (),
-                  out=print, json_path: str | None = None) -> dict:
+                  out=print, json_path: str | None = None, rounds: int = 1) -> dict:
     from lever.config import load_config
     from lever.pipelines.session import run_pipeline
 
@@ -50,28 +67,42 @@ def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float,
                                    'pipeline.baseline=""'])
         return run_pipeline(cfg, prompt)
 
-    result: dict = {"config": config, "n_gen": n, "budgets": {}}
+    result: dict = {"config": config, "n_gen": n, "rounds": rounds, "budgets": {}}
     for b in budgets:
         per: dict[str, list[dict]] = {"flash-ar": []} | {k: [] for k in VARIANTS}
         for i, prompt in enumerate(prompts):
             base = run(['pipeline.kind="flash-ar"', "generate.temperature=0.0"], b, prompt)
             per["flash-ar"].append({"ms_per_token": base.ms_per_token, "tokens_per_pass": 1.0})
-            for name, extra in VARIANTS.items():
-                r = run([*SPECULATIVE, *extra], b, prompt)
-                if r.tokens != base.tokens:
-                    raise LeverError(f"bench sources: prompt {i}, {name} at {b:g}: tokens differ from Flash-AR's "
-                                     "(greedy output must not)")
-                per[name].append({"ms_per_token": r.ms_per_token, "tokens_per_pass": r.tree.accepted_per_pass,
-                                  "speedup": base.ms_per_token / r.ms_per_token, "nodes": r.tree.mean_nodes})
+            runs: dict[str, list] = {k: [] for k in VARIANTS}
+            for k in range(rounds):
+                for name in _order(k):
+                    r = run([*SPECULATIVE, *VARIANTS[name]], b, prompt)
+                    if r.tokens != base.tokens:
+                        raise LeverError(f"bench sources: prompt {i}, {name} at {b:g}: tokens differ from Flash-AR's "
+                                         "(greedy output must not)")
+                    runs[name].append(r)
+            for name, rs in runs.items():
+                ms = statistics.median(r.ms_per_token for r in rs)
+                per[name].append({"ms_per_token": ms, "tokens_per_pass": statistics.median(r.tree.accepted_per_pass for r in rs),
+                                  "speedup": base.ms_per_token / ms, "nodes": statistics.median(r.tree.mean_nodes for r in rs),
+                                  "rounds_ms_per_token": [r.ms_per_token for r in rs]})
         result["budgets"][str(b)] = per
         rows = []
-        for name, runs in per.items():
-            ms = statistics.fmean(x["ms_per_token"] for x in runs)
-            tpp = statistics.fmean(x["tokens_per_pass"] for x in runs)
-            sp = statistics.fmean(x.get("speedup", 1.0) for x in runs)
+        for name, figs in per.items():
+            ms = statistics.fmean(x["ms_per_token"] for x in figs)
+            tpp = statistics.fmean(x["tokens_per_pass"] for x in figs)
+            sp = statistics.fmean(x.get("speedup", 1.0) for x in figs)
             rows.append([name, f"{tpp:.2f}", f"{ms:.1f}", f"{1e3 / ms:.2f}", f"{sp:.2f}x"])
+        rounds_note = f", model and model+lookup medians of {rounds} rounds" if rounds > 1 else ""
         show(["source", "tokens/pass", "ms/token", "tok/s", "x Flash-AR"], rows, out,
-             title=f"{len(prompts)} prompts x {n} tokens, DRAM budget {100 * b:.0f}% ({config}); tokens equal Flash-AR's")
+             title=f"{len(prompts)} prompts x {n} tokens, DRAM budget {100 * b:.0f}% ({config}){rounds_note}; "
+                   "tokens equal Flash-AR's")
+        best = [min(m["ms_per_token"], k["ms_per_token"]) for m, k in zip(per["model"], per["lookup"])]
+        mixed = [x["ms_per_token"] for x in per["model+lookup"]]
+        ratio = statistics.fmean(b_ / m_ for b_, m_ in zip(best, mixed))
+        result.setdefault("mixed_vs_best", {})[str(b)] = ratio
+        out(f"model+lookup against the faster single source of each prompt: {ratio:.3f}x its speed "
+            f"(no slower on {sum(m_ <= b_ for b_, m_ in zip(best, mixed))} of {len(mixed)} prompts)")
     if json_path:
         with atomic_write(json_path, "w", "--json") as f:
             f.write(json.dumps(result, indent=1))
@@ -85,6 +116,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="prompts separated by lines holding only --- (default: examples/prompts/repeat.txt)")
     b.add_argument("--n-gen", type=bench_tokens, default=48, help="tokens generated per prompt")
     b.add_argument("--budgets", default="0,0.25", help="DRAM budgets, fractions of the layer bytes")
+    b.add_argument("--rounds", type=rounds, default=1,
+                   help="runs of model and model+lookup per prompt, alternating (the median is kept)")
     b.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     add_set(b)
     add_common(b)
@@ -105,5 +138,5 @@ def check_args(args) -> tuple[float, ...]:
 def main(args) -> int:
     budgets = check_args(args)
     prompts = read_prompts(args.prompts or shipped("prompts", "repeat.txt"))
-    bench_sources(str(args.config), prompts, args.n_gen, budgets, args.set, json_path=args.json)
+    bench_sources(str(args.config), prompts, args.n_gen, budgets, args.set, json_path=args.json, rounds=args.rounds)
     return 0
