@@ -110,6 +110,7 @@ class Accept(Stage):
     params: SamplingParams
     logits_fn: Callable[[np.ndarray], np.ndarray]  # rows (n, n_embd) -> logits (n, n_vocab), on the CPU
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
+    diagnose: Callable | None = None  # the target Model's nonfinite_logits: names its file and the tensor at fault
     INPUTS = {"verified": Verified}
     OUTPUTS = {"accepted": Accepted, "emitted": Accepted}
     OPTIONAL = frozenset({"emitted"})
@@ -166,12 +167,11 @@ class Accept(Stage):
 
     def _nonfinite(self, v: Verified, nodes: list[int], logits: np.ndarray) -> NonFiniteError:
         """The failure path: the position in the text of the first bad row (the rows committed
-        before this pass, then the node's depth in the tree) and, when logits_fn is a Model's,
+        before this pass, then the node's depth in the tree) and, given the target's `diagnose`,
         its file and the tensor at fault."""
         positions = self.n_ctx_used + v.tree.depths()[np.asarray(nodes, np.int64)]
-        model = getattr(self.logits_fn, "__self__", None)  # target.model.logits, as the pipelines bind it
-        if hasattr(model, "nonfinite_logits"):
-            return model.nonfinite_logits(logits, positions, "target", v.hidden[nodes])
+        if self.diagnose is not None:
+            return self.diagnose(logits, positions, "target", v.hidden[nodes])
         bad = first_bad_row(logits)
         bad = first_bad_row(v.hidden[nodes]) if bad is None else bad
         return NonFiniteError("logits", role="target", position=int(positions[bad or 0]))

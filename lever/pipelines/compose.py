@@ -110,7 +110,7 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
                           placement.verify_fn if placement is not None else layer_forward)
     accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.growth.full_lm_head,
                                            stop=stop),
-                    params, target.model.logits, tracer, n_ctx_used=n_past,
+                    params, target.model.logits, tracer, diagnose=target.model.nonfinite_logits, n_ctx_used=n_past,
                     history=list(history[-params.repeat_last_n :]) if params.penalizes else [])
     output = Output("output", on_tokens)
     ch = cfg.channels

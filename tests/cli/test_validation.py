@@ -32,6 +32,7 @@ BASE = {
     "bench model": ["bench", "model", "-c", CFG],
     "bench flash": ["bench", "flash", "-c", CFG],
     "bench pipelines": ["bench", "pipelines", "-c", CFG],
+    "bench sources": ["bench", "sources", "-c", CFG],
     "bench chat": ["bench", "chat", "-c", CFG],
     "bench fuzz": ["bench", "fuzz"],
 }
@@ -69,6 +70,7 @@ BAD = [
     ("bench flash", "--n-gen", ["0"]),
     ("bench flash", "--cap", ["-1", "nan", "inf"]),
     ("bench pipelines", "--n-gen", ["0", "100000"]),
+    ("bench sources", "--rounds", ["0", "-1", "1000000"]),
     ("bench chat", "--n-turns", ["0", "1000"]),
     ("bench chat", "--max-tokens", ["0"]),
     ("bench fuzz", "--n", ["0", "-1", "1000000000"]),
