@@ -47,8 +47,7 @@ class AcceptanceTable:
 
     def pooled(self) -> float:
         """The share of all trials accepted, with `pooled_weight` observations at `pooled_prior`."""
-        p0 = 0.5 if self.pooled_prior is None else self.pooled_prior
-        return float((self.accepted.sum() + self.pooled_weight * p0) / (self.trials.sum() + self.pooled_weight))
+        return float((self.accepted.sum() + self.pooled_weight * self.pooled_prior) / (self.trials.sum() + self.pooled_weight))
 
     def first_child(self) -> float:
         """A first child's acceptance before its probability is known: the share of first

@@ -19,8 +19,8 @@ on some text stops being used there. The tables learn from the text itself, not 
 every token Accept emits is a trial of what each source would have proposed at its position
 (`trials`), whether or not that proposal joined the tree. Their cost is nothing, and a table
 learned from tree trials alone would see only the proposals it already rated high (and none at
-all from a source it had stopped trusting). They are proposals only: the target verifies everything, so output is the target's
-own whatever they propose.
+all from a source it had stopped trusting). They are proposals only: the target verifies
+everything, so output is the target's own whatever they propose.
 """
 
 from __future__ import annotations
