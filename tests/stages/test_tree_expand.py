@@ -255,13 +255,14 @@ def grow_with(lookup_text: list[int]) -> TreeBuilder:
 
     lk = Lookup(("prompt-lookup",))
     lk.extend(lookup_text)
-    b = TreeBuilder(TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup"), max_nodes=16),
+    b = TreeBuilder(TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup"), max_nodes=64),
                     FlatCost(), cycle=1, room=1000, lookup=lk)
     b.add(lookup_text[-1], -1, 1.0)
     draft, req = FakeDraft(), None
     req = b.request([0], given=[], keep=())
     while req is not None:
         req = b.on_expansion(draft(req))
+    b.tree(1, ())
     return b
 
 
