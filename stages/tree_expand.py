@@ -11,7 +11,9 @@ from the cost model (a streamed pass pays its flash read once, so while reads do
 are nearly free). It adds the best candidate while that raises the tree's expected rate
 (accepted tokens + 1 per second of cycle). Fixed shapes (none: autoregressive; chain of k;
 k-ary tree) and a confidence bar without a latency model (EdgeLLM-like) are other policies of
-the same stage, for the baselines.
+the same stage, for the baselines. The free sources (prompt lookup, n-grams: lever.policy.lookup)
+propose children at no drafting cost; they fill the model's finished tree by the same policy
+(`TreeBuilder.fill`), so the model's tree is the one it would grow alone.
 
 While the target verifies a tree, the CPU mostly waits on flash; TreeExpand uses that time to
 draft ahead (`lookahead_nodes`): it expands the tree's leaves and the best candidates outside

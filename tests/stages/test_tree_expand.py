@@ -278,3 +278,29 @@ def test_a_free_source_continues_its_own_text_not_the_drafts_guesses():
     assert b.parents[ten] == 0 and "prompt-lookup" in [b.source[ten], *(x[0] for x in b.also.get(ten, ()))]
     thirty = b.tokens.index(30)
     assert b.parents[thirty] == ten and b.parents[b.tokens.index(31)] == thirty
+
+
+def test_free_sources_fill_the_models_tree_and_leave_it_as_the_model_grows_it_alone():
+    """The free nodes join after the model's tree is done: its nodes, in order, are the ones
+    the model grows alone, and the rate bar the next tree is held to is the model's."""
+    from lever.policy.lookup import Lookup
+
+    text = [7, 5, 20, 21, 22, 9, 7, 5]  # below the root 5, the lookup says 20 21 22 9 ...: tokens the draft never proposes
+    alone = TreeBuilder(TreeExpandConfig(policy="gain-cost", max_nodes=64), FlatCost(), cycle=1, room=1000)
+    lk = Lookup(("prompt-lookup",))
+    lk.extend(text)
+    mixed = TreeBuilder(TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup"), max_nodes=64),
+                        FlatCost(), cycle=1, room=1000, lookup=lk, tables={"prompt-lookup": None})
+    for b in (alone, mixed):
+        b.add(5, -1, 1.0)
+        draft, req = FakeDraft(), b.request([0], given=[], keep=())
+        while req is not None:
+            req = b.on_expansion(draft(req))
+        b.tree(1, ())
+    n = alone.n_nodes
+    assert mixed.n_nodes > n and mixed.tokens[:n] == alone.tokens and mixed.parents[:n] == alone.parents
+    assert set(mixed.source[n:]) == {"prompt-lookup"} and mixed.tokens[n : n + 3] == [20, 21, 22]
+    assert all(r < 0 for r in mixed.row[n:])  # no draft forward under them
+    stage = TreeExpand("x", TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup")), prompt=text)
+    stage.sent(mixed, mixed.tree(1, ()))
+    assert stage._bar_rate == pytest.approx(mixed.model_rate) and mixed.model_rate < mixed.sent_tokens / mixed.sent_s
