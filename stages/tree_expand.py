@@ -12,8 +12,10 @@ are nearly free). It adds the best candidate while that raises the tree's expect
 (accepted tokens + 1 per second of cycle). Fixed shapes (none: autoregressive; chain of k;
 k-ary tree) and a confidence bar without a latency model (EdgeLLM-like) are other policies of
 the same stage, for the baselines. The free sources (prompt lookup, n-grams: lever.policy.lookup)
-propose children at no drafting cost; they fill the model's finished tree by the same policy
-(`TreeBuilder.fill`), so the model's tree is the one it would grow alone.
+propose children at no drafting cost: a draft forward reads their chain below the node it
+expands (`TreeBuilder._jump`: text that repeats is drafted a chain per forward, not a token),
+and they fill the model's finished tree by the same policy (`TreeBuilder.fill`); the model's
+tree is priced by the model's estimates alone.
 
 While the target verifies a tree, the CPU mostly waits on flash; TreeExpand uses that time to
 draft ahead (`lookahead_nodes`): it expands the tree's leaves and the best candidates outside
@@ -45,7 +47,6 @@ from lever.policy.online import OnlineCost, Scales
 BAR_WEIGHT = 0.5  # of the newest tree in the moving rate bar
 IDLE_PRIOR_CYCLES = 2  # pseudo-cycles at a hit share of one half, before drafting ahead has been seen
 FREE_PRIOR = 0.1  # a free source's acceptance before its first trial: pessimistic, one cycle corrects it
-JUMP = True  # experiment
 JUMP_TOKENS = 16  # free tokens one forward reads ahead below a node it expands
 JUMP_P = 0.5  # the least estimated acceptance of each of them
 MAX_TREE_SIZE = 1024  # bound on a tree's nodes, depth and fan-out: one pass verifies it, one draft forward expands a round
@@ -338,7 +339,7 @@ class TreeBuilder:
             for n in ready:
                 self._absorb(self.row[n], *self.proposals[self.row[n]])
         expand = self.config.growth.expansions(self, [n for n in expand if self._expandable(n)])
-        if self.lookup is not None and JUMP:
+        if self.lookup is not None:
             expand = [self._jump(n) for n in expand]
         if expand or keep is not None:
             return self.request(expand, keep=keep, carry=carry)
@@ -426,10 +427,11 @@ class TreeBuilder:
         Why after, and not in the same heap: a free node takes nothing from the draft, but
         in one heap it took the model's place in the tree and its forwards (chains hung on
         it were drafted under), and mixed trees accepted fewer tokens a pass than the model's
-        alone on text that repeats (7.7 against 9.3). Filled in last, the model's tree is the
-        one it would have grown alone (its rate bar too: `model_rate`), and the free nodes add
-        only the width of the pass and the tokens they bring; when one is accepted, the draft
-        runs it at the start of the next cycle (as an accepted leaf it never ran)."""
+        alone on text that repeats (7.7 against 9.3). Filled in last, the model's tree is
+        priced by the model's estimates alone (its rate bar too: `model_rate`): the free
+        sources make its forwards cheaper (`_jump`), never its estimates higher. The free
+        nodes add only the width of the pass and the tokens they bring; when one is accepted,
+        the draft runs it at the start of the next cycle (as an accepted leaf it never ran)."""
         if not self.uses_model or not self.free:
             return
         self.model_rate = (self.expected_accepted() + 1) / self.latency_s()

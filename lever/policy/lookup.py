@@ -1,9 +1,10 @@
 """Draft sources that cost nothing: prompt lookup and the session's n-gram cache.
 
 TreeExpand's builder asks these for the children of the root and of the nodes they proposed,
-and lets them fill the tree once the draft model's tree is done (or grow it alone: `[model]
-draft = ""` with sources without "model"): they cost no drafting, so they only add width to the
-pass and never take the model's place. Both read the text so far: the prompt and every token
+has a draft forward read their chain below a node it expands (one forward for a run of text
+that repeats, instead of one per token), and lets them fill the tree once the draft model's
+tree is done (or grow it alone: `[model] draft = ""` with sources without "model"): they cost
+no drafting, so they add width to the pass and never take the model's place. Both read the text so far: the prompt and every token
 emitted since.
 
     prompt-lookup  the token that followed the latest earlier occurrence of the longest suffix

@@ -304,3 +304,28 @@ def test_free_sources_fill_the_models_tree_and_leave_it_as_the_model_grows_it_al
     stage = TreeExpand("x", TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup")), prompt=text)
     stage.sent(mixed, mixed.tree(1, ()))
     assert stage._bar_rate == pytest.approx(mixed.model_rate) and mixed.model_rate < mixed.sent_tokens / mixed.sent_s
+
+
+def test_a_forward_reads_the_free_chain_below_the_node_it_expands():
+    """Where prompt lookup knows what follows, one forward runs its chain (not one forward a
+    token); chain nodes the draft's own children confirm get the model's gain, the rest none."""
+    from lever.policy.acceptance import AcceptanceTable
+    from lever.policy.lookup import Lookup
+
+    lk = Lookup(("prompt-lookup",))
+    lk.extend([7, 5, 10, 10, 10, 10, 9, 7, 5])  # after "7 5": 10 10 10 10 9; the draft proposes 10-13 everywhere
+    b = TreeBuilder(TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup"), max_nodes=64),
+                    FlatCost(), cycle=1, room=1000, lookup=lk, tables={"prompt-lookup": AcceptanceTable(pooled_prior=0.9)})
+    b.add(5, -1, 1.0)
+    draft, req, sizes = FakeDraft(), b.request([0], given=[], keep=()), []
+    while req is not None:
+        sizes.append(req.tokens.size)
+        req = b.on_expansion(draft(req))
+    assert sizes[1] >= 5  # the model's 10, then the chain 10 10 10 9 below it, in one forward
+    chain = [n for n in range(b.n_nodes) if b.source[n] == "prompt-lookup"]
+    priced = [n for n in chain if b.gain[n] > 0]
+    assert [b.tokens[n] for n in priced] == [10, 10, 10] and all(b.gain[n] > 0.1 for n in priced)
+    assert all(any(x[0] == "model" for x in b.also[n]) for n in priced)  # the draft's own children, merged
+    nine = chain[3]
+    assert b.tokens[nine] == 9 and b.row[nine] >= 0 and "model" not in [x[0] for x in b.also.get(nine, ())]
+    assert all(b.gain[n] == 0.0 for n in chain[3:])  # run by the draft, not confirmed: no gain below
