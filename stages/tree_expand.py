@@ -223,10 +223,11 @@ class TreeBuilder:
 
     def _propose(self, node: int) -> None:
         """The free sources' children of the root or of a node one of them proposed (alone or
-        with the model): candidates at once, no forward. Not under the model's own nodes: a
-        source continues text it predicted, and its estimate (learned on the text as it came)
-        says nothing of how it continues text the draft made up; trees whose lookup chains hung
-        under the model's guesses expected two tokens a pass more than they got."""
+        with the model): candidates, no forward (held in `free` while the model grows its
+        tree). Not under the model's own nodes: a source continues text it predicted, and its
+        estimate (learned on the text as it came) says nothing of how it continues text the
+        draft made up; trees whose lookup chains hung under the model's guesses expected two
+        tokens a pass more than they got."""
         if node in self._proposed or not self._expandable(node):
             return
         if node and self.source[node] == "model" and all(x[0] == "model" for x in self.also.get(node, ())) \
@@ -370,8 +371,9 @@ class TreeBuilder:
         says what comes: a forward runs 16 tokens in about 2.5 times the time of one, so the
         draft reads the chain at once and proposes below every token of it. Where its own
         children hold the chain's next token, the two merge and the chain node gets the
-        model's gain, from the model's table; where they do not, the rest of the chain keeps
-        gain 0 and its children with it, until the fill prices it by the free sources'."""
+        model's gain, from the model's table; where they do not, that node and the rest of
+        the chain keep gain 0 (their children too) and count for nothing in the model's
+        pricing: they cost the forward a few tokens and the pass a few nodes."""
         for _ in range(JUMP_TOKENS):
             if self.n_nodes >= self.limit or not self._expandable(node):
                 break

@@ -4,8 +4,8 @@ TreeExpand's builder asks these for the children of the root and of the nodes th
 has a draft forward read their chain below a node it expands (one forward for a run of text
 that repeats, instead of one per token), and lets them fill the tree once the draft model's
 tree is done (or grow it alone: `[model] draft = ""` with sources without "model"): they cost
-no drafting, so they add width to the pass and never take the model's place. Both read the text so far: the prompt and every token
-emitted since.
+no drafting, so they add width to the pass and never take the model's place. Both read the
+text so far: the prompt and every token emitted since.
 
     prompt-lookup  the token that followed the latest earlier occurrence of the longest suffix
                    of the node's text (2 to MAX_MATCH tokens long): text that repeats (code the
