@@ -185,7 +185,7 @@ class TreeBuilder:
     also: dict = attrs.field(factory=dict)  # node -> [(source, q, rank)] of the other sources that proposed it too
     _seq: int = 0
     _proposed: set = attrs.field(factory=set)  # nodes the free sources have proposed children of
-    _free_at: set = attrs.field(factory=set)  # (parent, token) of every free proposal: a model node there is theirs too
+    _free_children: dict = attrs.field(factory=dict)  # parent node -> the free sources' candidates below it, as proposed
     free: list[Candidate] = attrs.field(factory=list)  # a heap of the free sources' candidates, held until the model's tree is done
     model_rate: float = 0.0  # the model's tree's expected rate before the free sources filled it, tokens/s (0: no fill)
 
@@ -230,16 +230,15 @@ class TreeBuilder:
         tokens a pass more than they got."""
         if node in self._proposed or not self._expandable(node):
             return
-        if node and self.source[node] == "model" and all(x[0] == "model" for x in self.also.get(node, ())) \
-                and (self.parents[node], self.tokens[node]) not in self._free_at:
+        # a node a free source proposed too (it joined as theirs, or the model's merged with it)
+        if node and all(c.token != self.tokens[node] for c in self._free_children.get(self.parents[node], ())):
             return
         self._proposed.add(node)
+        below = self._free_children.setdefault(node, [])
         for source, t, q, rank in self.lookup.propose(self.path(node)):
-            table = self.tables.get(source)
-            p = table(q, rank) if table is not None else q
-            heap = self.free if self.uses_model else self.candidates
-            heapq.heappush(heap, Candidate(-self.gain[node] * p, self._seq, node, int(t), float(q), rank, source))
-            self._free_at.add((node, int(t)))
+            c = Candidate(-self.gain[node] * self._free_p(source, q, rank), self._seq, node, int(t), float(q), rank, source)
+            heapq.heappush(self.free if self.uses_model else self.candidates, c)
+            below.append(c)
             self._seq += 1
 
     def request(self, nodes: list[int], given: list[int] = (), keep: tuple[int, ...] | None = None,
@@ -377,16 +376,17 @@ class TreeBuilder:
         for _ in range(JUMP_TOKENS):
             if self.n_nodes >= self.limit or not self._expandable(node):
                 break
-            best = max((c for c in self.free if c.parent == node and (node, c.token) not in self._child),
-                       key=self._free_p, default=None)
-            if best is None or self._free_p(best) < JUMP_P:
+            p, best = max(((self._free_p(c.source, c.q, c.rank), c) for c in self._free_children.get(node, ())
+                           if (node, c.token) not in self._child), key=lambda x: x[0], default=(0.0, None))
+            if best is None or p < JUMP_P:
                 break
             node = self.add(best.token, node, 0.0, best.q, best.rank, best.source)
         return node
 
-    def _free_p(self, c: Candidate) -> float:
-        table = self.tables.get(c.source)
-        return table(c.q, c.rank) if table is not None else c.q
+    def _free_p(self, source: str, q: float, rank: int) -> float:
+        """A free proposal's estimated acceptance: its source's table (None: the identity)."""
+        table = self.tables.get(source)
+        return table(q, rank) if table is not None else q
 
     def take(self, c: Candidate) -> int:
         """The best candidate, c, joins the tree."""
