@@ -10,13 +10,17 @@ prompt contains and the answer edits, a document to summarize) and on plain comp
 `--rounds R` runs the model and model+lookup variants R times per prompt, alternating their
 order (llama-bench's `-r`): on a shared machine one run's ms/token moves by 15% or more, and
 those two are what the comparison is about; Flash-AR and lookup alone run once. A prompt's
-figure is the median of its rounds.
+figure is the median of its rounds. The two are also compared run by run: each round's pair ran
+back to back, so their ratio sees the same machine, and the spread of those ratios over prompts
+and rounds gives the comparison its noise band (`paired_speedup`): "no slower" means a band
+that reaches 1, not a mean that happens to.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -55,6 +59,18 @@ def _order(k: int) -> list[str]:
     if k == 0:
         return list(VARIANTS)
     return list(REPEATED) if k % 2 == 0 else list(REPEATED)[::-1]
+
+
+def paired_speedup(base_ms: list[float], new_ms: list[float]) -> tuple[float, float, float]:
+    """`new`'s speed over `base`'s from runs paired one to one: the geometric mean of the
+    ratios and its band of about 95% (two standard errors of the mean log ratio). One pair
+    has no spread: its band is the point."""
+    if not base_ms or len(base_ms) != len(new_ms):
+        raise ValueError("paired_speedup: needs as many runs of each, at least one")
+    logs = [math.log(b / n) for b, n in zip(base_ms, new_ms)]
+    mean = statistics.fmean(logs)
+    half = 2 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float, ...], sets: list[str] = (),
@@ -98,6 +114,12 @@ def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float,
         show(["source", "tokens/pass", "ms/token", "tok/s", "x Flash-AR"], rows, out,
              title=f"{len(prompts)} prompts x {n} tokens, DRAM budget {100 * b:.0f}% ({config}){rounds_note}; "
                    "tokens equal Flash-AR's")
+        model_ms = [x for m in per["model"] for x in m["rounds_ms_per_token"]]
+        mixed_ms = [x for m in per["model+lookup"] for x in m["rounds_ms_per_token"]]
+        sp, lo, hi = paired_speedup(model_ms, mixed_ms)
+        result.setdefault("mixed_vs_model", {})[str(b)] = {"speedup": sp, "band": [lo, hi], "pairs": len(model_ms)}
+        out(f"model+lookup against model, run by run: {sp:.3f}x its speed, band {lo:.3f}-{hi:.3f} "
+            f"over {len(model_ms)} pairs ({'no slower within noise' if hi >= 1 else 'slower'})")
         best = [min(m["ms_per_token"], k["ms_per_token"]) for m, k in zip(per["model"], per["lookup"])]
         mixed = [x["ms_per_token"] for x in per["model+lookup"]]
         ratio = statistics.fmean(b_ / m_ for b_, m_ in zip(best, mixed))
