@@ -6,7 +6,6 @@ and the DRAM loop); acceptance stays the original pair's; sampling stays exact."
 from __future__ import annotations
 
 import io
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from lever.errors import LeverError
 from lever.fuzz.inputs import ARR, I32, STR, parse_seed, serialize, tensor_bytes
 from lever.gguf.file import GGUFFile
 from lever.gguf.tokenizer import UNUSED, Tokenizer
-from lever.gguf.vocab_map import pair_vocabularies, paired
+from lever.gguf.vocab_map import pair_vocabularies
 from lever.model.generate import GREEDY, generate
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
@@ -234,10 +233,10 @@ def test_another_tokenizer_is_refused_in_one_line(tmp_path):
     assert f"draft {draft} and target {TARGET}: merges differ (2 of 3,839): " in msg and "\n" not in msg
 
 
-def test_mapping_qwen_is_fast(tmp_path):
+def test_mapping_qwen_with_every_id_moved(tmp_path):
     """A Qwen2.5-Coder table of 151,936 tokens with every id moved (rotated by one), the worst
-    case: about 90-170 ms on the shared 2-core box under load (a dict of every string and as many
-    lookups); the bound leaves room for that load."""
+    case for the map (a dict of every string and as many lookups: about 90-170 ms on the shared
+    2-core box, a figure, not a test)."""
     if not (QWEN_TARGET.exists() and QWEN_DRAFT.exists()):
         pytest.skip("the Qwen2.5-Coder pair is not fetched")
     from tests.test_vocab_check import _with_strings
@@ -245,11 +244,7 @@ def test_mapping_qwen_is_fast(tmp_path):
     path = tmp_path / "rotated.gguf"
     _with_strings(QWEN_DRAFT, path, "tokenizer.ggml.tokens", lambda toks: toks[1:] + toks[:1])
     t, d = GGUFFile(QWEN_TARGET), GGUFFile(path)
-    t0 = time.perf_counter()
-    vmap, _ = paired(t, d)
-    took = time.perf_counter() - t0
+    vmap, _ = pair_vocabularies(t, d)
     f = vmap.figures
     assert (f.draft_mapped, f.target_reachable) == (151_936, 151_936)
     assert vmap.to_target[:5].tolist() == [1, 2, 3, 4, 5] and vmap.to_target[-1] == 0
-    assert took < 0.4, f"{took * 1e3:.0f} ms"
-    assert paired(t, d)[0] is vmap  # once per pair of files

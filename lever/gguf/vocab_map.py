@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import operator
 import time
-import weakref
 
 import attrs
 import numpy as np
@@ -247,23 +246,6 @@ def pair_vocabularies(target: GGUFFile, draft: GGUFFile) -> tuple[VocabMap | Non
     if moved:
         warnings.append(f"{names}: special ids differ ({', '.join(moved)}): the draft may mispredict where text ends")
     return vmap, warnings
-
-
-_PAIRED: dict[tuple[int, int], tuple] = {}  # (id(target), id(draft)) -> (weakrefs to both, the pairing)
-
-
-def paired(target: GGUFFile, draft: GGUFFile) -> tuple[VocabMap | None, list[str]]:
-    """pair_vocabularies, made once per pair of open files: Engine.open pairs them at load (and
-    prints the warnings), each generation's compose reads the map back here."""
-    key = (id(target), id(draft))
-    hit = _PAIRED.get(key)
-    if hit is not None and hit[0]() is target and hit[1]() is draft:
-        return hit[2]
-    result = pair_vocabularies(target, draft)
-    for k in [k for k, v in _PAIRED.items() if v[0]() is None or v[1]() is None]:
-        del _PAIRED[k]  # files gone since: their ids may come back for others
-    _PAIRED[key] = (weakref.ref(target), weakref.ref(draft), result)
-    return result
 
 
 def compare_vocabularies(target: GGUFFile, draft: GGUFFile) -> list[str]:

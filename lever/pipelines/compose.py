@@ -26,7 +26,7 @@ from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import read_spec
-from lever.gguf.vocab_map import paired
+from lever.gguf.vocab_map import VocabMap
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
 from lever.pipelines.target import FlashTarget
@@ -85,12 +85,14 @@ class Composition:
 
 def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
             n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None,
-            draft_model: Model | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None,
+            draft_model: Model | None = None, vocab: VocabMap | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None,
             predictor: Predictor | None = None, acceptance: AcceptanceTable | None = None, observer=None,
             placement: Placement | None = None, stop: StopRule | None = None,
             kv: KVState | None = None, history: Sequence[int] = ()) -> Composition:
     """The pipeline over `prompt`; with `kv`, `prompt` continues the text those caches hold
-    (`kv.n_rows` tokens) and only it is prefilled."""
+    (`kv.n_rows` tokens) and only it is prefilled. `vocab` maps a draft's token table to the
+    target's where they differ (lever.gguf.vocab_map.pair_vocabularies: Engine.open makes it once
+    per pair); None: the draft's table is the target's."""
     spec = target.model.spec
     n_past = kv.n_rows if kv is not None else 0
     tree = tree or TreeExpandConfig(policy="none")
@@ -125,9 +127,8 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
     if tree.uses_model:  # else no draft model runs: trees grow from the free sources alone, or not at all
         if draft_model is None:
             raise LeverError(f"[tree_expand] policy {tree.policy!r} needs a draft model ([model] draft)")
-        # another token table of the same tokenizer is mapped (made once, at Engine.open; other
+        # another token table of the same tokenizer is mapped (`vocab`, made at Engine.open; other
         # tokenizers were refused there); the same table is not, and drafting runs as it always did
-        vocab, _ = paired(target.model.file, draft_model.file)
         n_draft = draft_model.spec.n_vocab
         if vocab is None and n_draft != spec.n_vocab:
             raise LeverError(f"[model] draft: vocabulary of {n_draft} tokens, the target has {spec.n_vocab}")

@@ -25,7 +25,7 @@ from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import read_spec
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
-from lever.gguf.vocab_map import VocabFigures, paired
+from lever.gguf.vocab_map import VocabFigures, VocabMap, pair_vocabularies
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
 from lever.pipelines.compose import KVState, compose
@@ -260,6 +260,7 @@ class Engine:
     draft: Model | None = None
     draft_file: GGUFFile | None = None
     draft_spec: object | None = None
+    vocab: VocabMap | None = None  # the draft's token table mapped to the target's; None: the same table
     _cost: CostModel | None = None
 
     @classmethod
@@ -278,9 +279,10 @@ class Engine:
                                  "(or [tree_expand] sources without \"model\")")
             engine.draft_file = GGUFFile(cfg.model.draft)
             engine.draft_spec = read_spec(engine.draft_file)
-            # another tokenizer is refused, another table of the same one mapped, once, here (compose
-            # reads the map back), special ids that differ warned: see lever.gguf.vocab_map
-            for line in paired(f, engine.draft_file)[1]:
+            # another tokenizer is refused, another table of the same one mapped, once, here (each
+            # generation's compose is handed the map), special ids that differ warned: see lever.gguf.vocab_map
+            engine.vocab, warnings = pair_vocabularies(f, engine.draft_file)
+            for line in warnings:
                 print(f"lever: warning: {line}", file=sys.stderr)
         engine.plan(len(engine.encode(prompt)) if prompt is not None else 1)
         with native.default_threads(cfg.runtime.threads), ThreadPoolExecutor(1, "lever-load") as pool:
@@ -349,7 +351,7 @@ class Engine:
         cfg = self.cfg if generate is None else attrs.evolve(self.cfg, generate=generate)
         with native.default_threads(cfg.runtime.threads):
             return _run(cfg, self.kind, self.target, tok=self.tok, prompt_ids=prompt_ids, n_ctx=self.n_ctx, plan=plan,
-                        draft=self.draft, on_text=on_text, trace_path=trace_path, observer=observer, stop=stop,
+                        draft=self.draft, vocab=self.vocab, on_text=on_text, trace_path=trace_path, observer=observer, stop=stop,
                         kv=kv, on_kv=on_kv, cost=self.cost, history=history)
 
     def new_kv(self) -> KVState:
@@ -393,7 +395,7 @@ def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None
 
 
 def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer, prompt_ids: list[int], n_ctx: int,
-         plan: MemoryPlan, draft: Model | None, on_text, trace_path, observer, stop: StopRule | None = None,
+         plan: MemoryPlan, draft: Model | None, vocab: VocabMap | None = None, on_text, trace_path, observer, stop: StopRule | None = None,
          kv: KVState | None = None, on_kv=None, cost: CostModel | None = None, history=()) -> RunResult:
     spec = target.model.spec
     g = cfg.generate
@@ -417,7 +419,7 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
     place = placement_for(cfg.placement, cfg.qnn, flash_mode=cfg.flash.mode, target_spec=spec,
                           draft_spec=draft.spec if draft is not None else None, n_ctx=n_ctx)
     h = compose(target, prompt_ids, cfg=cfg, params=params, eos_ids=frozenset(tok.eos_ids), n_ctx=n_ctx, tracer=tracer,
-                on_tokens=on_tokens, draft_model=draft, tree=tree, cost=cost, predictor=predictor, acceptance=acceptance,
+                on_tokens=on_tokens, draft_model=draft, vocab=vocab, tree=tree, cost=cost, predictor=predictor, acceptance=acceptance,
                 observer=observer, placement=place, stop=stop, kv=kv, history=history)
     target.warm_head()
     target.store.reset_stats()
