@@ -115,6 +115,9 @@ def test_every_command_parses_its_defaults_and_has_a_check(command):
     (["bench", "pipelines", "-c", CFG, "--chain-ks", "2,2.5"], "--chain-ks"),
     (["bench", "pipelines", "-c", CFG, "--chain-ks", "0,4"], "--chain-ks"),
     (["bench", "pipelines", "-c", CFG, "--chain-ks", "4,4"], "--chain-ks"),
+    (["bench", "sources", "-c", CFG, "--variants", "model,gpt"], "--variants"),
+    (["bench", "sources", "-c", CFG, "--variants", "ngram,ngram"], "--variants"),
+    (["bench", "sources", "-c", CFG, "--variants", ""], "--variants"),
     (["bench", "flash", "-c", CFG, "--cap", "5"], "--cap"),  # [flash] bandwidth_cap_bytes_per_s's own floor
     (["logits", "-m", "m.gguf", "--tokens", "99999999999999999999999", "--out", "l.npy"], "--tokens"),
     (["logits", "-m", "m.gguf", "--tokens", "-1", "--out", "l.npy"], "--tokens"),

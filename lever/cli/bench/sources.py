@@ -6,6 +6,7 @@ model loaded at all), and from both in the same tree. Per variant: tokens per pa
 and the ratio to Flash-AR's speed on the same prompt. Greedy, so every variant's tokens must be
 Flash-AR's (the bench checks, and fails if not). Run it on prompts whose text repeats (code the
 prompt contains and the answer edits, a document to summarize) and on plain completion.
+`--variants` picks others: prompt lookup or the n-gram cache alone (no draft model either).
 
 `--rounds R` runs the model and model+lookup variants R times per prompt, alternating their
 order (llama-bench's `-r`): on a shared machine one run's ms/token moves by 15% or more, and
@@ -46,19 +47,23 @@ VARIANTS = {  # name -> overrides of a speculative gain-cost config
     "model": ['tree_expand.sources=["model"]'],
     "lookup": [f"tree_expand.sources={FREE}", 'model.draft=""'],
     "model+lookup": ['tree_expand.sources=["model", "prompt-lookup", "ngram"]'],
+    "prompt-lookup": ['tree_expand.sources=["prompt-lookup"]', 'model.draft=""'],  # each free source alone
+    "ngram": ['tree_expand.sources=["ngram"]', 'model.draft=""'],
 }
+DEFAULT_VARIANTS = ("model", "lookup", "model+lookup")
 SPECULATIVE = ['pipeline.kind="speculative"', 'tree_expand.policy="gain-cost"', "generate.temperature=0.0"]
 
 
 REPEATED = ("model", "model+lookup")  # the variants --rounds repeats
 
 
-def _order(k: int) -> list[str]:
+def _order(k: int, variants: tuple[str, ...]) -> list[str]:
     """The variants of round k: all of them first, then the repeated two, every other round
     the other way round (a run after another is not always as fast as the first)."""
     if k == 0:
-        return list(VARIANTS)
-    return list(REPEATED) if k % 2 == 0 else list(REPEATED)[::-1]
+        return list(variants)
+    again = [v for v in REPEATED if v in variants]
+    return again if k % 2 == 0 else again[::-1]
 
 
 def paired_speedup(base_ms: list[float], new_ms: list[float]) -> tuple[float, float, float]:
@@ -74,7 +79,8 @@ def paired_speedup(base_ms: list[float], new_ms: list[float]) -> tuple[float, fl
 
 
 def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float, ...], sets: list[str] = (),
-                  out=print, json_path: str | None = None, rounds: int = 1) -> dict:
+                  out=print, json_path: str | None = None, rounds: int = 1,
+                  variants: tuple[str, ...] = DEFAULT_VARIANTS) -> dict:
     from lever.config import load_config
     from lever.pipelines.session import run_pipeline
 
@@ -85,13 +91,13 @@ def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float,
 
     result: dict = {"config": config, "n_gen": n, "rounds": rounds, "budgets": {}}
     for b in budgets:
-        per: dict[str, list[dict]] = {"flash-ar": []} | {k: [] for k in VARIANTS}
+        per: dict[str, list[dict]] = {"flash-ar": []} | {k: [] for k in variants}
         for i, prompt in enumerate(prompts):
             base = run(['pipeline.kind="flash-ar"', "generate.temperature=0.0"], b, prompt)
             per["flash-ar"].append({"ms_per_token": base.ms_per_token, "tokens_per_pass": 1.0})
-            runs: dict[str, list] = {k: [] for k in VARIANTS}
+            runs: dict[str, list] = {k: [] for k in variants}
             for k in range(rounds):
-                for name in _order(k):
+                for name in _order(k, variants):
                     r = run([*SPECULATIVE, *VARIANTS[name]], b, prompt)
                     if r.tokens != base.tokens:
                         raise LeverError(f"bench sources: prompt {i}, {name} at {b:g}: tokens differ from Flash-AR's "
@@ -114,13 +120,17 @@ def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float,
         show(["source", "tokens/pass", "ms/token", "tok/s", "x Flash-AR"], rows, out,
              title=f"{len(prompts)} prompts x {n} tokens, DRAM budget {100 * b:.0f}% ({config}){rounds_note}; "
                    "tokens equal Flash-AR's")
-        model_ms = [x for m in per["model"] for x in m["rounds_ms_per_token"]]
-        mixed_ms = [x for m in per["model+lookup"] for x in m["rounds_ms_per_token"]]
-        sp, lo, hi = paired_speedup(model_ms, mixed_ms)
-        result.setdefault("mixed_vs_model", {})[str(b)] = {"speedup": sp, "band": [lo, hi], "pairs": len(model_ms)}
-        out(f"model+lookup against model, run by run: {sp:.3f}x its speed, band {lo:.3f}-{hi:.3f} "
-            f"over {len(model_ms)} pairs ({'no slower within noise' if hi >= 1 else 'slower'})")
-        best = [min(m["ms_per_token"], k["ms_per_token"]) for m, k in zip(per["model"], per["lookup"])]
+        singles = [v for v in variants if v != "model+lookup"]
+        if "model+lookup" not in variants or not singles:
+            continue
+        if "model" in variants:
+            model_ms = [x for m in per["model"] for x in m["rounds_ms_per_token"]]
+            mixed_ms = [x for m in per["model+lookup"] for x in m["rounds_ms_per_token"]]
+            sp, lo, hi = paired_speedup(model_ms, mixed_ms)
+            result.setdefault("mixed_vs_model", {})[str(b)] = {"speedup": sp, "band": [lo, hi], "pairs": len(model_ms)}
+            out(f"model+lookup against model, run by run: {sp:.3f}x its speed, band {lo:.3f}-{hi:.3f} "
+                f"over {len(model_ms)} pairs ({'no slower within noise' if hi >= 1 else 'slower'})")
+        best = [min(per[v][i]["ms_per_token"] for v in singles) for i in range(len(prompts))]
         mixed = [x["ms_per_token"] for x in per["model+lookup"]]
         ratio = statistics.fmean(b_ / m_ for b_, m_ in zip(best, mixed))
         result.setdefault("mixed_vs_best", {})[str(b)] = ratio
@@ -141,6 +151,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--budgets", default="0,0.25", help="DRAM budgets, fractions of the layer bytes")
     b.add_argument("--rounds", type=rounds, default=1,
                    help="runs of model and model+lookup per prompt, alternating (the median is kept)")
+    b.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"who proposes, comma-separated, of {', '.join(VARIANTS)} (default: the first three)")
     b.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     add_set(b)
     add_common(b)
@@ -148,8 +160,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return b
 
 
+def parse_variants(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in names if x not in VARIANTS]
+    if not names or unknown or len(set(names)) != len(names):
+        raise LeverError(f"--variants: {text[:80]!r} must be distinct names of {', '.join(VARIANTS)}")
+    return names
+
+
 def check_args(args) -> tuple[float, ...]:
     budgets = parse_list(args.budgets, "--budgets", BUDGET, max_items=21)
+    parse_variants(args.variants)
     input_text_file(args.config, "-c", "config file")
     if args.prompts is not None:
         input_text_file(args.prompts, "--prompts", "prompts file", MAX_PROMPT_BYTES)
@@ -161,5 +182,6 @@ def check_args(args) -> tuple[float, ...]:
 def main(args) -> int:
     budgets = check_args(args)
     prompts = read_prompts(args.prompts or shipped("prompts", "repeat.txt"))
-    bench_sources(str(args.config), prompts, args.n_gen, budgets, args.set, json_path=args.json, rounds=args.rounds)
+    bench_sources(str(args.config), prompts, args.n_gen, budgets, args.set, json_path=args.json, rounds=args.rounds,
+                  variants=parse_variants(args.variants))
     return 0
