@@ -85,9 +85,9 @@ class Composition:
 
 def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
             n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None,
-            draft_model: Model | None = None, vocab: VocabMap | None = None, tree: TreeExpandConfig | None = None, cost: Cost | None = None,
-            predictor: Predictor | None = None, acceptance: AcceptanceTable | None = None, observer=None,
-            placement: Placement | None = None, stop: StopRule | None = None,
+            draft_model: Model | None = None, vocab: VocabMap | None = None, tree: TreeExpandConfig | None = None,
+            cost: Cost | None = None, predictor: Predictor | None = None, acceptance: AcceptanceTable | None = None,
+            observer=None, placement: Placement | None = None, stop: StopRule | None = None,
             kv: KVState | None = None, history: Sequence[int] = ()) -> Composition:
     """The pipeline over `prompt`; with `kv`, `prompt` continues the text those caches hold
     (`kv.n_rows` tokens) and only it is prefilled. `vocab` maps a draft's token table to the

@@ -351,8 +351,8 @@ class Engine:
         cfg = self.cfg if generate is None else attrs.evolve(self.cfg, generate=generate)
         with native.default_threads(cfg.runtime.threads):
             return _run(cfg, self.kind, self.target, tok=self.tok, prompt_ids=prompt_ids, n_ctx=self.n_ctx, plan=plan,
-                        draft=self.draft, vocab=self.vocab, on_text=on_text, trace_path=trace_path, observer=observer, stop=stop,
-                        kv=kv, on_kv=on_kv, cost=self.cost, history=history)
+                        draft=self.draft, vocab=self.vocab, on_text=on_text, trace_path=trace_path, observer=observer,
+                        stop=stop, kv=kv, on_kv=on_kv, cost=self.cost, history=history)
 
     def new_kv(self) -> KVState:
         """Empty caches of the sizes a run of this engine makes (for a session read from disk)."""
@@ -395,8 +395,9 @@ def _predictor(cfg: Config, target: FlashTarget, cost) -> tuple[Predictor | None
 
 
 def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer, prompt_ids: list[int], n_ctx: int,
-         plan: MemoryPlan, draft: Model | None, vocab: VocabMap | None = None, on_text, trace_path, observer, stop: StopRule | None = None,
-         kv: KVState | None = None, on_kv=None, cost: CostModel | None = None, history=()) -> RunResult:
+         plan: MemoryPlan, draft: Model | None, vocab: VocabMap | None, on_text, trace_path, observer,
+         stop: StopRule | None = None, kv: KVState | None = None, on_kv=None, cost: CostModel | None = None,
+         history=()) -> RunResult:
     spec = target.model.spec
     g = cfg.generate
     params = SamplingParams(g.temperature, g.top_k, g.top_p, None if g.seed < 0 else g.seed, g.min_p, g.repeat_penalty,
@@ -419,8 +420,8 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
     place = placement_for(cfg.placement, cfg.qnn, flash_mode=cfg.flash.mode, target_spec=spec,
                           draft_spec=draft.spec if draft is not None else None, n_ctx=n_ctx)
     h = compose(target, prompt_ids, cfg=cfg, params=params, eos_ids=frozenset(tok.eos_ids), n_ctx=n_ctx, tracer=tracer,
-                on_tokens=on_tokens, draft_model=draft, vocab=vocab, tree=tree, cost=cost, predictor=predictor, acceptance=acceptance,
-                observer=observer, placement=place, stop=stop, kv=kv, history=history)
+                on_tokens=on_tokens, draft_model=draft, vocab=vocab, tree=tree, cost=cost, predictor=predictor,
+                acceptance=acceptance, observer=observer, placement=place, stop=stop, kv=kv, history=history)
     target.warm_head()
     target.store.reset_stats()
     dev0 = process_read_bytes() or 0

@@ -168,20 +168,20 @@ def parse_variants(text: str) -> tuple[str, ...]:
     return names
 
 
-def check_args(args) -> tuple[float, ...]:
+def check_args(args) -> tuple[tuple[float, ...], tuple[str, ...]]:
     budgets = parse_list(args.budgets, "--budgets", BUDGET, max_items=21)
-    parse_variants(args.variants)
+    variants = parse_variants(args.variants)
     input_text_file(args.config, "-c", "config file")
     if args.prompts is not None:
         input_text_file(args.prompts, "--prompts", "prompts file", MAX_PROMPT_BYTES)
     output_file(args.json, "--json")
     check_sets(args)
-    return budgets
+    return budgets, variants
 
 
 def main(args) -> int:
-    budgets = check_args(args)
+    budgets, variants = check_args(args)
     prompts = read_prompts(args.prompts or shipped("prompts", "repeat.txt"))
     bench_sources(str(args.config), prompts, args.n_gen, budgets, args.set, json_path=args.json, rounds=args.rounds,
-                  variants=parse_variants(args.variants))
+                  variants=variants)
     return 0
