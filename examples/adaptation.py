@@ -18,7 +18,7 @@ from lever.backends.flash.faults import Faults, inject
 from lever.config import load_config
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import read_spec
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 
 PROMPT = 'def parse_duration(text):\n    """Parse "1h30m", "45s" or "2d" into seconds."""\n'
 FIXED = {"chain k=4": ['tree_expand.policy="chain"', "tree_expand.chain_length=4"],

@@ -7,7 +7,7 @@
             print(chunk.text, end="")
         r = llm.chat([{"role": "user", "content": "Write quicksort in Python."}], max_tokens=128)
 
-Every call runs the configured pipeline (lever.pipelines.session.Engine: the target streamed
+Every call runs the configured pipeline (lever.pipelines.engine.Engine: the target streamed
 from flash, trees from the draft, lossless), with the models opened once by `load`. A call's
 sampling arguments override the config's [generate] for that call only. Stop strings are
 matched on the decoded text, across token boundaries, and never emitted; the pipeline stops
@@ -34,7 +34,7 @@ from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.sampling import Range
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState
-from lever.pipelines.session import Engine, RunResult
+from lever.pipelines.engine import Engine, RunResult
 
 FINISH_REASONS = ("stop", "length", "eos", "context", "cancelled")
 MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass

@@ -14,7 +14,7 @@ from lever.api import Cancelled, StopStrings
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.gguf.chat_template import ChatTemplate
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 from lever.shipped import shipped
 
 PROMPT = "def parse_args(argv):"

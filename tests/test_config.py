@@ -102,7 +102,7 @@ def _sweep_cases():
 def test_every_key_refuses_or_runs_with_an_absurd_value(item):
     import signal
 
-    from lever.pipelines.session import run_pipeline
+    from lever.pipelines.engine import run_pipeline
 
     def hang(*_):
         raise TimeoutError(f"{item}: no end within {SWEEP_TIMEOUT_S} s")

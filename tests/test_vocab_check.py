@@ -13,7 +13,7 @@ from lever.config import load_config
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.vocab_map import compare_vocabularies
-from lever.pipelines.session import Engine
+from lever.pipelines.engine import Engine
 from lever.shipped import shipped
 from tests.conftest import QWEN_DRAFT, QWEN_TARGET
 

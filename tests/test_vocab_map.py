@@ -20,7 +20,7 @@ from lever.gguf.vocab_map import pair_vocabularies
 from lever.model.generate import GREEDY, generate
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 from lever.shipped import shipped
 from lever.stages.draft import Drafter
 from lever.stages.tree_expand import TreeExpandConfig

@@ -31,7 +31,7 @@ from lever.gguf.identity import ModelIdentity, file_sha256
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.transformer import Model
 from lever.outputs import atomic_path, writable_destination
-from lever.pipelines.session import cost_model, run_pipeline
+from lever.pipelines.engine import cost_model, run_pipeline
 from lever.policy.fit import (
     HELD_OUT_SHARE,
     THRESHOLDS,

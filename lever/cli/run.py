@@ -14,7 +14,7 @@ from pathlib import Path
 from lever.cli.common import add_common, add_sampling, add_set, check_sets, input_text_file, n_predict, output_file
 from lever.config import load_config
 from lever.errors import LeverError, read_text
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 from lever.shipped import shipped
 
 

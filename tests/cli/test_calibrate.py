@@ -13,7 +13,7 @@ from lever.cli.calibrate import calibrate
 from lever.cli.main import main
 from lever.config import load_config
 from lever.errors import LeverError
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 from lever.policy.fit import Recorder, fit_correction, on_target_path
 from lever.shipped import shipped
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from lever.backends.flash import Faults, inject
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 from lever.stages.draft import Drafter
 from lever.stages.pruned_verify import PrunedVerify
 from tests.backends.flash.test_faults import (  # noqa: F401 (fixtures)

@@ -21,7 +21,7 @@ from lever.model.generate import GREEDY, generate
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
 from lever.pipelines.compose import compose
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 from lever.pipelines.target import FlashTarget
 
 PROMPT = "the theory in the thin"

@@ -9,7 +9,7 @@ import pytest
 
 from lever.cli.bench.pipelines import read_prompts
 from lever.errors import LeverError
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 from lever.shipped import shipped
 from lever.stages.tree_expand import TreeExpandConfig
 from tests.pipelines.test_compose import SPEC, config, reference_tokens

@@ -17,7 +17,7 @@ import pytest
 
 from lever.config import load_config
 from lever.errors import LeverError
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 from lever.pipelines.target import FlashTarget
 from lever.policy import memory
 

@@ -10,7 +10,7 @@ import pytest
 import lever.backends.qnn as qnn
 from lever.config import load_config
 from lever.errors import LeverError
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "examples" / "default.toml"

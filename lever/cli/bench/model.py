@@ -42,7 +42,7 @@ from lever.gguf.tokenizer import Tokenizer
 from lever.model.generate import generate
 from lever.model.transformer import Model
 from lever.outputs import atomic_write
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 
 PP_TOKENS = (1, 8, 32)
 

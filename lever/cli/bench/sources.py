@@ -82,7 +82,7 @@ def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float,
                   out=print, json_path: str | None = None, rounds: int = 1,
                   variants: tuple[str, ...] = DEFAULT_VARIANTS) -> dict:
     from lever.config import load_config
-    from lever.pipelines.session import run_pipeline
+    from lever.pipelines.engine import run_pipeline
 
     def run(extra: list[str], budget: float, prompt: str):
         cfg = load_config(config, [*sets, *extra, f"flash.dram_budget={budget}", f"generate.n_predict={n}",

@@ -27,7 +27,7 @@ import pytest
 from lever.backends.flash import Faults, FlashConfig, FlashStore, inject
 from lever.config import load_config
 from lever.errors import LeverError
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 from tests.backends.flash.files import disk_dir  # noqa: F401 (a fixture
 from tests.conftest import ROOT
 

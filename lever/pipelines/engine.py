@@ -1,4 +1,4 @@
-"""`lever run`: one generation through a configured pipeline, and its run summary.
+"""One run through a configured pipeline (`lever run`), the Engine that opens a pair once for many, and the run summary.
 
 The summary is where the pipeline's claims are measured: tokens/s, flash bytes read from the
 device per token (from /proc/self/io, not from what was asked), the share of read time hidden

@@ -1,10 +1,10 @@
-"""lever.pipelines.session: what one run takes from its config beyond the graph."""
+"""lever.pipelines.engine: what one run takes from its config beyond the graph."""
 
 from __future__ import annotations
 
 from lever.backends.cpu import native
 from lever.config import load_config
-from lever.pipelines.session import run_pipeline
+from lever.pipelines.engine import run_pipeline
 from tests.conftest import ROOT
 
 
