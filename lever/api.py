@@ -32,11 +32,11 @@ from lever.gguf.chat_template import ChatTemplate, check_messages
 from lever.gguf.identity import ModelIdentity
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.sampling import Range
+from lever.model.stop import StopReason
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState
 from lever.pipelines.engine import Engine, RunResult
 
-FINISH_REASONS = ("stop", "length", "eos", "context", "cancelled")
 MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
 MAX_STOP_CHARS = 256
 
@@ -73,7 +73,7 @@ class Completion:
 
     text: str
     tokens: tuple[int, ...]  # generated ids, up to the one that completed a stop string
-    finish_reason: str  # one of FINISH_REASONS
+    finish_reason: StopReason
     usage: Usage
     stats: RunResult  # the run's figures, as `lever run --json` prints them
 
@@ -84,7 +84,7 @@ class Chunk:
 
     text: str
     n_tokens: int
-    finish_reason: str | None = None  # set on the last chunk only
+    finish_reason: StopReason | None = None  # set on the last chunk only
 
 
 @attrs.define
@@ -108,7 +108,7 @@ class StopStrings:
     def __attrs_post_init__(self):
         self._decoder = StreamDecoder(self.tok, at_start=False)
 
-    def __call__(self, tokens: tuple[int, ...]) -> str:
+    def __call__(self, tokens: tuple[int, ...]) -> StopReason | None:
         for t in tokens:
             if self.stopped_at >= 0:
                 break
@@ -120,9 +120,9 @@ class StopStrings:
             self._find(before)
         if self.stopped_at >= 0:
             self._hand_on(self.stopped_at)
-            return "stop"
+            return StopReason.STOP
         self._hand_on(len(self.text) - self._held())
-        return "cancelled" if self.cancel.is_set() else ""
+        return StopReason.CANCELLED if self.cancel.is_set() else None
 
     def finish(self) -> None:
         """The generation ended (not by a stop string): what was held back is final."""
@@ -321,9 +321,7 @@ class LLM:
             else:
                 res, cached = session.run(ids, gen, rule)
         rule.finish()
-        reason = "stop" if rule.stopped_at >= 0 else res.stop_reason or "length"
-        if reason not in FINISH_REASONS:
-            raise LeverError(f"internal: unknown stop reason {reason!r}")
+        reason = StopReason.STOP if rule.stopped_at >= 0 else res.stop_reason or StopReason.LENGTH
         tokens = tuple(rule.tokens)
         return Completion(rule.final_text, tokens, reason, Usage(len(ids), len(tokens), cached), res)
 

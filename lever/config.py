@@ -87,12 +87,12 @@ class PipelineKind:
 
     name: str
     all_resident: bool  # every target layer in DRAM, whatever [flash] dram_budget says
-    drafts: bool  # a draft model grows trees ([tree_expand]); else one token per pass
+    speculates: bool  # trees grow ([tree_expand]) and one pass verifies each; else one token per pass
 
 
-PIPELINE_KINDS = {k.name: k for k in (PipelineKind("flash-ar", all_resident=False, drafts=False),
-                                      PipelineKind("resident-ar", all_resident=True, drafts=False),
-                                      PipelineKind("speculative", all_resident=False, drafts=True))}
+PIPELINE_KINDS = {k.name: k for k in (PipelineKind("flash-ar", all_resident=False, speculates=False),
+                                      PipelineKind("resident-ar", all_resident=True, speculates=False),
+                                      PipelineKind("speculative", all_resident=False, speculates=True))}
 
 
 @attrs.frozen

@@ -28,9 +28,12 @@ from starlette.routing import Route
 
 from lever.api import LLM, Cancelled, Completion, Session
 from lever.errors import LeverError
+from lever.model.stop import StopReason
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that its client is still there
-OPENAI_FINISH = {"stop": "stop", "eos": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+# OpenAI's finish_reason of each of Lever's (lever.model.stop)
+OPENAI_FINISH = {StopReason.STOP: "stop", StopReason.EOS: "stop", StopReason.LENGTH: "length",
+                 StopReason.CONTEXT: "length", StopReason.CANCELLED: "stop"}
 MAX_BODY_BYTES = 4 << 20
 
 

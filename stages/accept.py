@@ -3,7 +3,7 @@
 It runs the output projection (lm_head, on the CPU) only for the nodes on the path being
 accepted: logits at the last given node, the target's token, down into the child holding that
 token, and again, until a node has no such child; the token chosen there is the bonus token.
-The rows go in batches along the draft's likeliest chain, so the projection's weights are read
+The rows go in batches along the tree's likeliest chain, so the projection's weights are read
 once per batch rather than once per accepted token.
 Greedy output is therefore the target's own greedy output, whatever the tree held. It decides
 which tree rows the KV caches keep and sends that back to Draft, and emits the tokens.
@@ -22,17 +22,18 @@ import attrs
 import numpy as np
 
 from lever.dataflow.graph import Stage
-from lever.dataflow.messages import Accepted, TokenTree, Verified, children_of, likely_path
+from lever.dataflow.messages import Accepted, Proposals, TokenTree, Verified, children_of, likely_path
 from lever.dataflow.trace import Tracer
 from lever.model.finite import NonFiniteError, finite, first_bad_row
 from lever.model.sampling import SamplingParams, distribution, rejection_sample, sample
+from lever.model.stop import StopReason, stop_reason
 
 
 class StopRule(Protocol):
     """A caller's reason to end a generation early, asked after every pass with the tokens it
-    emitted: a stop string completed ("stop"), a request cancelled ("cancelled"); "" goes on."""
+    emitted: a stop string completed (StopReason.STOP), a request cancelled (CANCELLED); None goes on."""
 
-    def __call__(self, tokens: tuple[int, ...]) -> str: ...
+    def __call__(self, tokens: tuple[int, ...]) -> StopReason | None: ...
 
 
 @attrs.frozen
@@ -46,13 +47,13 @@ class AcceptConfig:
     stop: StopRule | None = None  # the caller's own stopping rule (stop strings, cancellation)
 
 
-def choose(logits: np.ndarray, drafted, params: SamplingParams, rng: np.random.Generator,
+def choose(logits: np.ndarray, drafted: Proposals | None, params: SamplingParams, rng: np.random.Generator,
            history: Sequence[int] = ()) -> int:
     """The target's token at one node, given the draft's tokens there (None: not expanded) and
     the text before it (`history`, for the repeat penalty: the same as autoregressive decoding's)."""
-    if params.greedy or drafted is None or not len(drafted[0]):
+    if params.greedy or drafted is None or not len(drafted.tokens):
         return sample(logits, params, rng, history)  # with nothing drafted, exactly an autoregressive draw
-    return rejection_sample(distribution(logits, params, history), drafted[0], drafted[1], rng)[0]
+    return rejection_sample(distribution(logits, params, history), drafted.tokens, drafted.q, rng)[0]
 
 
 def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], params: SamplingParams,
@@ -62,8 +63,8 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
 
     `logits_at(nodes)` gives the target's logits, (len(nodes), n_vocab), at those tree nodes.
 
-    The output projection runs in batches along the likely path (the draft's most probable
-    chain from where the walk stands): one batched matmul reads the projection's weights once
+    The output projection runs in batches along the likely path (the chain of highest gains
+    from where the walk stands): one batched matmul reads the projection's weights once
     for all its rows, where row by row each row would read them again. When the target leaves
     that chain, the rows past the fork were wasted and a new batch starts at the fork. The
     kernels are batch-invariant, so the logits, and the tokens, are those of one row at a time.
@@ -142,17 +143,14 @@ class Accept(Stage):
         if self.params.penalizes:
             self.history = [*self._recent(tree), *tokens][-self.params.repeat_last_n :]
         self.n_ctx_used += len(keep)
-        stop = ""
-        if tokens[-1] in self.config.eos_ids:
-            stop = "eos"
-        elif self.n_emitted >= self.config.n_predict:
-            stop = "length"
-        elif self.n_ctx_used >= self.config.n_ctx:  # no row left for the next root
-            stop = "context"
-        if self.config.stop is not None:  # the caller's reason comes first: its text ends where it says
-            stop = self.config.stop(tuple(tokens)) or stop
+        # autoregressive decoding's rule (lever.model.stop); n_ctx_used: no row left for the next root
+        c = self.config
+        stop = stop_reason(tokens[-1], n_emitted=self.n_emitted, n_predict=c.n_predict, n_rows=self.n_ctx_used,
+                           n_ctx=c.n_ctx, eos_ids=c.eos_ids)
+        if c.stop is not None:  # the caller's reason comes first: its text ends where it says
+            stop = c.stop(tuple(tokens)) or stop
         pruned = () if v.alive is None else tuple(int(n) for n in np.flatnonzero(~v.alive))
-        return Accepted(tree.pass_id, tuple(tokens), tuple(keep), bool(stop), stop, pruned)
+        return Accepted(tree.pass_id, tuple(tokens), tuple(keep), stop is not None, stop, pruned)
 
     def _checked(self, v: Verified, logits_at: Callable[[list[int]], np.ndarray]) -> Callable[[list[int]], np.ndarray]:
         """logits_at, refusing rows that hold a NaN or an Inf, or come from hidden states that do

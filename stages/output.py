@@ -8,6 +8,7 @@ import attrs
 
 from lever.dataflow.graph import Stage
 from lever.dataflow.messages import Accepted
+from lever.model.stop import StopReason
 
 
 @attrs.frozen
@@ -16,7 +17,7 @@ class OutputStats:
 
     tokens: tuple[int, ...]
     accepted_per_pass: tuple[int, ...]  # tokens emitted by each pass, the prefill's first
-    stop_reason: str
+    stop_reason: StopReason | None  # None: the run was cut before its end
 
 
 @attrs.define
@@ -27,7 +28,7 @@ class Output(Stage):
 
     tokens: list[int] = attrs.field(factory=list)
     accepted_per_pass: list[int] = attrs.field(factory=list)  # tokens emitted by each pass
-    stop_reason: str = ""
+    stop_reason: StopReason | None = None
 
     def step(self, acc: Accepted) -> None:
         self.tokens.extend(acc.tokens)

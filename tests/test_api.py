@@ -157,7 +157,7 @@ def test_stop_strings_hold_back_only_what_could_still_match(llm):
     rule = StopStrings(llm.tokenizer, ("abc", "xyz"), lambda text, n: got.append(text))
     ids = llm.tokenizer.encode("hello ab", add_bos=False)
     assert llm.tokenizer.decode(ids) == "hello ab"
-    assert rule(tuple(ids)) == ""
+    assert rule(tuple(ids)) is None
     assert "".join(got) == "hello "  # "ab" may begin "abc": held back
     rule.finish()
     assert "".join(got) == "hello ab" and rule.final_text == "hello ab"

@@ -21,6 +21,7 @@ FLOORS = (
     ("lever.model",),  # a model in DRAM, sampling, generation, the float64 reference
     ("lever.dataflow", "lever.backends.flash", "lever.backends.qnn"),
     ("lever.policy",),  # decisions: tree growth, costs, predictor, memory plan, placement
+    ("lever.tree",),  # a cycle's token tree as it grows: nodes, free sources, drafting ahead, the builder
     ("lever.stages",),
     ("lever.config",),
     ("lever.pipelines",),

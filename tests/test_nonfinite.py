@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lever.backends.cpu.kv_cache import causal_mask
-from lever.dataflow.messages import TokenTree
+from lever.dataflow.messages import Proposals, TokenTree
 from lever.errors import LeverError
 from lever.fuzz.inputs import RandomChooser
 from lever.fuzz.models import nonfinite_model
@@ -179,7 +179,7 @@ def test_sampling_refuses_nan_logits_and_a_tiny_temperature_draws_the_likeliest(
 def test_predictor_scores_from_a_nan_hidden_state_are_refused():
     m = Model(DRAFT)
     tree = TokenTree(1, np.array([5, 6, 7]), np.array([-1, 0, 0], np.int32), 1,
-                     drafts={0: (np.array([6, 7]), None, np.array([0.6, 0.3], np.float32))})
+                     drafts={0: Proposals(np.array([6, 7]), np.array([0.6, 0.3], np.float32))})
     pred = Predictor(2, 0.1, Correction(), m.output_norm, m.spec.rms_eps, m.output)
     x = np.zeros((3, m.spec.n_embd), np.float32)
     x[1] = 0.5

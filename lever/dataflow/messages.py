@@ -16,6 +16,24 @@ import attrs
 import numpy as np
 
 from lever.backends.cpu.layer import LayerWeights
+from lever.model.stop import StopReason
+
+
+@attrs.frozen
+class Proposals:
+    """The draft's children of one node: its tokens in the order drawn (most probable first
+    when chosen by rank; -1 pads where fewer tokens had mass than were asked for), the draft's
+    probability of each, and, when the run samples, the distribution they were drawn from,
+    which the target's rejection sampling needs (Accept)."""
+
+    tokens: np.ndarray = attrs.field(eq=False)  # (k,) int64
+    probs: np.ndarray = attrs.field(eq=False)  # (k,) float32
+    q: np.ndarray | None = attrs.field(default=None, eq=False)  # (n_vocab,) float32; None: chosen by rank
+
+    def drawn(self) -> Proposals:
+        """Without the padding."""
+        real = self.tokens >= 0
+        return Proposals(self.tokens[real], np.asarray(self.probs)[real], self.q)
 
 
 @attrs.frozen
@@ -31,13 +49,14 @@ class TokenTree:
     tokens: np.ndarray = attrs.field(eq=False)  # (n_nodes,) int64
     parents: np.ndarray = attrs.field(eq=False)  # (n_nodes,) int32
     n_given: int = 1
-    draft_probs: np.ndarray | None = attrs.field(default=None, eq=False)  # (n_nodes,) draft p of each node
+    # (n_nodes,) float32, each node's estimated acceptance: the chance the target's walk reaches it
+    gains: np.ndarray | None = attrs.field(default=None, eq=False)
+    # (n_nodes,) float32, each node's probability under its proposer (the draft's, given its parent)
+    q: np.ndarray | None = attrs.field(default=None, eq=False)
     keep: tuple[int, ...] | None = None  # rows of the previous pass to keep; None keeps all
-    # node -> (the draft's tokens for its children in the order drawn, (n_vocab,) float32 the
-    # distribution they were drawn from, or None when chosen by rank, the draft's probability
-    # of each token): what speculative sampling needs at each expanded node, and the pruning
-    # predictor's shadow candidates. Only some of the drawn tokens may be nodes of the tree.
-    drafts: dict[int, tuple[np.ndarray, np.ndarray | None, np.ndarray]] = attrs.field(factory=dict, eq=False)
+    # node -> the draft's children there: what speculative sampling needs at each expanded node,
+    # and the pruning predictor's shadow candidates. Only some of them may be nodes of the tree.
+    drafts: dict[int, Proposals] = attrs.field(factory=dict, eq=False)
     cycle_s: float = 0.0  # TreeExpand's estimate of this cycle's latency (drafting and the pass); 0: none
 
     @property
@@ -73,11 +92,11 @@ def children_of(tree: TokenTree) -> list[list[int]]:
 
 
 def likely_path(tree: TokenTree, kids: list[list[int]], node: int, n: int | None = None) -> list[int]:
-    """`node`, then its child the draft found likeliest (the first without draft probabilities),
-    and so on down: at most n nodes (None: to a leaf)."""
-    path, probs = [node], tree.draft_probs
+    """`node`, then its child of the highest gain (the first without gains), and so on down: at
+    most n nodes (None: to a leaf)."""
+    path, gains = [node], tree.gains
     while (n is None or len(path) < n) and kids[node]:
-        node = max(kids[node], key=lambda c: probs[c]) if probs is not None else kids[node][0]
+        node = max(kids[node], key=lambda c: gains[c]) if gains is not None else kids[node][0]
         path.append(node)
     return path
 
@@ -116,7 +135,7 @@ class Accepted:
     tokens: tuple[int, ...]  # newly emitted tokens, in order (the last is the next root)
     keep: tuple[int, ...]  # tree nodes whose KV rows stay (the accepted path, given chain first)
     done: bool = False
-    stop_reason: str = ""  # "eos", "length", "context" when done
+    stop_reason: StopReason | None = None  # why, when done
     pruned: tuple[int, ...] = ()  # tree nodes the predictor pruned: whether the target took them is unknown
     timing: PassTiming | None = None  # the pass's and Accept's measured times
 
@@ -155,6 +174,10 @@ class Expansion:
     child_tokens: np.ndarray = attrs.field(eq=False)  # (m, top_k) int64, most probable first (or in draw order); -1 pads
     child_probs: np.ndarray = attrs.field(eq=False)  # (m, top_k) float32, draft probabilities
     child_q: np.ndarray | None = attrs.field(default=None, eq=False)  # (m, n_vocab) float32 drawn from, when sampling
+
+    def proposals(self, i: int) -> Proposals:
+        """The children of the i-th expanded node."""
+        return Proposals(self.child_tokens[i], self.child_probs[i], None if self.child_q is None else self.child_q[i])
 
 
 @attrs.frozen

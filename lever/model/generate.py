@@ -17,6 +17,7 @@ import numpy as np
 from lever.backends.cpu.kv_cache import causal_mask
 from lever.errors import LeverError
 from lever.model.sampling import SamplingParams, sample
+from lever.model.stop import StopReason, stop_reason
 from lever.model.transformer import Model
 
 PREFILL_CHUNK = 64  # tokens per prefill pass: large enough to amortize weight reads
@@ -28,7 +29,7 @@ class GenerationResult:
     tokens: list[int]  # generated ids, without the prompt
     prefill_s: float
     decode_s: float
-    stop_reason: str  # "eos", "length" or "context"
+    stop_reason: StopReason  # EOS, LENGTH or CONTEXT
 
     @property
     def decode_tps(self) -> float:
@@ -71,19 +72,17 @@ def generate(model: Model, prompt_tokens: list[int], n_predict: int, params: Sam
     t1 = time.perf_counter()
 
     out: list[int] = []
-    stop = "length"
+    stop = StopReason.LENGTH
     while len(out) < n_predict:
         tok = sample(logits, params, rng, (*prompt_tokens, *out) if params.penalizes else ())
         out.append(tok)
         if on_token:
             on_token(tok)
-        if tok in eos_ids:
-            stop = "eos"
-            break
-        if len(out) == n_predict:
-            break
-        if cache.n_rows >= n_ctx:
-            stop = "context"
+        # the rule Accept ends a pipeline's generation by (the row for `tok` is not in the cache yet)
+        reason = stop_reason(tok, n_emitted=len(out), n_predict=n_predict, n_rows=cache.n_rows, n_ctx=n_ctx,
+                             eos_ids=eos_ids)
+        if reason is not None:
+            stop = reason
             break
         n_past = cache.n_rows
         hidden = model.forward(np.array([tok]), np.array([n_past], np.int32), causal_mask(n_past, 1), cache)

@@ -124,7 +124,7 @@ def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: Samp
     p.connect(accept, "accepted", expand, "accepted", ch.tokens)
     p.connect(accept, "emitted", output, "emitted", 4)
     draft = None
-    if tree.uses_model:  # else no draft model runs: trees grow from the free sources alone, or not at all
+    if tree.drafts:  # else no draft model runs: trees grow from the free sources alone, or not at all
         if draft_model is None:
             raise LeverError(f"[tree_expand] policy {tree.policy!r} needs a draft model ([model] draft)")
         # another token table of the same tokenizer is mapped (`vocab`, made at Engine.open; other

@@ -27,6 +27,7 @@ from lever.gguf.spec import read_spec
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.gguf.vocab_map import VocabFigures, VocabMap, pair_vocabularies
 from lever.model.sampling import SamplingParams
+from lever.model.stop import StopReason
 from lever.model.transformer import Model
 from lever.pipelines.compose import KVState, compose
 from lever.pipelines.target import FlashTarget
@@ -143,7 +144,7 @@ class RunResult:
     prompt_tokens: list[int]
     tokens: list[int]
     text: str
-    stop_reason: str
+    stop_reason: StopReason | None
     timing: Timing
     flash: FlashFigures
     memory: MemoryFigures
@@ -273,7 +274,7 @@ class Engine:
         f = GGUFFile(cfg.model.target)
         spec = read_spec(f)
         engine = cls(cfg, kind, f, spec, Tokenizer.from_gguf(f), min(cfg.model.n_ctx, spec.n_ctx_train))
-        if kind.drafts and cfg.tree_expand.uses_model:  # sources without "model" need none (lever.policy.lookup)
+        if kind.speculates and cfg.tree_expand.drafts:  # sources without "model" need none (lever.policy.lookup)
             if not cfg.model.draft:
                 raise LeverError(f"{cfg.where}: [model] draft: a speculative pipeline needs a draft model "
                                  "(or [tree_expand] sources without \"model\")")
@@ -305,7 +306,7 @@ class Engine:
     def cost(self) -> CostModel | None:
         """The cost model trees are priced with, made once (it reads the profile and the
         target's tensor table); None for pipelines that draft nothing."""
-        if self._cost is None and self.kind.drafts:
+        if self._cost is None and self.kind.speculates:
             self._cost = cost_model(self.cfg, self.file)
         return self._cost
 
@@ -315,7 +316,7 @@ class Engine:
 
     @property
     def tree(self) -> TreeExpandConfig:
-        return self.cfg.tree_expand if self.kind.drafts else TreeExpandConfig(policy="none")
+        return self.cfg.tree_expand if self.kind.speculates else TreeExpandConfig(policy="none")
 
     def encode(self, prompt: str) -> list[int]:
         ids = self.tok.encode(prompt)
@@ -331,7 +332,7 @@ class Engine:
         tree = self.tree
         plan = plan_memory(self.file, self.spec, self.flash, n_ctx=self.n_ctx, n_pass_tokens=max(n_prompt, tree.max_nodes),
                            tree_rows=tree.max_nodes, draft=self.draft_file, draft_spec=self.draft_spec,
-                           draft_rows=tree.draft_rows if self.kind.drafts else 0,
+                           draft_rows=tree.draft_rows if self.kind.speculates else 0,
                            runtime_bytes=runtime_bytes_for(self.cfg.placement))
         check_memory(plan, self.cfg.memory, self.cfg.where)
         return plan
@@ -357,7 +358,7 @@ class Engine:
     def new_kv(self) -> KVState:
         """Empty caches of the sizes a run of this engine makes (for a session read from disk)."""
         tree = self.tree
-        draft = self.draft.new_cache(self.n_ctx + tree.draft_rows) if self.draft is not None and self.kind.drafts else None
+        draft = self.draft.new_cache(self.n_ctx + tree.draft_rows) if self.draft is not None and self.kind.speculates else None
         return KVState(KVCache(self.spec, self.n_ctx + tree.max_nodes), draft, 0)
 
     def close(self) -> None:
@@ -414,9 +415,9 @@ def _run(cfg: Config, kind: PipelineKind, target: FlashTarget, *, tok: Tokenizer
         if on_text:
             on_text("".join(stream.push(t) for t in ts))
 
-    tree = cfg.tree_expand if kind.drafts else None
-    cost = (cost or cost_model(cfg)) if kind.drafts else None
-    predictor, acceptance = _predictor(cfg, target, cost) if kind.drafts else (None, None)
+    tree = cfg.tree_expand if kind.speculates else None
+    cost = (cost or cost_model(cfg)) if kind.speculates else None
+    predictor, acceptance = _predictor(cfg, target, cost) if kind.speculates else (None, None)
     place = placement_for(cfg.placement, cfg.qnn, flash_mode=cfg.flash.mode, target_spec=spec,
                           draft_spec=draft.spec if draft is not None else None, n_ctx=n_ctx)
     h = compose(target, prompt_ids, cfg=cfg, params=params, eos_ids=frozenset(tok.eos_ids), n_ctx=n_ctx, tracer=tracer,

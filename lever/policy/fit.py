@@ -142,7 +142,7 @@ def _rank(tree: TokenTree, node: int, tok: int) -> int:
     drafted = tree.drafts.get(node)
     if drafted is None:
         return 1
-    where = np.flatnonzero(drafted[0] == tok)
+    where = np.flatnonzero(drafted.tokens == tok)
     return int(where[0]) if where.size else 1
 
 

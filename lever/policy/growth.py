@@ -1,6 +1,6 @@
 """Tree-growth policies: which of the draft's candidates join a cycle's token tree.
 
-TreeExpand's builder (stages/tree_expand.py) keeps the tree and a heap of candidates (children
+TreeExpand's builder (lever.tree.builder) keeps the tree and a heap of candidates (children
 the draft proposed, by estimated acceptance); each round it asks its policy which candidates
 join, and whether a node is worth a draft forward of its own. The policies are the paper's
 baselines and Lever's own:
@@ -19,9 +19,19 @@ name. The builder is reached through the small `Builder` protocol, so policies i
 
 from __future__ import annotations
 
+import enum
 from typing import ClassVar, Protocol
 
 import attrs
+
+
+class Source(enum.StrEnum):
+    """Who proposes a child: the draft model, or a free source (lever.policy.lookup). The
+    values are `[tree_expand] sources`' names."""
+
+    MODEL = "model"
+    PROMPT_LOOKUP = "prompt-lookup"
+    NGRAM = "ngram"
 
 
 @attrs.frozen(order=True)
@@ -35,7 +45,7 @@ class Candidate:
     token: int = attrs.field(order=False)
     q: float = attrs.field(order=False)  # the draft's probability of it, given its parent
     rank: int = attrs.field(order=False)  # its place among its parent's proposals
-    source: str = attrs.field(default="model", order=False)  # who proposed it (lever.policy.lookup.SOURCES)
+    source: Source = attrs.field(default=Source.MODEL, order=False)  # who proposed it
 
     @property
     def gain(self) -> float:
@@ -43,12 +53,11 @@ class Candidate:
 
 
 class Builder(Protocol):
-    """What a policy reads and does on a tree under construction (TreeBuilder)."""
+    """What a policy reads and does on a tree under construction (lever.tree.builder.TreeBuilder)."""
 
     config: object  # TreeExpandConfig
     cost: object  # verify_s(n), expand_s(batch), idle_s(n)
-    gain: list[float]
-    depth: list[int]
+    nodes: object  # lever.tree.nodes.Nodes: the arrays (gain, depth, ...) by node
     bar_rate: float  # tokens/s a node must bring: what the last trees reached (0: none yet)
 
     @property
@@ -78,7 +87,7 @@ class GrowthPolicy:
     """The default answers are a policy that drafts nothing."""
 
     name: ClassVar[str]
-    drafts: ClassVar[bool] = True  # needs a draft model
+    speculates: ClassVar[bool] = True  # grows trees past the root
     full_lm_head: ClassVar[bool] = False  # Accept runs the output head over the whole tree
     learns_acceptance: ClassVar[bool] = False  # gains go through the acceptance table, learned online
 
@@ -112,7 +121,7 @@ def take_best(b: Builder, n: int, bar: float = float("-inf")) -> list[int]:
 
 class NoTree(GrowthPolicy):
     name = "none"
-    drafts = False
+    speculates = False
 
 
 class Chain(GrowthPolicy):
@@ -177,7 +186,7 @@ class GainCost(GrowthPolicy):
         the first node pays the whole forward and the others ride along."""
         chosen: list[int] = []
         before = b.price_s()  # each price walks every layer: the last one accepted is the next one's start
-        for n in sorted(nodes, key=lambda n: -b.gain[n]):
+        for n in sorted(nodes, key=lambda n: -b.nodes.gain[n]):
             k = len(chosen) + 1
             # the forward runs the node's ancestors a free source proposed and the draft never ran
             after = b.price_s(b.n_nodes + k, b.cost.expand_s(b.forward_tokens([*chosen, n])))

@@ -32,7 +32,9 @@ from collections import Counter, defaultdict
 
 import attrs
 
-SOURCES = ("model", "prompt-lookup", "ngram")  # [tree_expand] sources: the names
+from lever.policy.growth import Source
+
+SOURCES = tuple(Source)  # [tree_expand] sources: the names
 MAX_MATCH = 8  # longest suffix prompt lookup matches: past it, longer matches say little more
 MIN_MATCH = 2  # a single token repeats too often to predict what follows it
 NGRAM_N = 3  # context of the n-gram cache
@@ -46,7 +48,7 @@ class Lookup:
     for each context (n <= NGRAM_N) the counts of the tokens after it. `extend` adds tokens as
     Accept emits them; `propose` answers for a node's path."""
 
-    sources: tuple[str, ...]  # of SOURCES, without "model"
+    sources: tuple[Source, ...] = attrs.field(converter=lambda xs: tuple(Source(x) for x in xs))  # no MODEL
     tokens: list[int] = attrs.field(factory=list)
     _ends: dict = attrs.field(factory=lambda: defaultdict(list))  # n-gram tuple -> end positions, rising
     _next: dict = attrs.field(factory=lambda: defaultdict(Counter))  # context tuple -> Counter of next tokens
@@ -64,7 +66,7 @@ class Lookup:
                     break
                 self._next[tuple(self.tokens[i - n : i])][self.tokens[i]] += 1
 
-    def trials(self, new: list[int]) -> list[tuple[str, float, int, bool]]:
+    def trials(self, new: list[int]) -> list[tuple[Source, float, int, bool]]:
         """(source, q, rank, right) of every proposal the sources make at each position of
         `new`, the tokens about to be appended (call before `extend`): right when it is the
         token that came."""
@@ -73,16 +75,16 @@ class Lookup:
             out += [(source, q, rank, tok == t) for source, tok, q, rank in self.propose(new[:i])]
         return out
 
-    def propose(self, path: list[int]) -> list[tuple[str, int, float, int]]:
+    def propose(self, path: list[int]) -> list[tuple[Source, int, float, int]]:
         """(source, token, q, rank) children for the text so far followed by `path` (the tree's
         tokens below the root, the root being the last token of the text)."""
         out = []
         for source in self.sources:
-            if source == "prompt-lookup":
+            if source == Source.PROMPT_LOOKUP:
                 hit = self.prompt_lookup(path)
                 if hit is not None:
                     out.append((source, hit[0], hit[1] / MAX_MATCH, 0))
-            elif source == "ngram":
+            elif source == Source.NGRAM:
                 out += [(source, t, q, r) for r, (t, q) in enumerate(self.ngram(path))]
         return out
 

@@ -72,15 +72,14 @@ def backbone(tree: TokenTree, kids: list[list[int]]) -> set[int]:
 
 def candidates(tree: TokenTree, kids: list[list[int]], node: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(tokens, draft probabilities, n children): the node's children first, then its shadows.
-    A child's probability is its draft p at the node (from the draft's proposals when known)."""
+    A child's probability is its draft p at the node: from the draft's proposals there, else the
+    tree's q of the child (a free source's node: its source's own confidence)."""
     toks = [int(tree.tokens[c]) for c in kids[node]]
     known: dict[int, float] = {}
     drafted = tree.drafts.get(node)
-    if drafted is not None and len(drafted) > 2 and drafted[2] is not None:
-        known = {int(t): float(p) for t, p in zip(drafted[0], drafted[2])}
-    gain = tree.draft_probs  # path probabilities: their ratio is the conditional one
-    probs = [known.get(t, float(gain[c] / max(gain[node], 1e-9)) if gain is not None else 1.0)
-             for t, c in zip(toks, kids[node])]
+    if drafted is not None:
+        known = {int(t): float(p) for t, p in zip(drafted.tokens, drafted.probs)}
+    probs = [known.get(t, float(tree.q[c]) if tree.q is not None else 1.0) for t, c in zip(toks, kids[node])]
     shadows = [(t, p) for t, p in known.items() if t not in set(toks)]
     return (np.asarray(toks + [t for t, _ in shadows], np.int64),
             np.asarray(probs + [p for _, p in shadows], np.float64), len(toks))

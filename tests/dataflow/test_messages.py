@@ -16,7 +16,7 @@ PARENTS = [-1, 0, 0, 1, 1, 2]
 
 def tree(probs=None) -> TokenTree:
     return TokenTree(3, np.arange(10, 16), np.asarray(PARENTS, np.int32),
-                     draft_probs=None if probs is None else np.asarray(probs, np.float32))
+                     gains=None if probs is None else np.asarray(probs, np.float32))
 
 
 def test_depths_children_and_ancestors():

@@ -6,12 +6,12 @@ import heapq
 
 from lever.policy.growth import POLICIES, Candidate
 from lever.stages.tree_expand import FlatCost, TreeExpandConfig
-from tests.stages.test_tree_expand import grow
+from tests.tree.test_builder import grow
 
 
 def test_what_each_policy_decides():
     assert set(POLICIES) == {"none", "chain", "kary", "confidence", "gain-cost"}
-    assert [n for n, p in POLICIES.items() if not p.drafts] == ["none"]
+    assert [n for n, p in POLICIES.items() if not p.speculates] == ["none"]
     assert [n for n, p in POLICIES.items() if p.full_lm_head] == ["confidence"]  # EdgeLLM verifies with it
     assert [n for n, p in POLICIES.items() if p.learns_acceptance] == ["gain-cost"]
     assert TreeExpandConfig(policy="kary").growth is POLICIES["kary"]
@@ -28,7 +28,7 @@ def test_candidates_pop_by_gain_then_by_order_proposed():
 def test_confidence_stops_at_its_bar():
     # FakeDraft: first child 0.7, then 0.1 each. Paths: 0.7, 0.49, 0.343, ... and 0.07 for others.
     b = grow(TreeExpandConfig(policy="confidence", confidence=0.3, top_k=4, max_nodes=64))
-    assert min(b.gain[1:]) >= 0.3 and b.n_nodes == 1 + 3  # 0.7, 0.49, 0.343; 0.2401 is below
+    assert min(b.nodes.gain[1:]) >= 0.3 and b.n_nodes == 1 + 3  # 0.7, 0.49, 0.343; 0.2401 is below
     lower = grow(TreeExpandConfig(policy="confidence", confidence=0.05, top_k=4, max_nodes=64))
     assert lower.n_nodes > b.n_nodes
 
@@ -43,9 +43,9 @@ def test_gain_cost_adds_proposed_children_without_paying_a_forward_and_expands_o
     # proposals are already drafted, so the likely first child still joins (it costs its row)
     dear = grow(TreeExpandConfig(policy="gain-cost", max_nodes=64),
                 FlatCost(read_s=0.05, compute_per_token_s=0.0001, draft_step_s=1.0))
-    assert dear.n_nodes >= 2 and max(dear.depth) == 1
-    assert dear.row[1:] == [-1] * (dear.n_nodes - 1)  # none of them was expanded
+    assert dear.n_nodes >= 2 and max(dear.nodes.depth) == 1
+    assert dear.nodes.row[1:] == [-1] * (dear.n_nodes - 1)  # none of them was expanded
     cheap = grow(TreeExpandConfig(policy="gain-cost", max_nodes=64),
                  FlatCost(read_s=0.05, compute_per_token_s=0.0001, draft_step_s=0.001))
-    assert max(cheap.depth) > 3
+    assert max(cheap.nodes.depth) > 3
 

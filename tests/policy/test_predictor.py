@@ -6,7 +6,7 @@ import attrs
 import numpy as np
 import pytest
 
-from lever.dataflow.messages import TokenTree
+from lever.dataflow.messages import Proposals, TokenTree
 from lever.errors import LeverError
 from lever.gguf.identity import ModelIdentity
 from lever.policy.acceptance import AcceptanceTable
@@ -27,7 +27,7 @@ from lever.policy.predictor import (
 #   6
 TREE = TokenTree(1, np.array([10, 11, 12, 13, 14, 15, 16]), np.array([-1, 0, 0, 1, 1, 2, 3], np.int32), 1,
                  np.array([1.0, 0.6, 0.3, 0.5, 0.05, 0.2, 0.4], np.float32),
-                 drafts={0: (np.array([11, 12, 99]), None, np.array([0.6, 0.3, 0.05]))})
+                 drafts={0: Proposals(np.array([11, 12, 99]), np.array([0.6, 0.3, 0.05]))})
 
 
 def test_candidates_put_children_first_then_the_drafts_other_proposals():
@@ -125,8 +125,8 @@ def test_batched_scoring_equals_the_lens_node_by_node():
     from lever.policy.predictor import Predictor, lens_logits
 
     m = Model(Path(__file__).resolve().parents[2] / "examples" / "models" / "stdlib-target-q4_0.gguf", load_layers=False)
-    tree = attrs.evolve(TREE, tokens=TREE.tokens + 100, drafts={0: (np.array([111, 112, 199]), None,
-                                                                    np.array([0.6, 0.3, 0.05]))})
+    tree = attrs.evolve(TREE, tokens=TREE.tokens + 100, drafts={0: Proposals(np.array([111, 112, 199]),
+                                                                          np.array([0.6, 0.3, 0.05]))})
     x = np.random.default_rng(0).normal(size=(tree.n_nodes, m.spec.n_embd)).astype(np.float32)
     corr = Correction(0.7, 0.9, -1.0)
     p = Predictor(3, 0.1, corr, m.output_norm, m.spec.rms_eps, m.output)

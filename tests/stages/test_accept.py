@@ -8,7 +8,8 @@ from lever.dataflow.messages import Expansion, TokenTree
 from lever.model.sampling import SamplingParams, draw_without_replacement
 from lever.policy.predictor import prune_by_scores
 from lever.stages.accept import accept_tree
-from lever.stages.tree_expand import FlatCost, TreeBuilder, TreeExpandConfig
+from lever.stages.tree_expand import FlatCost, TreeExpandConfig
+from lever.tree.builder import TreeBuilder
 
 VOCAB = 50
 
@@ -30,7 +31,7 @@ def logits_choosing(choice: dict[int, int]):
 def tree():
     # root 0 -> children 1 (tok 7, likelier) and 2 (tok 8); 1 -> 3 (tok 9); 2 -> 4 (tok 3)
     return TokenTree(1, np.array([5, 7, 8, 9, 3]), np.array([-1, 0, 0, 1, 2], np.int32),
-                     draft_probs=np.array([1.0, 0.6, 0.3, 0.5, 0.2], np.float32))
+                     gains=np.array([1.0, 0.6, 0.3, 0.5, 0.2], np.float32))
 
 
 def walk(choice, budget=100, eos=frozenset()):

@@ -1,80 +1,16 @@
-"""TreeExpand's tree growth without an event loop: a fake draft answers expansions."""
+"""TreeExpand's cycles without an event loop: a fake draft answers expansions (the builder alone: tests/tree)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from lever.dataflow.messages import Accepted, Expansion
+from lever.dataflow.messages import Accepted
 from lever.errors import LeverError
-from lever.stages.tree_expand import FlatCost, TreeBuilder, TreeExpand, TreeExpandConfig
-
-
-class FakeDraft:
-    """Numbers pending rows as the real Draft does; every expanded node proposes tokens
-    10..10+k with probability p_first for the first and a flat rest for the others."""
-
-    def __init__(self, p_first: float = 0.7):
-        self.p_first, self.n_pending = p_first, 0
-
-    def __call__(self, req) -> Expansion:
-        if req.keep is not None:
-            self.n_pending = len(req.carry)  # carried rows stay pending, renumbered from 0
-        first = self.n_pending + req.n_given
-        self.n_pending += req.tokens.size
-        n, k = req.tokens.size - req.n_given, req.top_k
-        rest = (1 - self.p_first) / max(k - 1, 1)
-        probs = np.array([[self.p_first] + [rest] * (k - 1)] * n, np.float32)
-        tokens = np.tile(np.arange(10, 10 + k, dtype=np.int64), (n, 1))
-        return Expansion(req.cycle, np.arange(first, first + n, dtype=np.int32), tokens, probs)
-
-
-def grow(config: TreeExpandConfig, cost=FlatCost(), room=1000) -> TreeBuilder:
-    b = TreeBuilder(config, cost, cycle=1, room=room)
-    b.add(5, -1, 1.0)
-    draft = FakeDraft()
-    req = b.request([0], given=[], keep=())
-    while req is not None:
-        req = b.on_expansion(draft(req))
-    return b
-
-
-def test_chain_is_a_chain_of_k():
-    b = grow(TreeExpandConfig(policy="chain", chain_length=4))
-    assert b.n_nodes == 5 and b.parents == [-1, 0, 1, 2, 3] and b.tokens[1:] == [10] * 4
-
-
-def test_kary_is_full():
-    b = grow(TreeExpandConfig(policy="kary", top_k=2, kary_depth=3, max_nodes=100))
-    assert b.n_nodes == 1 + 2 + 4 + 8 and max(b.depth) == 3
-
-
-def test_gain_cost_grows_when_reads_dominate_and_shrinks_when_compute_does():
-    cfg = TreeExpandConfig(policy="gain-cost", max_nodes=64)
-    slow_flash = grow(cfg, FlatCost(read_s=2.0, compute_per_token_s=0.005, draft_step_s=0.02))
-    fast_flash = grow(cfg, FlatCost(read_s=0.01, compute_per_token_s=0.005, draft_step_s=0.02))
-    assert slow_flash.n_nodes > 2 * fast_flash.n_nodes
-    assert fast_flash.n_nodes >= 2  # the first, likely child is still worth it
-
-
-def test_gain_is_the_path_probability():
-    b = grow(TreeExpandConfig(policy="chain", chain_length=3))
-    assert np.allclose(b.gain, [1.0, 0.7, 0.49, 0.343])
-
-
-def test_caps_and_room_bound_every_policy():
-    for policy in ("kary", "gain-cost", "confidence"):
-        b = grow(TreeExpandConfig(policy=policy, max_nodes=10, kary_depth=5, confidence=0.0),
-                 FlatCost(read_s=100.0))
-        assert b.n_nodes <= 10
-    assert grow(TreeExpandConfig(policy="kary", kary_depth=5, max_nodes=100), room=7).n_nodes == 7
-
-
-def test_draft_rows_and_parents_follow_expansion_order():
-    b = grow(TreeExpandConfig(policy="chain", chain_length=2))
-    assert b.row == [0, 1, -1]  # root and the first node expanded in turn; the full chain's leaf never
-    tree = b.tree(pass_id=3, keep=(0,))
-    assert tree.n_given == 1 and tree.parents.tolist() == [-1, 0, 1] and tree.keep == (0,)
+from lever.stages.tree_expand import FlatCost, TreeExpand, TreeExpandConfig
+from lever.tree import lookahead
+from lever.tree.builder import TreeBuilder
+from lever.tree.free import FreeSources
+from tests.tree.fake_draft import FakeDraft
 
 
 def test_next_cycle_commits_the_expanded_accepted_path_and_feeds_an_unexpanded_leaf():
@@ -100,11 +36,11 @@ def chain_cycle(stage: TreeExpand, lookahead_rounds: int) -> TreeBuilder:
     stage._last = b
     b.tree(pass_id=1, keep=(0, 1, 2))
     for _ in range(lookahead_rounds):
-        req = b.lookahead_request()
+        req = lookahead.request(b)
         if req is None:
             break
         assert req.ahead
-        b.on_lookahead(draft(req))
+        b.absorb(draft(req))
     return b
 
 
@@ -112,22 +48,22 @@ def test_lookahead_expands_the_leaf_then_the_likeliest_candidates():
     stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=2, lookahead_nodes=8, round_nodes=4),
                        prompt=[1, 2, 3])
     b = chain_cycle(stage, 1)
-    assert b.n_sent == 3 and b.row == [0, 1, 2]  # the chain's leaf first: every next root hangs below it
+    assert b.n_sent == 3 and b.nodes.row == [0, 1, 2]  # the chain's leaf first: every next root hangs below it
     chain_cycle(stage, 2)
     b = chain_cycle(stage, 10)
-    assert b.n_ahead == 8 and b.lookahead_request() is None  # the node cap
+    assert b.ahead.n_ahead == 8 and lookahead.request(b) is None  # the node cap
     ahead = range(b.n_sent, b.n_nodes)
-    assert [b.parents[i] for i in ahead][:4] == [2, 2, 2, 2]  # then the leaf's children, all four
-    assert all(b.gain[i] <= b.gain[j] for i, j in zip(list(ahead)[4:], list(ahead)[:4]))
+    assert [b.nodes.parents[i] for i in ahead][:4] == [2, 2, 2, 2]  # then the leaf's children, all four
+    assert all(b.nodes.gain[i] <= b.nodes.gain[j] for i, j in zip(list(ahead)[4:], list(ahead)[:4]))
 
 
 def test_lookahead_stays_within_the_idle_time_of_the_pass():
     cfg = TreeExpandConfig(policy="chain", chain_length=2, lookahead_nodes=64)
     busy = TreeExpand("x", cfg, prompt=[1, 2, 3], cost=FlatCost(read_s=0.0))  # compute-bound: no idle time
-    assert chain_cycle(busy, 10).n_ahead == 0
+    assert chain_cycle(busy, 10).ahead.n_ahead == 0
     idle = TreeExpand("x", cfg, prompt=[1, 2, 3], cost=FlatCost(read_s=0.05, draft_step_s=0.02))
-    assert chain_cycle(idle, 10).n_ahead > 0 and chain_cycle(idle, 10).lookahead_s <= 0.05
-    assert chain_cycle(idle, 0).lookahead_request(time_left_s=0.01) is None  # would outlast the pass
+    assert chain_cycle(idle, 10).ahead.n_ahead > 0 and chain_cycle(idle, 10).ahead.spent_s <= 0.05
+    assert lookahead.request(chain_cycle(idle, 0), time_left_s=0.01) is None  # would outlast the pass
 
 
 def test_a_right_guess_starts_the_next_tree_from_rows_drafted_ahead():
@@ -135,13 +71,13 @@ def test_a_right_guess_starts_the_next_tree_from_rows_drafted_ahead():
     stage = TreeExpand("x", cfg, prompt=[1, 2, 3])
     b = chain_cycle(stage, 10)
     # the target took the chain (rows 0, 1, 2) and then 10, whose row the lookahead drafted
-    root = next(i for i in range(b.n_sent, b.n_nodes) if b.parents[i] == 2 and b.tokens[i] == 10)
+    root = next(i for i in range(b.n_sent, b.n_nodes) if b.nodes.parents[i] == 2 and b.nodes.tokens[i] == 10)
     acc = Accepted(1, (10, 10, 10), (0, 1, 2))
-    carry = b.carry_for(acc)
-    assert carry[0] == b.row[root] and all(r > b.row[root] for r in carry[1:])
+    carry = lookahead.carry_for(b, acc)
+    assert carry[0] == b.nodes.row[root] and all(r > b.nodes.row[root] for r in carry[1:])
     b2, req = stage.start_cycle(acc)
     assert req.keep == (0, 1, 2) and req.carry == carry and req.n_given == 0
-    assert b2.n_carried_used >= 1 and b2.n_nodes == 3  # the chain's first node came drafted ahead
+    assert b2.ahead.n_used >= 1 and b2.n_nodes == 3  # the chain's first node came drafted ahead
     assert req.tokens.size < 2  # so at most the second is left to draft
     assert stage.lookahead_hits == 1
 
@@ -163,7 +99,7 @@ def test_online_calibration_learns_from_each_cycle():
         req = b.on_expansion(draft(req))
     stage._last = b
     b.tree(pass_id=1, keep=(0, 1, 2))
-    first = [i for i in range(1, b.n_nodes) if b.parents[i] == 0 and b.rank[i] == 0]
+    first = [i for i in range(1, b.n_nodes) if b.nodes.parents[i] == 0 and b.nodes.rank[i] == 0]
     stage.start_cycle(Accepted(1, (10, 99), (0, first[0])))  # the first child accepted, nothing below
     c = stage.acceptance
     # first children: the root's (accepted) and its own (rejected); the root's others: rejected
@@ -226,7 +162,7 @@ def test_no_node_past_the_generations_end():
     draft = FakeDraft()
     while req is not None:
         req = b.on_expansion(draft(req))
-    assert b.remaining == 3 and max(b.depth) == 2 and b.n_nodes == 3
+    assert b.remaining == 3 and max(b.nodes.depth) == 2 and b.n_nodes == 3
     unbounded = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=8), prompt=[1, 2, 3])
     b, req = unbounded.start_cycle(Accepted(0, (5,), (0, 1, 2)))
     while req is not None:
@@ -250,36 +186,6 @@ def test_a_free_source_learns_from_every_emitted_token_not_only_from_its_nodes()
     assert table.pooled() > 0.6
 
 
-def grow_with(lookup_text: list[int]) -> TreeBuilder:
-    from lever.policy.lookup import Lookup
-
-    lk = Lookup(("prompt-lookup",))
-    lk.extend(lookup_text)
-    b = TreeBuilder(TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup"), max_nodes=64),
-                    FlatCost(), cycle=1, room=1000, lookup=lk)
-    b.add(lookup_text[-1], -1, 1.0)
-    draft, req = FakeDraft(), None
-    req = b.request([0], given=[], keep=())
-    while req is not None:
-        req = b.on_expansion(draft(req))
-    b.tree(1, ())
-    return b
-
-
-def test_a_free_source_continues_its_own_text_not_the_drafts_guesses():
-    # "5 10" came before, followed by 30: below the draft's 10 prompt lookup would say 30, but
-    # that 10 is the draft's guess, not text the lookup predicted, so it proposes nothing there
-    b = grow_with([5, 10, 30, 31, 7, 5])
-    assert 10 in b.tokens and 30 not in b.tokens
-    # here the lookup predicts the 10 itself ("7 5" -> 10), so the node is both sources', and
-    # the lookup goes on below it: 30, then 31
-    b = grow_with([7, 5, 10, 30, 31, 9, 7, 5])
-    ten = b.tokens.index(10)
-    assert b.parents[ten] == 0 and "prompt-lookup" in [b.source[ten], *(x[0] for x in b.also.get(ten, ()))]
-    thirty = b.tokens.index(30)
-    assert b.parents[thirty] == ten and b.parents[b.tokens.index(31)] == thirty
-
-
 def test_free_sources_fill_the_models_tree_and_leave_it_as_the_model_grows_it_alone():
     """The free nodes join after the model's tree is done: its nodes, in order, are the ones
     the model grows alone, and the rate bar the next tree is held to is the model's."""
@@ -290,7 +196,8 @@ def test_free_sources_fill_the_models_tree_and_leave_it_as_the_model_grows_it_al
     lk = Lookup(("prompt-lookup",))
     lk.extend(text)
     mixed = TreeBuilder(TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup"), max_nodes=64),
-                        FlatCost(), cycle=1, room=1000, lookup=lk, tables={"prompt-lookup": None})
+                        FlatCost(), cycle=1, room=1000,
+                        free=FreeSources(lk, {"prompt-lookup": None}))
     for b in (alone, mixed):
         b.add(5, -1, 1.0)
         draft, req = FakeDraft(), b.request([0], given=[], keep=())
@@ -298,34 +205,10 @@ def test_free_sources_fill_the_models_tree_and_leave_it_as_the_model_grows_it_al
             req = b.on_expansion(draft(req))
         b.tree(1, ())
     n = alone.n_nodes
-    assert mixed.n_nodes > n and mixed.tokens[:n] == alone.tokens and mixed.parents[:n] == alone.parents
-    assert set(mixed.source[n:]) == {"prompt-lookup"} and mixed.tokens[n : n + 3] == [20, 21, 22]
-    assert all(r < 0 for r in mixed.row[n:])  # no draft forward under them
+    assert mixed.n_nodes > n and mixed.nodes.tokens[:n] == alone.nodes.tokens and mixed.nodes.parents[:n] == alone.nodes.parents
+    assert set(mixed.nodes.source[n:]) == {"prompt-lookup"} and mixed.nodes.tokens[n : n + 3] == [20, 21, 22]
+    assert all(r < 0 for r in mixed.nodes.row[n:])  # no draft forward under them
     stage = TreeExpand("x", TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup")), prompt=text)
     stage.sent(mixed, mixed.tree(1, ()))
     assert stage._bar_rate == pytest.approx(mixed.model_rate) and mixed.model_rate < mixed.sent_tokens / mixed.sent_s
 
-
-def test_a_forward_reads_the_free_chain_below_the_node_it_expands():
-    """Where prompt lookup knows what follows, one forward runs its chain (not one forward a
-    token); chain nodes the draft's own children confirm get the model's gain, the rest none."""
-    from lever.policy.acceptance import AcceptanceTable
-    from lever.policy.lookup import Lookup
-
-    lk = Lookup(("prompt-lookup",))
-    lk.extend([7, 5, 10, 10, 10, 10, 9, 7, 5])  # after "7 5": 10 10 10 10 9; the draft proposes 10-13 everywhere
-    b = TreeBuilder(TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup"), max_nodes=64),
-                    FlatCost(), cycle=1, room=1000, lookup=lk, tables={"prompt-lookup": AcceptanceTable(pooled_prior=0.9)})
-    b.add(5, -1, 1.0)
-    draft, req, sizes = FakeDraft(), b.request([0], given=[], keep=()), []
-    while req is not None:
-        sizes.append(req.tokens.size)
-        req = b.on_expansion(draft(req))
-    assert sizes[1] >= 5  # the model's 10, then the chain 10 10 10 9 below it, in one forward
-    chain = [n for n in range(b.n_nodes) if b.source[n] == "prompt-lookup"]
-    priced = [n for n in chain if b.gain[n] > 0]
-    assert [b.tokens[n] for n in priced] == [10, 10, 10] and all(b.gain[n] > 0.1 for n in priced)
-    assert all(any(x[0] == "model" for x in b.also[n]) for n in priced)  # the draft's own children, merged
-    nine = chain[3]
-    assert b.tokens[nine] == 9 and b.row[nine] >= 0 and "model" not in [x[0] for x in b.also.get(nine, ())]
-    assert all(b.gain[n] == 0.0 for n in chain[3:])  # run by the draft, not confirmed: no gain below
