@@ -41,7 +41,7 @@ def run(config: str, sets: list[str], prompt: str, n: int, *, slow_s: float, aft
 
     with inject(faults):
         res = run_pipeline(cfg, prompt, observer=observer)
-    return {"tokens": res.tokens, "cycles": res.tree.cycles}
+    return {"tokens": res.tokens, "cycles": res.trees.cycles}
 
 
 def rate(cycles, start: int, stop: int | None = None) -> float:

@@ -34,8 +34,9 @@ from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.sampling import Range
 from lever.model.stop import StopReason
 from lever.pipelines import saved_session
-from lever.pipelines.compose import KVState
-from lever.pipelines.engine import Engine, RunResult
+from lever.pipelines.compose import KVState, Request
+from lever.pipelines.engine import Engine
+from lever.pipelines.result import RunResult
 
 MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
 MAX_STOP_CHARS = 256
@@ -232,7 +233,7 @@ class LLM:
                 self._template = ChatTemplate(self.config.model.chat_template, f"{self.config.where}: [model] chat_template",
                                               bos, eos)
             else:
-                self._template = ChatTemplate.from_gguf(self.engine.file, bos, eos)
+                self._template = ChatTemplate.from_gguf(self.engine.plan.target_file, bos, eos)
         return self._template
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
@@ -317,7 +318,7 @@ class LLM:
             if rule.cancel.is_set():  # its caller left while it waited
                 raise Cancelled("the generation was cancelled before it started")
             if session is None:
-                res, cached = self.engine.run(ids, generate=gen, stop=rule), 0
+                res, cached = self.engine.run(Request(ids, gen, rule)), 0
             else:
                 res, cached = session.run(ids, gen, rule)
         rule.finish()
@@ -421,20 +422,22 @@ class Session:
 
     def save(self, path: str | os.PathLike) -> None:
         """The conversation and the caches' rows, to msgpack (lever.pipelines.saved_session)."""
-        e = self.llm.engine
         with self.llm._lock:
-            saved_session.write(path, messages=self.messages, ids=self.ids, kv=self.kv, target=ModelIdentity.of(e.file.path),
-                                draft=ModelIdentity.of(e.draft_file.path) if e.draft_file is not None else None)
+            saved_session.write(path, messages=self.messages, ids=self.ids, kv=self.kv, **self._identities())
 
     def load(self, path: str | os.PathLike) -> None:
         """A saved session of the same model pair: its conversation goes on from its caches."""
-        e = self.llm.engine
         with self.llm._lock:
-            kv = e.new_kv()
-            messages, ids = saved_session.read(path, kv=kv, target=ModelIdentity.of(e.file.path),
-                                               draft=ModelIdentity.of(e.draft_file.path) if e.draft_file is not None else None,
-                                               n_vocab=e.spec.n_vocab)
+            kv = self.llm.engine.new_kv()
+            messages, ids = saved_session.read(path, kv=kv, n_vocab=self.llm.engine.plan.spec.n_vocab,
+                                               **self._identities())
             self.messages, self.ids, self.kv = messages, ids, kv
+
+    def _identities(self) -> dict[str, ModelIdentity | None]:
+        """The pair's files, which a saved session is tied to (the draft's when it runs)."""
+        p = self.llm.engine.plan
+        return {"target": ModelIdentity.of(p.target_file.path),
+                "draft": ModelIdentity.of(p.draft_file.path) if p.draft_file is not None else None}
 
     def _turn(self, messages: Sequence[dict]) -> list[int]:
         added = check_messages(messages) if messages else []
@@ -453,7 +456,7 @@ class Session:
         if kv is not None:
             kv.truncate(common)
         self.ids, self.kv = [], None  # until the run ends well, the caches are in flux
-        res = self.llm.engine.run(ids[common:], generate=gen, stop=rule, kv=kv, on_kv=kept.append, history=ids[:common])
+        res = self.llm.engine.run(Request(ids[common:], gen, rule, kv=kv, history=ids[:common]), on_kv=kept.append)
         self.kv = kept[0]
         self.ids = (ids + res.tokens)[: self.kv.n_rows]
         self.last_cached = common

@@ -25,7 +25,7 @@ import attrs
 
 from lever.backends.flash import FlashConfig
 from lever.errors import LeverError, read_text
-from lever.model.sampling import LIMITS, Range
+from lever.model.sampling import LIMITS, Range, SamplingParams
 from lever.policy.memory import MemoryConfig
 from lever.policy.placement import PlacementConfig, QnnConfig
 from lever.policy.predictor import PredictorConfig
@@ -109,22 +109,66 @@ class ChannelsConfig:
                 raise LeverError(f"[channels] {f.name}: capacity must be between 1 and 64, got {v}")
 
 
+def _knob(default, help: str, *, arg: str = "", flag: str = "", call: Range | None = None):
+    """A [generate] field that is a generation knob. `arg`: its name in a call (lever.api, the
+    server; OpenAI's where it has one; default the key), `flag`: the commands' flag (default the
+    key with dashes), `call`: a call's bounds where stricter than the config's."""
+    return attrs.field(default=default, metadata={"knob": {"help": help, "arg": arg, "flag": flag, "call": call}})
+
+
 @attrs.frozen
 class GenerateConfig:
-    """What to generate and how tokens are chosen."""
+    """What to generate and how tokens are chosen. Every field but `prompt` is a knob: the API's
+    and the server's arguments and the commands' flags are derived from these (KNOBS)."""
 
-    n_predict: int = 128  # tokens to generate at most
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0  # drop tokens below min_p x the likeliest one's probability (0: off)
-    repeat_penalty: float = 1.0  # llama.cpp's: the last repeat_last_n tokens' logits pushed down (1: off)
-    repeat_last_n: int = 64
-    seed: int = -1  # -1: a fresh seed each run
+    n_predict: int = _knob(128, "tokens to generate at most", arg="max_tokens", flag="n",
+                           call=Range(1, N_PREDICT.hi, integer=True))  # a call asks for a token at least
+    temperature: float = _knob(0.0, "sampling temperature (0: greedy)", flag="temp")
+    top_k: int = _knob(0, "keep the k likeliest tokens (0: off)")
+    top_p: float = _knob(1.0, "nucleus: the likeliest tokens up to this mass (1: off)")
+    min_p: float = _knob(0.0, "drop tokens under min_p x the likeliest's probability (0: off)")
+    repeat_penalty: float = _knob(1.0, "llama.cpp's repeat penalty: the last repeat_last_n tokens pushed down (1: off)")
+    repeat_last_n: int = _knob(64, "tokens the repeat penalty looks back on")
+    seed: int = _knob(-1, "sampling seed (-1: a fresh one each run)")
     prompt: str = ""  # the prompt when none is given on the command line
 
     def __attrs_post_init__(self):
         _check_limits("generate", self, GENERATE_LIMITS)
+
+    def params(self) -> SamplingParams:
+        """The sampling knobs, as lever.model.sampling takes them."""
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in attrs.fields(SamplingParams)})
+
+
+@attrs.frozen
+class Knob:
+    """One generation knob, as every surface names and bounds it."""
+
+    key: str  # its [generate] key, and GenerateConfig's field
+    arg: str  # its name in a call (lever.api, lever serve)
+    flag: str  # the commands' flag: --flag, or -n for one letter
+    limit: Range  # what [generate] accepts
+    call: Range  # what a call accepts
+    help: str
+
+    @property
+    def option(self) -> str:
+        return f"-{self.flag}" if len(self.flag) == 1 else f"--{self.flag}"
+
+
+def _knobs() -> dict[str, Knob]:
+    out = {}
+    for f in attrs.fields(GenerateConfig):
+        meta = f.metadata.get("knob")
+        if meta is not None:
+            limit = GENERATE_LIMITS[f.name]
+            k = Knob(f.name, meta["arg"] or f.name, meta["flag"] or f.name.replace("_", "-"), limit,
+                     meta["call"] or limit, meta["help"])
+            out[k.key] = k
+    return out
+
+
+KNOBS: dict[str, Knob] = _knobs()  # by [generate] key, in GenerateConfig's order
 
 
 MAX_EMULATED_MS = 1000.0  # a slower emulated unit is a mistake, and a run that would never end

@@ -19,6 +19,12 @@ class OutputStats:
     accepted_per_pass: tuple[int, ...]  # tokens emitted by each pass, the prefill's first
     stop_reason: StopReason | None  # None: the run was cut before its end
 
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens emitted per decoding pass (the prefill's pass is not one; 0 without any)."""
+        n = len(self.accepted_per_pass) - 1
+        return sum(self.accepted_per_pass[1:]) / n if n > 0 else 0.0
+
 
 @attrs.define
 class Output(Stage):

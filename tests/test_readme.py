@@ -67,17 +67,15 @@ def test_readme_has_the_api_and_the_composition_blocks():
 
 def test_readme_pipeline_picture_is_the_graph_compose_builds():
     from lever.config import load_config
-    from lever.dataflow.trace import Tracer
-    from lever.model.sampling import SamplingParams
     from lever.model.transformer import Model
-    from lever.pipelines.compose import compose
+    from lever.pipelines.compose import Request, compose
+    from lever.pipelines.plan import RunPlan
     from lever.pipelines.target import FlashTarget
 
-    cfg = load_config(ROOT / "examples" / "default.toml")
-    target = FlashTarget.open(cfg.model.target, cfg.flash)
+    plan = RunPlan.resolve(load_config(ROOT / "examples" / "default.toml"))
+    target = FlashTarget.open(plan.target_file.path, plan.flash, resident=plan.resident)
     try:
-        c = compose(target, [1], cfg=cfg, params=SamplingParams(), eos_ids=frozenset(), n_ctx=128, tracer=Tracer(),
-                    draft_model=Model(cfg.model.draft), tree=cfg.tree_expand)
+        c = compose(target, Model(file=plan.draft_file), plan, Request([1]))
     finally:
         target.close()
     (picture,) = [body for lang, _, body in BLOCKS if lang == "mermaid"]

@@ -126,7 +126,7 @@ def test_greedy_output_and_acceptance_are_the_original_pairs(drafts, reference):
     runs = {name: _run(path) for name, path in drafts.items()}
     for name, res in runs.items():
         assert res.tokens == reference == res.baseline.tokens, name
-    per_pass = {name: res.tree.accepted_per_pass for name, res in runs.items()}
+    per_pass = {name: res.output.tokens_per_pass for name, res in runs.items()}
     assert per_pass["original"] > 1.5, per_pass
     assert len(set(per_pass.values())) == 1, per_pass
     assert runs["original"].vocab is None
@@ -156,7 +156,7 @@ def test_unmasked_padding_would_be_proposed(drafts, reference):
 
 def test_sampled_runs_with_a_mapped_draft_are_seeded(drafts):
     a, b = (_run(drafts["both"], "generate.temperature=0.8", "generate.seed=5") for _ in range(2))
-    assert a.tokens == b.tokens and len(a.tokens) == 48 and a.tree.accepted_per_pass > 1.2
+    assert a.tokens == b.tokens and len(a.tokens) == 48 and a.output.tokens_per_pass > 1.2
 
 
 # -- sampling stays exact: the draft's q, restricted to what maps, over the target's ids

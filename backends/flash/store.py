@@ -80,13 +80,16 @@ class FlashStore:
     """Streamed and resident layers of one GGUF file. Close it (or use `with`)."""
 
     def __init__(self, path: str | os.PathLike, config: FlashConfig | None = None, *, file: GGUFFile | None = None,
-                 faults: Faults | None = None):
+                 faults: Faults | None = None, resident: frozenset[int] | None = None):
+        """`resident`: the layers kept in DRAM, when the caller planned them already (a run's
+        RunPlan); else planned here from `config.dram_budget`."""
         self.config = config = config or FlashConfig()
         self.faults = faults if faults is not None else active()
         self.file = file or GGUFFile(path)
         self.path = self.file.path
         self.extents: list[LayerExtent] = layer_extents(self.file)
-        self.resident: frozenset[int] = plan_residency(self.layer_bytes, config.dram_budget)
+        self.resident: frozenset[int] = plan_residency(self.layer_bytes, config.dram_budget) if resident is None \
+            else frozenset(resident)
         self.streamed: tuple[int, ...] = tuple(i for i in range(self.n_layer) if i not in self.resident)
         self._plans = [plan_chunks(e, config.chunk_bytes) for e in self.extents]
         self._throttle = Throttle(config.bandwidth_cap_bytes_per_s, config.read_latency_ms)

@@ -31,7 +31,8 @@ from lever.gguf.identity import ModelIdentity, file_sha256
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.transformer import Model
 from lever.outputs import atomic_path, writable_destination
-from lever.pipelines.engine import cost_model, run_pipeline
+from lever.pipelines.engine import run_pipeline
+from lever.pipelines.plan import cost_model
 from lever.policy.fit import (
     HELD_OUT_SHARE,
     THRESHOLDS,

@@ -91,11 +91,11 @@ def lossless_broken(res) -> bool:
 def print_summary(res, file) -> None:
     mib = 2**20
     p = lambda *a: print(*a, file=file)  # noqa: E731
-    t, fl, mem, tr = res.timing, res.flash, res.memory, res.tree
+    t, fl, mem, tr = res.timing, res.flash, res.memory, res.trees
     n = max(t.n_passes, 1)
     p(f"pipeline {res.pipeline}: {len(res.tokens)} tokens in {t.n_passes} passes, stop: {res.stop_reason}")
     p(f"  decode      {res.decode_tps:.2f} tok/s ({res.ms_per_token:.1f} ms/token, {res.cpu_ms_per_token:.1f} ms of CPU), "
-      f"{tr.accepted_per_pass:.2f} tokens/pass from trees of {tr.mean_nodes:.1f} nodes")
+      f"{res.output.tokens_per_pass:.2f} tokens/pass from trees of {tr.mean_nodes:.1f} nodes")
     p(f"  prefill     {len(res.prompt_tokens)} tokens in 1 pass over flash, {t.prefill_s:.2f} s to the first token "
       f"({res.prefill_tps:.1f} tokens/s)")
     p(f"  flash       {res.flash_mb_per_token:.1f} MB/token from the device "
@@ -111,8 +111,9 @@ def print_summary(res, file) -> None:
             p(f"  model       cycle predicted {tr.predicted_cycle_s * 1e3:.0f} ms, measured {tr.measured_cycle_s * 1e3:.0f} ms; "
               f"tokens/cycle predicted {tr.predicted_tokens:.2f}, measured {tr.measured_tokens:.2f}; "
               f"flash busy {100 * t.flash_busy_share:.0f}% of the run")
-        p("  drafting    forwards by tokens in them: "
-          + ", ".join(f"{k} x{c}" for k, c in sorted(tr.draft_forward_tokens.items())))
+        if res.draft is not None:
+            p("  drafting    forwards by tokens in them: "
+              + ", ".join(f"{k} x{c}" for k, c in sorted(res.draft.forward_tokens.items())))
     if getattr(res, "vocab", None) is not None:  # only for a mapped pair: the same table maps all of both, at no cost
         v = res.vocab
         p(f"  vocabulary  draft -> target: {v.draft_mapped:,} of {v.draft_tokens:,} draft tokens map "

@@ -1,38 +1,36 @@
 """Compositions of stages: the pipelines a config can name, built in a few lines each.
 
-`compose` joins TreeExpand, Draft, Prefetch, PrunedVerify, Accept and Output:
-with TreeExpand's policy "none" and no Draft it is Flash-AR, the paper's baseline (memory-resident
-AR is the same with a 100% DRAM budget); with a draft model and a tree policy it is speculative
-decoding: chain (Chain-SD), kary, or gain-cost (Lever). A custom pipeline is the same few
-`connect` calls (see examples/custom_pipeline.py).
+`compose(target, draft, plan, request)` joins TreeExpand, Draft, Prefetch, PrunedVerify, Accept
+and Output from a resolved run (lever.pipelines.plan.RunPlan) and one generation's `Request`:
+with TreeExpand's policy "none" and no Draft it is Flash-AR, the paper's baseline
+(memory-resident AR is the same with a 100% DRAM budget); with a draft model and a tree policy it
+is speculative decoding: chain (Chain-SD), kary, or gain-cost (Lever). A custom pipeline is the
+same few `connect` calls (see examples/custom_pipeline.py).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import anyio
 import attrs
 import numpy as np
 
 from lever.backends.cpu.kv_cache import KVCache
-from lever.backends.cpu.layer import layer_forward
 from lever.backends.flash import FlashConfig, FlashStore
-from lever.config import Config
+from lever.config import GenerateConfig
 from lever.dataflow.compute import ComputeSlot
 from lever.dataflow.graph import Pipeline
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import read_spec
-from lever.gguf.vocab_map import VocabMap
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
+from lever.pipelines.plan import RunPlan
 from lever.pipelines.target import FlashTarget
-from lever.policy.acceptance import AcceptanceTable
-from lever.policy.placement import Placement
-from lever.policy.predictor import Predictor
+from lever.policy.predictor import predictor_for
 from lever.signals import run_async
 from lever.stages.accept import Accept, AcceptConfig, StopRule
 from lever.stages.draft import Draft, Drafter
@@ -40,7 +38,7 @@ from lever.stages.output import Output
 from lever.stages.prefetch import Prefetch
 from lever.stages.pruned_verify import PrunedVerify
 from lever.stages.testing import Drain
-from lever.stages.tree_expand import Cost, FlatCost, TreeExpand, TreeExpandConfig
+from lever.stages.tree_expand import FlatCost, TreeExpand
 
 
 @attrs.define
@@ -83,69 +81,90 @@ class Composition:
         return kv
 
 
-def compose(target: FlashTarget, prompt: list[int], *, cfg: Config, params: SamplingParams, eos_ids: frozenset[int],
-            n_ctx: int, tracer: Tracer, on_tokens: Callable[[tuple[int, ...]], None] | None = None,
-            draft_model: Model | None = None, vocab: VocabMap | None = None, tree: TreeExpandConfig | None = None,
-            cost: Cost | None = None, predictor: Predictor | None = None, acceptance: AcceptanceTable | None = None,
-            observer=None, placement: Placement | None = None, stop: StopRule | None = None,
-            kv: KVState | None = None, history: Sequence[int] = ()) -> Composition:
-    """The pipeline over `prompt`; with `kv`, `prompt` continues the text those caches hold
-    (`kv.n_rows` tokens) and only it is prefilled. `vocab` maps a draft's token table to the
-    target's where they differ (lever.gguf.vocab_map.pair_vocabularies: Engine.open makes it once
-    per pair); None: the draft's table is the target's."""
-    spec = target.model.spec
+@attrs.frozen
+class Request:
+    """One generation asked of a composed pipeline: the prompt's ids (continuing the text `kv`
+    holds, when given), how to generate, when to stop early, and who hears about it."""
+
+    ids: tuple[int, ...] = attrs.field(converter=tuple)  # prefilled this run
+    generate: GenerateConfig | None = None  # n_predict and the sampling knobs; None: the plan's [generate]
+    stop: StopRule | None = None  # a caller's reason to end early (stop strings, a cancelled request)
+    kv: KVState | None = None  # a session's caches, holding the text before `ids`; None: fresh ones
+    history: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # the text `kv` holds, for the repeat penalty
+    on_tokens: Callable[[tuple[int, ...]], None] | None = None  # each pass's emitted tokens
+    observer: Callable | None = None  # PrunedVerify's per-layer observer (`lever calibrate` records through it)
+    tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))  # the stages' spans (Engine.run: its own)
+
+
+def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Request) -> Composition:
+    """The pipeline of `plan` over `request`, with the opened target and draft (None when the
+    plan does not draft). With `request.kv`, the ids continue the text those caches hold
+    (`kv.n_rows` tokens) and only they are prefilled."""
+    spec, tree, kv, tracer = target.model.spec, plan.tree, request.kv, request.tracer
+    gen = request.generate or plan.generate
+    params = gen.params()
     n_past = kv.n_rows if kv is not None else 0
-    tree = tree or TreeExpandConfig(policy="none")
     if tree.adapt and not params.greedy and params.seed is not None:
         # the trees would follow the machine's timing, and the draws with them: a seed must
         # give the same text every time, so a seeded sampled run prices trees by the profile
         tree = attrs.evolve(tree, adapt=False)
-    compute = ComputeSlot(cfg.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
-    expand = TreeExpand("tree_expand", tree, prompt, cost or FlatCost(), n_ctx, tracer, cfg.generate.n_predict,
-                        acceptance=acceptance, ahead_beside=bool(compute.ahead_cores), committed=n_past,
-                        greedy=params.greedy)
+    compute = ComputeSlot(plan.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
+    expand = TreeExpand("tree_expand", tree, list(request.ids), plan.cost or FlatCost(), plan.n_ctx, tracer,
+                        gen.n_predict, acceptance=plan.new_acceptance(), ahead_beside=bool(compute.ahead_cores),
+                        committed=n_past, greedy=params.greedy)
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
-                        anyio.CapacityLimiter(cfg.flash.queue_depth), tracer)
-    verify = PrunedVerify("verify", spec, target.embed, kv.target if kv is not None else KVCache(spec, n_ctx + tree.max_nodes),
-                          target.resident,
-                          compute, predictor, tracer, observer, cfg.runtime.emulate_layer_ms_per_token / 1e3,
-                          placement.verify_fn if placement is not None else layer_forward)
-    accept = Accept("accept", AcceptConfig(cfg.generate.n_predict, eos_ids, n_ctx, full_lm_head=tree.growth.full_lm_head,
-                                           stop=stop),
-                    params, target.model.logits, tracer, diagnose=target.model.nonfinite_logits, n_ctx_used=n_past,
-                    history=list(history[-params.repeat_last_n :]) if params.penalizes else [])
-    output = Output("output", on_tokens)
-    ch = cfg.channels
+                        anyio.CapacityLimiter(plan.flash.queue_depth), tracer)
+    predictor = predictor_for(plan.pruning, target.model, plan.cost) if plan.pruning is not None else None
+    verify = PrunedVerify("verify", spec, target.embed,
+                          kv.target if kv is not None else KVCache(spec, plan.n_ctx + tree.max_nodes), target.resident,
+                          compute, predictor, tracer, request.observer, plan.runtime.emulate_layer_ms_per_token / 1e3,
+                          plan.placement.verify_fn)
+    stops = AcceptConfig(gen.n_predict, plan.eos_ids, plan.n_ctx, full_lm_head=tree.growth.full_lm_head,
+                         stop=request.stop)
+    accept = Accept("accept", stops, params, target.model.logits, tracer, diagnose=target.model.nonfinite_logits,
+                    n_ctx_used=n_past,
+                    history=list(request.history[-params.repeat_last_n :]) if params.penalizes else [])
+    output = Output("output", request.on_tokens)
+    ch = plan.channels
     p = Pipeline(tree.policy)
     p.connect(expand, "tree", verify, "tree", ch.tokens)
     p.connect(prefetch, "layers", verify, "layers", ch.layers)
-    p.connect(verify, "free", prefetch, "free", cfg.flash.window_layers)
+    p.connect(verify, "free", prefetch, "free", plan.flash.window_layers)
     p.connect(verify, "verified", accept, "verified", 1)
     p.connect(accept, "accepted", expand, "accepted", ch.tokens)
     p.connect(accept, "emitted", output, "emitted", 4)
-    draft = None
-    if tree.drafts:  # else no draft model runs: trees grow from the free sources alone, or not at all
-        if draft_model is None:
-            raise LeverError(f"[tree_expand] policy {tree.policy!r} needs a draft model ([model] draft)")
-        # another token table of the same tokenizer is mapped (`vocab`, made at Engine.open; other
-        # tokenizers were refused there); the same table is not, and drafting runs as it always did
-        n_draft = draft_model.spec.n_vocab
-        if vocab is None and n_draft != spec.n_vocab:
-            raise LeverError(f"[model] draft: vocabulary of {n_draft} tokens, the target has {spec.n_vocab}")
-        if vocab is not None and (vocab.n_draft, vocab.n_target) != (n_draft, spec.n_vocab):
-            raise LeverError(f"[model] draft: {n_draft:,} and {spec.n_vocab:,} embedding rows for token tables of "
-                             f"{vocab.n_draft:,} and {vocab.n_target:,} (draft, target): a row without a token "
-                             f"cannot be mapped")
-        if tree.top_k > spec.n_vocab:
-            raise LeverError(f"[tree_expand] top_k: {tree.top_k} children per node, but the vocabulary has {spec.n_vocab} tokens")
-        cache = kv.draft if kv is not None and kv.draft is not None else draft_model.new_cache(n_ctx + tree.draft_rows)
-        core = Drafter(draft_model, cache, n_past, sampling=params,
-                          rng=np.random.default_rng(None if params.seed is None else [params.seed, 1]),
-                          batch_layer_fn=placement.draft_batch_fn if placement is not None else None, vocab=vocab)
-        draft = Draft("draft", core, compute, tracer)
-        p.connect(expand, "expand", draft, "expand", 1)
-        p.connect(draft, "expansion", expand, "expansion", 1)
-    return Composition(p.build(), output, verify, accept, expand, draft, tracer)
+    stage = None
+    if plan.drafts:  # else no draft model runs: trees grow from the free sources alone, or not at all
+        cache = kv.draft if kv is not None and kv.draft is not None else None
+        stage = Draft("draft", _drafter(draft, plan, spec=spec, cache=cache, n_past=n_past, params=params), compute,
+                      tracer)
+        p.connect(expand, "expand", stage, "expand", 1)
+        p.connect(stage, "expansion", expand, "expansion", 1)
+    return Composition(p.build(), output, verify, accept, expand, stage, tracer)
+
+
+def _drafter(draft: Model | None, plan: RunPlan, *, spec, cache: KVCache | None, n_past: int,
+             params: SamplingParams) -> Drafter:
+    """The draft model's core over its cache (a session's, or a new one). Another token table of
+    the same tokenizer is mapped (`plan.vocab`; other tokenizers were refused when the plan was
+    resolved); the same table is not, and drafting runs as it always did."""
+    if draft is None:
+        raise LeverError(f"[tree_expand] policy {plan.tree.policy!r} needs a draft model ([model] draft)")
+    n_draft, vocab = draft.spec.n_vocab, plan.vocab
+    if vocab is None and n_draft != spec.n_vocab:
+        raise LeverError(f"[model] draft: vocabulary of {n_draft} tokens, the target has {spec.n_vocab}")
+    if vocab is not None and (vocab.n_draft, vocab.n_target) != (n_draft, spec.n_vocab):
+        raise LeverError(f"[model] draft: {n_draft:,} and {spec.n_vocab:,} embedding rows for token tables of "
+                         f"{vocab.n_draft:,} and {vocab.n_target:,} (draft, target): a row without a token "
+                         f"cannot be mapped")
+    if plan.tree.top_k > spec.n_vocab:
+        raise LeverError(f"[tree_expand] top_k: {plan.tree.top_k} children per node, but the vocabulary has "
+                         f"{spec.n_vocab} tokens")
+    if cache is None:
+        cache = draft.new_cache(plan.n_ctx + plan.tree.draft_rows)
+    return Drafter(draft, cache, n_past, sampling=params,
+                   rng=np.random.default_rng(None if params.seed is None else [params.seed, 1]),
+                   batch_layer_fn=plan.placement.draft_batch_fn, vocab=vocab)
 
 
 def read_only(store: FlashStore, file: GGUFFile, flash: FlashConfig, n_passes: int) -> tuple[Pipeline, Drain]:

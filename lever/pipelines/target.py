@@ -27,10 +27,12 @@ class FlashTarget:
     resident: dict[int, LayerWeights]
 
     @classmethod
-    def open(cls, path, flash: FlashConfig, file: GGUFFile | None = None) -> FlashTarget:
+    def open(cls, path, flash: FlashConfig, file: GGUFFile | None = None,
+             resident: frozenset[int] | None = None) -> FlashTarget:
+        """`resident`: the layers to keep in DRAM (a RunPlan's); None: planned from `flash`."""
         f = file or GGUFFile(path)
         model = Model(file=f, load_layers=False, tiles=False)
-        store = FlashStore(path, flash, file=f)
+        store = FlashStore(path, flash, file=f, resident=resident)
         try:
             # Resident layers are read once through the store and packed into the tile layout
             # (the kernels' fastest form); their read buffer goes back once packed.

@@ -76,13 +76,15 @@ def emulated_read(device_bytes_per_s: float, device_latency_s: float, flash: Fla
     return bw, device_latency_s + lat
 
 
-def layer_read_bytes(target, flash: FlashConfig) -> tuple[int, ...]:
+def layer_read_bytes(target, flash: FlashConfig, resident: frozenset[int] | None = None) -> tuple[int, ...]:
     """Bytes each target layer reads per pass under `flash` (0 for a resident layer), in
-    execution order: the residency plan and chunked reads FlashStore makes, without opening it."""
+    execution order: the residency plan (`resident`, a RunPlan's; else planned from `flash`)
+    and chunked reads FlashStore makes, without opening it."""
 
     f = target if isinstance(target, GGUFFile) else GGUFFile(target)
     extents = layer_extents(f)
-    resident = plan_residency([e.buffer_bytes for e in extents], flash.dram_budget)
+    if resident is None:
+        resident = plan_residency([e.buffer_bytes for e in extents], flash.dram_budget)
     return tuple(0 if i in resident else sum(r.n_bytes for r in plan_chunks(e, flash.chunk_bytes))
                  for i, e in enumerate(extents))
 
@@ -150,7 +152,8 @@ class CostModel:
                    source=source, resident_layer_s=t.resident_layer_s, **draft)
 
     @classmethod
-    def default(cls, target, flash: FlashConfig | None = None, draft=None, kv_rows: int = KV_ROWS) -> CostModel:
+    def default(cls, target, flash: FlashConfig | None = None, draft=None, kv_rows: int = KV_ROWS, *,
+                resident: frozenset[int] | None = None) -> CostModel:
         """The fallback when no profile is configured: analytic numbers, not measurements.
 
         Reads take bytes / bandwidth, the bandwidth being the config's cap if set, else a
@@ -173,7 +176,7 @@ class CostModel:
             n_draft = len(_layer_weight_bytes(df))
             tables = {"draft_batch": TOKEN_BUCKETS, "draft_forward_s": [n_draft * d_layer(n) for n in TOKEN_BUCKETS],
                       "draft_head_rows": HEAD_ROWS, "draft_head_s": [d_head(n) for n in HEAD_ROWS]}
-        return cls(layer_read_bytes(tf, flash), bw, lat, flash.window_layers, TOKEN_BUCKETS,
+        return cls(layer_read_bytes(tf, flash, resident), bw, lat, flash.window_layers, TOKEN_BUCKETS,
                    [layer(n) for n in TOKEN_BUCKETS], HEAD_ROWS, [head(n) for n in HEAD_ROWS], source="fallback",
                    **tables)
 
@@ -350,13 +353,14 @@ def _analytic_model(f, kv_rows: int):
 
 def cost_model_for(*, target: str | os.PathLike, draft: str | os.PathLike | None, flash: FlashConfig,
                    profile: ProfileConfig, emulate_layer_ms_per_token: float = 0.0,
-                   target_file: GGUFFile | None = None) -> CostModel:
+                   target_file: GGUFFile | None = None, resident: frozenset[int] | None = None) -> CostModel:
     """The cost model a run uses: the [profile] path when set (checked to be a profile of the
     configured target and draft), else the one `lever profile` wrote beside the target if it
     fits, else the analytic fallback; with the verification unit emulated slower ([runtime]
-    emulate_layer_ms_per_token), as slow."""
+    emulate_layer_ms_per_token), as slow. `resident`: the target layers kept in DRAM (a RunPlan's),
+    else planned from `flash`."""
     target, draft = Path(target), Path(draft) if draft else None
-    model = _cost_model_for(target, draft, flash, profile, target_file)
+    model = _cost_model_for(target, draft, flash, profile, target_file=target_file, resident=resident)
     ms = emulate_layer_ms_per_token
     if ms > 0:
         floor = lambda table: [max(s, n * ms / 1e3) for n, s in zip(model.tokens, table)] if table else table
@@ -365,8 +369,8 @@ def cost_model_for(*, target: str | os.PathLike, draft: str | os.PathLike | None
     return model
 
 
-def _cost_model_for(target: Path, draft: Path | None, flash: FlashConfig, profile: ProfileConfig,
-                    target_file: GGUFFile | None = None) -> CostModel:
+def _cost_model_for(target: Path, draft: Path | None, flash: FlashConfig, profile: ProfileConfig, *,
+                    target_file: GGUFFile | None = None, resident: frozenset[int] | None = None) -> CostModel:
     # the tensor table, parsed once by the caller when it has the file open already
     opened = target_file if target_file is not None and Path(target_file.path) == target else target
     if not profile.path:
@@ -374,25 +378,26 @@ def _cost_model_for(target: Path, draft: Path | None, flash: FlashConfig, profil
         path = target.with_name(target.name + PROFILE_SUFFIX)
         if path.exists():
             try:
-                return _from_profile_file(path, target, draft, flash, opened)
+                return _from_profile_file(path, target, draft, flash, opened=opened, resident=resident)
             except LeverError:
                 pass  # a profile of other models: the fallback, as with none
-        return CostModel.default(opened, flash, draft)
+        return CostModel.default(opened, flash, draft, resident=resident)
     try:
-        return _from_profile_file(Path(profile.path), target, draft, flash, opened)
+        return _from_profile_file(Path(profile.path), target, draft, flash, opened=opened, resident=resident)
     except LeverError as e:  # a profile the config names: say which key named it
         raise LeverError(f"[profile] path: {e}") from None
 
 
-def _from_profile_file(path: Path, target: Path, draft: Path | None, flash: FlashConfig, opened=None) -> CostModel:
+def _from_profile_file(path: Path, target: Path, draft: Path | None, flash: FlashConfig, *, opened=None,
+                       resident: frozenset[int] | None = None) -> CostModel:
     profile = read(path)
     _check_identity(path, "target", profile.target.model, target)
     if draft is not None:
         if profile.draft is None:
             raise LeverError(f"{path}: profile has no draft model but the config names {draft}: re-run `lever profile`")
         _check_identity(path, "draft", profile.draft.model, draft)
-    return CostModel.from_profile(profile, layer_read_bytes(opened if opened is not None else target, flash), flash,
-                                  source=f"profile {path}")
+    read_bytes = layer_read_bytes(opened if opened is not None else target, flash, resident)
+    return CostModel.from_profile(profile, read_bytes, flash, source=f"profile {path}")
 
 
 def _check_identity(path: Path, role: str, profiled: ModelIdentity, model: str | os.PathLike) -> None:

@@ -124,13 +124,16 @@ def activation_bytes(spec: ModelSpec, n_tok: int, n_rows: int, n_logit_rows: int
 
 def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx: int, n_pass_tokens: int,
                 tree_rows: int = 1, draft: GGUFFile | None = None, draft_spec: ModelSpec | None = None,
-                draft_rows: int = 0, process_bytes: int | None = None, runtime_bytes: int = 0) -> MemoryPlan:
+                draft_rows: int = 0, process_bytes: int | None = None, runtime_bytes: int = 0,
+                resident: frozenset[int] | None = None) -> MemoryPlan:
     """The plan of one run: n_ctx context rows, passes of at most n_pass_tokens tokens (the
     prompt's prefill or a tree of tree_rows), a draft's cache of n_ctx + draft_rows rows, and
-    `runtime_bytes` of an accelerator runtime (`runtime_bytes_for(cfg.placement)`)."""
+    `runtime_bytes` of an accelerator runtime (`runtime_bytes_for(cfg.placement)`); `resident`:
+    the layers kept in DRAM (a RunPlan's), else planned from `flash`."""
     extents = layer_extents(target)
     layer_bytes = [e.buffer_bytes for e in extents]
-    resident = plan_residency(layer_bytes, flash.dram_budget)
+    if resident is None:
+        resident = plan_residency(layer_bytes, flash.dram_budget)
     streamed = [b for i, b in enumerate(layer_bytes) if i not in resident]
     window = flash.window_layers * max(streamed, default=0)
     if flash.mode == "mmap" and streamed:

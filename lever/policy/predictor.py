@@ -326,10 +326,21 @@ def _acceptance(f: Fields, cal) -> AcceptanceTable:
     return table
 
 
-def predictor_for(cfg: PredictorConfig, model, artifact: Artifact | None = None, cost=None) -> Predictor:
-    """The configured predictor over the target `model` (lever.model.Model); `artifact` (from
-    `lever calibrate`) gives the correction, and the layer and threshold the config leaves to it."""
-    n_layer = model.spec.n_layer
+@attrs.frozen
+class Pruning:
+    """The predictor a run prunes with, settled before the target loads (lever.pipelines.plan):
+    [predictor] with what it leaves to `lever calibrate`'s artifact filled in and checked."""
+
+    layer: int
+    threshold: float
+    correction: Correction
+    max_prune_share: float
+    cost_aware: bool
+
+
+def pruning_for(cfg: PredictorConfig, n_layer: int, artifact: Artifact | None = None) -> Pruning:
+    """The configured pruning of an n_layer target; `artifact` (from `lever calibrate`) gives the
+    correction, and the layer and threshold the config leaves to it."""
     layer, threshold, corr = cfg.layer, cfg.threshold, Correction()
     if artifact is not None:
         corr = artifact.correction
@@ -338,6 +349,12 @@ def predictor_for(cfg: PredictorConfig, model, artifact: Artifact | None = None,
     if artifact is not None and cfg.layer < 0:
         artifact.check_layer(n_layer)  # the layer is the artifact's: name its file
     if not 0 <= layer < n_layer - 1:
-        raise LeverError(f"[predictor] layer: {layer} is not a middle layer of a {n_layer}-layer target (0..{n_layer - 2})")
-    return Predictor(layer, threshold, corr, model.output_norm, model.spec.rms_eps, model.output, cfg.max_prune_share,
-                     cost if cfg.cost_aware else None)
+        raise LeverError(f"[predictor] layer: {layer} is not a middle layer of a {n_layer}-layer target "
+                         f"(0..{n_layer - 2})")
+    return Pruning(layer, threshold, corr, cfg.max_prune_share, cfg.cost_aware)
+
+
+def predictor_for(p: Pruning, model, cost=None) -> Predictor:
+    """A run's predictor (its counters its own) over the target `model` (lever.model.Model)."""
+    return Predictor(p.layer, p.threshold, p.correction, model.output_norm, model.spec.rms_eps, model.output,
+                     p.max_prune_share, cost if p.cost_aware else None)

@@ -14,14 +14,14 @@ import pytest
 
 from lever.cli.run import print_summary
 from lever.config import load_config
-from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.generate import GREEDY, generate
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
-from lever.pipelines.compose import compose
+from lever.pipelines.compose import Request, compose
 from lever.pipelines.engine import run_pipeline
+from lever.pipelines.plan import RunPlan
 from lever.pipelines.target import FlashTarget
 
 PROMPT = "the theory in the thin"
@@ -88,10 +88,9 @@ def test_cancellation_stops_within_a_second_and_releases_everything(tiny_model):
     proc = psutil.Process(os.getpid())
     threads0, files0 = threading.active_count(), {f.path for f in proc.open_files()}
     cfg = config(path, "generate.n_predict=100000", "flash.read_latency_ms=5")
-    target = FlashTarget.open(path, cfg.flash)
-    tok = Tokenizer.from_gguf(path)
-    h = compose(target, tok.encode(PROMPT), cfg=cfg, params=SamplingParams(), eos_ids=frozenset(), n_ctx=256,
-                tracer=Tracer())
+    plan = RunPlan.resolve(cfg)
+    target = FlashTarget.open(path, plan.flash, resident=plan.resident)
+    h = compose(target, None, plan, Request(plan.tok.encode(PROMPT)))
 
     async def main():
         with anyio.move_on_after(0.5):
@@ -123,7 +122,7 @@ def test_speculative_greedy_equals_autoregressive(tiny_model, policy, draft_seed
                        PROMPT)
     assert res.tokens == reference_tokens(path, n=40)
     if draft_seed == 0 and policy != "gain-cost":  # the draft is the target: the greedy path is accepted
-        assert res.tree.accepted_per_pass > 1.5  # (gain-cost may rightly keep trees tiny for a flat random model)
+        assert res.output.tokens_per_pass > 1.5  # (gain-cost may rightly keep trees tiny for a flat random model)
 
 
 @pytest.mark.parametrize("policy", ["chain", "gain-cost"])
@@ -134,7 +133,7 @@ def test_drafting_ahead_is_lossless_and_hits(stories, policy):
                  "tree_expand.lookahead_nodes=24", "flash.bandwidth_cap_bytes_per_s=2e6")
     res = run_pipeline(cfg, "Once upon a time")
     assert res.tokens == reference_tokens(stories, "Once upon a time", 60)
-    assert res.tree.lookahead_hit_share > 0.2 and res.timing.draft_hidden_share > 0.1
+    assert res.trees.lookahead_hit_share > 0.2 and res.timing.draft_hidden_share > 0.1
 
 
 def test_speculative_sampling_runs_on_real_models(stories):
@@ -145,7 +144,7 @@ def test_speculative_sampling_runs_on_real_models(stories):
                  "generate.seed=3")
     a, b = run_pipeline(cfg, "Once upon a time"), run_pipeline(cfg, "Once upon a time")
     assert a.tokens == b.tokens and len(a.tokens) == 40
-    assert a.tree.accepted_per_pass > 2
+    assert a.output.tokens_per_pass > 2
 
 
 def test_speculative_on_stories_accepts_many_per_pass(stories):
@@ -153,7 +152,7 @@ def test_speculative_on_stories_accepts_many_per_pass(stories):
     cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=60", "flash.bandwidth_cap_bytes_per_s=5e6")
     res = run_pipeline(cfg, "Once upon a time")
     assert res.tokens == reference_tokens(stories, "Once upon a time", 60)
-    assert res.tree.accepted_per_pass > 4 and res.timing.n_passes < 20
+    assert res.output.tokens_per_pass > 4 and res.timing.n_passes < 20
 
 
 def test_every_cycle_is_predicted_and_measured(stories):
@@ -161,7 +160,7 @@ def test_every_cycle_is_predicted_and_measured(stories):
     learnt from the run (a capped flash the profile does not know about: reads slower than priced)."""
     cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=40", "flash.dram_budget=0.0")
     res = run_pipeline(cfg, "Once upon a time")
-    tr = res.tree
+    tr = res.trees
     assert len(tr.cycles) == res.timing.n_passes - 1  # every decoding pass, not the prefill
     assert sum(c.tokens for c in tr.cycles) == len(res.tokens) - 1
     assert all(c.predicted_s > 0 and c.measured_s > 0 and c.predicted_tokens >= 1 for c in tr.cycles)
@@ -217,7 +216,7 @@ def test_pruning_is_lossless_on_every_policy(tiny_model, policy):
                               "tree_expand.confidence=0.001"), PROMPT)
     assert res.tokens == reference_tokens(path, n=40)
     if policy != "chain":  # a chain is all backbone: nothing to prune
-        assert res.tree.pruned_share > 0.2
+        assert res.verify.pruned_share > 0.2
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.5])
@@ -231,9 +230,9 @@ def test_pruning_on_the_shipped_pair_cuts_late_layers_and_keeps_tokens(threshold
     pruned = run_pipeline(config(target, *base, *PRUNE, "predictor.layer=2", f"predictor.threshold={threshold}"),
                           prompt)
     assert pruned.tokens == plain.tokens == reference_tokens(target, prompt, 48)
-    assert pruned.tree.pruned_share > 0
-    assert pruned.tree.prune_layer == 2
-    late_share = [sum(r.tree.layer_tokens[3:]) / sum(r.tree.layer_tokens[:3]) for r in (plain, pruned)]
+    assert pruned.verify.pruned_share > 0
+    assert pruned.verify.prune_layer == 2
+    late_share = [sum(r.verify.layer_tokens[3:]) / sum(r.verify.layer_tokens[:3]) for r in (plain, pruned)]
     assert late_share[0] == pytest.approx(1.0)  # every node runs every layer
     assert late_share[1] < 1.0
 

@@ -37,7 +37,7 @@ def test_code_being_rewritten_is_accepted_several_tokens_a_pass_with_no_draft_mo
     cfg = config(target, *SPEC, 'model.draft=""', FREE, "generate.n_predict=48")
     res = run_pipeline(cfg, prompt)
     assert res.tokens == reference_tokens(target, prompt, 48)
-    assert res.tree.accepted_per_pass > 1.5, res.tree.accepted_per_pass
+    assert res.output.tokens_per_pass > 1.5, res.output.tokens_per_pass
 
 
 def test_the_mixed_tree_on_the_shipped_pair_is_lossless_and_uses_both():
@@ -45,7 +45,7 @@ def test_the_mixed_tree_on_the_shipped_pair_is_lossless_and_uses_both():
     cfg = config(target, *SPEC, f'model.draft="{draft}"', BOTH, "generate.n_predict=48")
     res = run_pipeline(cfg, REPEAT)
     assert res.tokens == reference_tokens(target, REPEAT, 48)
-    assert res.tree.accepted_per_pass > 2
+    assert res.output.tokens_per_pass > 2
 
 
 def test_a_sampled_run_leaves_the_free_sources_out(stories):

@@ -10,7 +10,7 @@ from lever.backends.flash import FlashConfig, FlashStore
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.gguf.identity import ModelIdentity
-from lever.pipelines.engine import cost_model
+from lever.pipelines.plan import cost_model
 from lever.policy.cost_model import CostModel, interpolate, layer_read_bytes
 from lever.policy.profile import HEAD_ROWS, TOKEN_BUCKETS, DraftProfile, FlashProfile, Profile, TargetProfile, write
 

@@ -26,7 +26,7 @@ def test_speculative_on_the_npu_equals_autoregressive_on_the_npu():
     spec = run_pipeline(load_config(DEFAULT, sets), PROMPT)
     ar = run_pipeline(load_config(DEFAULT, [*sets, 'pipeline.kind="flash-ar"']), PROMPT)
     assert spec.tokens == ar.tokens
-    assert spec.tree.accepted_per_pass > 1.0
+    assert spec.output.tokens_per_pass > 1.0
     assert spec.placement["verify"].startswith("qnn") and spec.placement["draft_single"] == "cpu"
     assert spec.placement["lm_head"].startswith("cpu")
 

@@ -204,11 +204,11 @@ def bench_dram(config: str, sets: list[str], prompt: str, n: int, rounds: int = 
         lines.append((label, f"{med[k]:.1f}", f"{ratio[k]:.2f}x" if ratio[k] else "-"))
     show(("", "tok/s", "vs llama.cpp"), lines, out)
     out(f"lever run's tokens {'equal' if same else 'DIFFER FROM'} lever generate's in every round; "
-        f"{res.tree.accepted_per_pass:.2f} tokens/pass from trees of {res.tree.mean_nodes:.1f} nodes")
+        f"{res.output.tokens_per_pass:.2f} tokens/pass from trees of {res.trees.mean_nodes:.1f} nodes")
     if not same:
         raise LeverError("lever run's tokens differ from lever generate's: speculative decoding is not lossless here")
     return {"prompt": prompt, "n": n, "tokens_equal": same, "tps": med, "ratio": ratio, "samples": samples,
-            "pipeline": res.pipeline, "tokens_per_pass": res.tree.accepted_per_pass}
+            "pipeline": res.pipeline, "tokens_per_pass": res.output.tokens_per_pass}
 
 
 def bench_models(paths: list[str], n_gen: int = 32, pp: tuple[int, ...] = PP_TOKENS, rounds: int = 3,

@@ -106,8 +106,8 @@ def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float,
             for name, rs in runs.items():
                 ms = statistics.median(r.ms_per_token for r in rs)
                 per[name].append({"ms_per_token": ms, "speedup": base.ms_per_token / ms,
-                                  "tokens_per_pass": statistics.median(r.tree.accepted_per_pass for r in rs),
-                                  "nodes": statistics.median(r.tree.mean_nodes for r in rs),
+                                  "tokens_per_pass": statistics.median(r.output.tokens_per_pass for r in rs),
+                                  "nodes": statistics.median(r.trees.mean_nodes for r in rs),
                                   "rounds_ms_per_token": [r.ms_per_token for r in rs]})
         result["budgets"][str(b)] = per
         rows = []

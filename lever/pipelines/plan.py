@@ -1,0 +1,146 @@
+"""A resolved run: everything a configuration decides, decided once, before any weight loads.
+
+`RunPlan.resolve` reads the config against the files' headers (the target's, and the draft's
+when the draft model runs) and settles what every later step would otherwise re-derive:
+
+- the pipeline kind, and whether the draft model runs (`drafts`: answered here only, from the
+  kind, the tree policy and its sources; lever.stages.tree_expand.TreeExpandConfig.drafts);
+- the tree config, normalised: policy "none" for a kind that grows no trees;
+- the flash config, with the kind's all-resident override applied;
+- the target layers kept in DRAM: one `plan_residency` call, which the memory plan, the flash
+  store and the cost model all read;
+- the cost model, the pruning predictor's settings, the calibrated acceptance table, the
+  placement of each stage's work, and the draft's vocabulary map.
+
+Engine.open (lever.pipelines.engine) resolves one per engine; `compose` builds a generation's
+graph from the opened models, the plan and a `Request`, and reads no config. Code composing a
+pipeline by hand resolves one the same way (README, "Composing a pipeline in code").
+"""
+
+from __future__ import annotations
+
+import copy
+
+import attrs
+
+from lever.backends.flash import FlashConfig
+from lever.backends.flash.config import plan_residency
+from lever.backends.flash.layout import layer_extents
+from lever.config import PIPELINE_KINDS, ChannelsConfig, Config, GenerateConfig, PipelineKind, RuntimeConfig
+from lever.errors import LeverError
+from lever.gguf.file import GGUFFile
+from lever.gguf.spec import ModelSpec, read_spec
+from lever.gguf.tokenizer import Tokenizer
+from lever.gguf.vocab_map import VocabMap, pair_vocabularies
+from lever.policy.acceptance import AcceptanceTable
+from lever.policy.cost_model import CostModel, cost_model_for
+from lever.policy.memory import MemoryConfig, runtime_bytes_for
+from lever.policy.placement import Placement, placement_for
+from lever.policy.predictor import Artifact, Pruning, artifact_path, pruning_for
+from lever.stages.tree_expand import TreeExpandConfig
+
+
+@attrs.frozen(eq=False)
+class RunPlan:
+    """A config resolved against its files' headers: what every generation of one engine shares."""
+
+    where: str  # how errors name the config
+    kind: PipelineKind
+    tree: TreeExpandConfig  # normalised: policy "none" when the kind grows no trees
+    flash: FlashConfig  # the kind's all-resident override applied
+    resident: frozenset[int]  # target layers kept in DRAM: the memory plan's, the store's, the cost model's
+    n_ctx: int  # KV rows: [model] n_ctx, capped by the target's trained context
+    generate: GenerateConfig  # a request's defaults ([generate])
+    channels: ChannelsConfig
+    runtime: RuntimeConfig
+    memory: MemoryConfig
+    target_file: GGUFFile
+    spec: ModelSpec
+    tok: Tokenizer  # the target's, which the pair shares
+    draft_file: GGUFFile | None = None  # the draft's header, when the draft model runs
+    draft_spec: ModelSpec | None = None
+    vocab: VocabMap | None = None  # the draft's token table mapped to the target's; None: the same table
+    cost: CostModel | None = None  # trees' prices; None for a kind that grows none
+    pruning: Pruning | None = None  # the predictor's resolved settings ([predictor] enabled)
+    acceptance: AcceptanceTable | None = None  # `lever calibrate`'s table ([tree_expand] acceptance = "calibrated")
+    placement: Placement = attrs.field(factory=Placement)
+    runtime_bytes: int = 0  # an accelerator runtime's own DRAM, for the memory plan
+    warnings: tuple[str, ...] = ()  # one line each, for the caller to print
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the draft model runs (TreeExpandConfig.drafts of the normalised tree)."""
+        return self.tree.drafts
+
+    @property
+    def pipeline(self) -> str:
+        """The run's name in results: the kind, and the tree policy of a kind that grows trees."""
+        return f"{self.kind.name}/{self.tree.policy}" if self.kind.speculates else self.kind.name
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset(self.tok.eos_ids)
+
+    def new_acceptance(self) -> AcceptanceTable | None:
+        """A run's own copy of the calibrated table, which it learns on."""
+        return copy.deepcopy(self.acceptance)
+
+    @classmethod
+    def resolve(cls, cfg: Config, kind: str | None = None, *, target: GGUFFile | None = None,
+                tok: Tokenizer | None = None) -> RunPlan:
+        """The plan of `kind` (default [pipeline] kind) under `cfg`; `target` and `tok` when the
+        caller has them open already (else read from [model] target)."""
+        pk = PIPELINE_KINDS[kind or cfg.pipeline.kind]
+        if not cfg.model.target:
+            raise LeverError(f"{cfg.where}: [model] target: no target model given")
+        f = target if target is not None else GGUFFile(cfg.model.target)
+        spec = read_spec(f)
+        tok = tok if tok is not None else Tokenizer.from_gguf(f)
+        tree = cfg.tree_expand if pk.speculates else TreeExpandConfig(policy="none")
+        flash = attrs.evolve(cfg.flash, dram_budget=1.0) if pk.all_resident else cfg.flash
+        n_ctx = min(cfg.model.n_ctx, spec.n_ctx_train)
+        draft_file = draft_spec = vocab = None
+        warnings: list[str] = []
+        if tree.drafts:  # sources without "model" need no draft model (lever.policy.lookup)
+            if not cfg.model.draft:
+                raise LeverError(f"{cfg.where}: [model] draft: a speculative pipeline needs a draft model "
+                                 "(or [tree_expand] sources without \"model\")")
+            draft_file = GGUFFile(cfg.model.draft)
+            draft_spec = read_spec(draft_file)
+            # another tokenizer is refused, another table of the same one mapped, once, here;
+            # special ids that differ are warned (lever.gguf.vocab_map)
+            vocab, warnings = pair_vocabularies(f, draft_file)
+        resident = plan_residency([e.buffer_bytes for e in layer_extents(f)], flash.dram_budget)
+        cost = pruning = acceptance = None
+        if pk.speculates:
+            cost = cost_model_for(target=cfg.model.target, draft=cfg.model.draft or None, flash=flash,
+                                  resident=resident, profile=cfg.profile,
+                                  emulate_layer_ms_per_token=cfg.runtime.emulate_layer_ms_per_token, target_file=f)
+            pruning, acceptance = _calibrated(cfg, spec)
+        placement = placement_for(cfg.placement, cfg.qnn, flash_mode=cfg.flash.mode, target_spec=spec,
+                                  draft_spec=draft_spec, n_ctx=n_ctx)
+        return cls(cfg.where, pk, tree, flash, resident, n_ctx, cfg.generate, cfg.channels, cfg.runtime, cfg.memory,
+                   f, spec, tok, draft_file, draft_spec, vocab, cost, pruning, acceptance, placement,
+                   runtime_bytes_for(cfg.placement), tuple(warnings))
+
+
+def _calibrated(cfg: Config, spec: ModelSpec) -> tuple[Pruning | None, AcceptanceTable | None]:
+    """The pruning predictor's settings ([predictor] enabled) and TreeExpand's starting table
+    ([tree_expand] acceptance = "calibrated"), from `lever calibrate`'s artifact, read once."""
+    pc, want_table = cfg.predictor, cfg.tree_expand.acceptance == "calibrated"
+    if not pc.enabled and not want_table:
+        return None, None
+    path = cfg.model.target
+    art = None
+    if want_table or pc.layer < 0 or pc.threshold < 0:
+        art = Artifact.read(artifact_path(pc.artifact, path), path)
+    return (pruning_for(pc, spec.n_layer, art) if pc.enabled else None), (art.acceptance if want_table else None)
+
+
+def cost_model(cfg: Config, target_file: GGUFFile | None = None) -> CostModel:
+    """The cost model a run of `cfg` prices trees with, made alone for a command outside a run
+    (`lever calibrate` prices pruning with it); a run's own is its RunPlan's."""
+    if not cfg.model.target:
+        raise LeverError(f"{cfg.where}: [model] target is not set")
+    return cost_model_for(target=cfg.model.target, draft=cfg.model.draft or None, flash=cfg.flash, profile=cfg.profile,
+                          emulate_layer_ms_per_token=cfg.runtime.emulate_layer_ms_per_token, target_file=target_file)
