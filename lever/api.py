@@ -26,12 +26,11 @@ from pathlib import Path
 
 import attrs
 
-from lever.config import GENERATE_LIMITS, N_PREDICT, Config, load_config
+from lever.config import KNOBS, Config, load_config
 from lever.errors import LeverError
 from lever.gguf.chat_template import ChatTemplate, check_messages
 from lever.gguf.identity import ModelIdentity
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
-from lever.model.sampling import Range
 from lever.model.stop import StopReason
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState, Request
@@ -41,17 +40,13 @@ from lever.pipelines.result import RunResult
 MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
 MAX_STOP_CHARS = 256
 
-# load()'s keywords: each is one config key (the rest go through `overrides`, as --set does)
+# load()'s keywords: each is one config key (the rest go through `overrides`, as --set does); the
+# generation knobs by their call names (lever.config.KNOBS), as the [generate] defaults
 ALIASES = {"target": "model.target", "draft": "model.draft", "n_ctx": "model.n_ctx", "kind": "pipeline.kind",
            "dram_budget": "flash.dram_budget", "policy": "tree_expand.policy", "threads": "runtime.threads",
-           "max_tokens": "generate.n_predict", "temperature": "generate.temperature", "top_k": "generate.top_k",
-           "top_p": "generate.top_p", "min_p": "generate.min_p", "seed": "generate.seed"}
+           **{k.arg: f"generate.{k.key}" for k in KNOBS.values()}}
 PATH_ALIASES = ("target", "draft")
-# A call's sampling arguments take the bounds [generate] takes (lever.config.GENERATE_LIMITS,
-# the same the commands' flags apply); max_tokens alone is stricter: a call asks for a token.
-RANGES = {**{k: GENERATE_LIMITS[k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
-                                             "repeat_last_n", "seed")},
-          "max_tokens": Range(1, N_PREDICT.hi, integer=True)}
+CALL_ARGS = (*(k.arg for k in KNOBS.values()), "stop", "cancel")  # a call's keywords
 
 class Cancelled(LeverError):
     """A generation whose cancel event was set before it could start."""
@@ -240,8 +235,8 @@ class LLM:
         return self.chat_template.render(messages, add_generation_prompt)
 
     def generate(self, prompt: str, **sampling) -> Completion:
-        """A completion of `prompt` (max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
-        repeat_last_n, seed, stop)."""
+        """A completion of `prompt`; `sampling`: the generation knobs by their call names
+        (lever.config.KNOBS: max_tokens, temperature, top_k, ...), `stop` strings, a `cancel` event."""
         return self.complete(self.encode_prompt(prompt), sampling)
 
     def stream(self, prompt: str, **sampling) -> Iterator[Chunk]:
@@ -280,25 +275,19 @@ class LLM:
     def check(self, sampling: dict, n_prompt: int):
         """A call's arguments as this call's [generate], stop strings and cancel event; one line
         naming the argument at fault."""
-        allowed = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed",
-                   "stop", "cancel")
-        unknown = [k for k in sampling if k not in allowed]
+        unknown = [k for k in sampling if k not in CALL_ARGS]
         if unknown:
-            raise LeverError(f"unknown argument {unknown[0]!r} (known: {', '.join(allowed)})")
-        g = self.config.generate
-        names = {"max_tokens": "n_predict", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                 "min_p": "min_p", "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed"}
+            raise LeverError(f"unknown argument {unknown[0]!r} (known: {', '.join(CALL_ARGS)})")
         changes = {}
-        for k, field in names.items():
-            v = sampling.get(k)
+        for k in KNOBS.values():  # a call's bounds: [generate]'s, max_tokens stricter (a call asks for a token)
+            v = sampling.get(k.arg)
             if v is None:
                 continue
-            problem = RANGES[k].problem(v)
+            problem = k.call.problem(v)
             if problem is not None:
-                raise LeverError(f"{k}: {problem}")
-            want = int if RANGES[k].integer else float
-            changes[field] = want(v)
-        gen = attrs.evolve(g, **changes)
+                raise LeverError(f"{k.arg}: {problem}")
+            changes[k.key] = int(v) if k.call.integer else float(v)
+        gen = attrs.evolve(self.config.generate, **changes)
         if n_prompt + gen.n_predict > self.engine.n_ctx:
             raise LeverError(f"max_tokens: {gen.n_predict} tokens after a prompt of {n_prompt} pass the context of "
                              f"{self.engine.n_ctx} ([model] n_ctx)")

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lever.api import LLM, Cancelled, Completion, Session
+from lever.config import KNOBS
 from lever.errors import LeverError
 from lever.model.stop import StopReason
 
@@ -47,10 +48,10 @@ def error(message: str, status: int, kind: str, param: str | None = None) -> JSO
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
 
-# the fields each endpoint reads, with the JSON types they may have (others are ignored, as OpenAI's clients send more)
-COMMON = {"model": (str,), "max_tokens": (int,), "max_completion_tokens": (int,), "temperature": (int, float),
-          "top_p": (int, float), "top_k": (int,), "min_p": (int, float),
-          "repeat_penalty": (int, float), "repeat_last_n": (int,), "seed": (int,), "stop": (str, list), "stream": (bool,), "n": (int,),
+# the fields each endpoint reads, with the JSON types they may have (others are ignored, as OpenAI's clients
+# send more): the generation knobs by their call names (lever.config.KNOBS), and the request's own
+COMMON = {**{k.arg: (int,) if k.call.integer else (int, float) for k in KNOBS.values()},
+          "model": (str,), "max_completion_tokens": (int,), "stop": (str, list), "stream": (bool,), "n": (int,),
           "stream_options": (dict,)}
 FIELDS = {"completions": {**COMMON, "prompt": (str, list)}, "chat": {**COMMON, "messages": (list,)}}
 
@@ -91,11 +92,11 @@ def parse(body: bytes, endpoint: str) -> dict:
 
 
 def sampling(data: dict) -> dict:
-    keys = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "stop")
-    out = {k: data[k] for k in keys if data.get(k) is not None}
-    n = data.get("max_completion_tokens", data.get("max_tokens"))
-    if n is not None:
-        out["max_tokens"] = n
+    """The call's arguments (lever.api.LLM.check) from a request: its knobs and stop strings;
+    OpenAI's newer max_completion_tokens, when given, for max_tokens."""
+    out = {k: data[k] for k in (*(k.arg for k in KNOBS.values()), "stop") if data.get(k) is not None}
+    if data.get("max_completion_tokens") is not None:
+        out[KNOBS["n_predict"].arg] = data["max_completion_tokens"]
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lever.config import load_config
@@ -118,3 +120,37 @@ def test_every_key_refuses_or_runs_with_an_absurd_value(item):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_every_generation_knob_reaches_every_surface_from_one_list():
+    """A [generate] field is a knob of the API, the server and the commands, and reaches sampling,
+    by being a field: the surfaces derive their tables from GenerateConfig (lever.config.KNOBS)."""
+    import types
+
+    import attrs
+
+    from lever import api, serve
+    from lever.cli.common import knob_values
+    from lever.cli.main import build_parser
+    from lever.config import KNOBS, GenerateConfig
+    from lever.model.sampling import SamplingParams
+
+    fields = [f.name for f in attrs.fields(GenerateConfig) if f.name != "prompt"]
+    assert list(KNOBS) == fields
+    assert {f.name for f in attrs.fields(SamplingParams)} <= set(fields)
+    llm = types.SimpleNamespace(config=load_config(None), engine=types.SimpleNamespace(n_ctx=1 << 20))
+    for key in fields:
+        k = KNOBS[key]
+        value = k.call.lo + 1 if k.call.integer else (k.call.lo + k.call.hi) / 2  # in range, not the default
+        assert api.ALIASES[k.arg] == f"generate.{key}"
+        gen, _, _ = api.LLM.check(llm, {k.arg: value}, 1)
+        assert getattr(gen, key) == value
+        assert serve.sampling(serve.parse(json.dumps({"prompt": "x", k.arg: value}).encode(), "completions")) == \
+            {k.arg: value}
+        with pytest.raises(serve.BadRequest, match=k.arg):
+            serve.parse(json.dumps({"prompt": "x", k.arg: "a string"}).encode(), "completions")
+        args = build_parser().parse_args(["generate", "-m", "m", "-p", "x", k.option, str(value)])
+        assert knob_values(args)[key] == value
+        if key in {f.name for f in attrs.fields(SamplingParams)}:
+            assert getattr(GenerateConfig(**{key: value}).params(), key) == (None if key == "seed" and value == -1
+                                                                           else value)

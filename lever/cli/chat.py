@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from lever.cli.common import add_common, add_sampling, add_set, check_sets, input_text_file, int_in
-from lever.config import N_PREDICT
+from lever.cli.common import add_common, add_knobs, add_set, check_sets, input_text_file, knob_values
+from lever.config import KNOBS
 from lever.errors import LeverError
 from lever.outputs import writable_destination
 from lever.shipped import shipped
@@ -24,9 +24,8 @@ HELP = "/reset: start over · /save FILE · /load FILE · /exit"
 def add_parser(sub) -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="a terminal chat through the configured pipeline, streamed")
     c.add_argument("-c", "--config", type=Path, default=None, help="TOML config (default: the shipped pair)")
-    c.add_argument("-n", type=int_in(1, int(N_PREDICT.hi)), default=256, help="tokens per reply at most")
     c.add_argument("--system", default=None, help="a system message to start the conversation with")
-    add_sampling(c, "temp", "seed")
+    add_knobs(c, "n_predict", "temperature", "seed", defaults={"n_predict": 256}, call=True)  # -n: per reply
     add_set(c)
     add_common(c)
     c.set_defaults(func=main, check=check_args)
@@ -47,7 +46,7 @@ def main(args) -> int:
     interactive = sys.stdin.isatty()
     with load(args.config or shipped("default.toml"), overrides=args.set) as llm:
         llm.chat_template  # noqa: B018  a model without a template fails here, before the first turn
-        sampling = {"max_tokens": args.n, "temperature": args.temp, "seed": args.seed}
+        sampling = {KNOBS[key].arg: v for key, v in knob_values(args).items()}
         with llm.session() as s:
             if args.system:
                 s.messages.append({"role": "system", "content": args.system})

@@ -21,9 +21,9 @@ import re
 import sys
 from typing import NoReturn
 
-from lever.config import CTX, MAX_CTX, N_PREDICT, THREADS, check_overrides
+from lever.config import CTX, KNOBS, MAX_CTX, N_PREDICT, THREADS, check_overrides
 from lever.errors import LeverError, regular_file
-from lever.model.sampling import LIMITS, Range
+from lever.model.sampling import Range
 from lever.outputs import writable_destination
 
 # A prompt, turns or corpus file is read whole and tokenized: past these sizes it is a wrong
@@ -102,28 +102,27 @@ def float_in(lo: float, hi: float, lo_open: bool = False):
     return bounded(Range(lo, hi, lo_open=lo_open))
 
 
-def sampling(name: str):
-    """The flag of a [generate] sampling field: the bounds the config and the API apply."""
-    return bounded(LIMITS[name])
-
-
-n_predict = bounded(N_PREDICT)  # -n of run, generate, chat: tokens to generate
+n_predict = bounded(N_PREDICT)  # tokens to generate, as [generate] n_predict takes them
 n_ctx = bounded(CTX)
 port = int_in(1, 65535)
 rounds = int_in(1, MAX_ROUNDS)
 bench_tokens = int_in(1, MAX_BENCH_TOKENS)
 
 
-def add_sampling(p: argparse.ArgumentParser, *names: str) -> None:
-    """The sampling flags of a command, each bounded as [generate] is; default None: the config's."""
-    helps = {"temp": "sampling temperature (0: greedy)", "top-k": "keep the k likeliest tokens (0: off)",
-             "top-p": "nucleus: the likeliest tokens up to this mass (1: off)",
-             "min-p": "drop tokens under min_p x the likeliest's probability (0: off)",
-             "repeat-penalty": "llama.cpp's repeat penalty (1: off)", "seed": "sampling seed (-1: a fresh one)"}
-    fields = {"temp": "temperature", "top-k": "top_k", "top-p": "top_p", "min-p": "min_p",
-              "repeat-penalty": "repeat_penalty", "seed": "seed"}
-    for name in names:
-        p.add_argument(f"--{name}", type=sampling(fields[name]), default=None, help=helps[name])
+def add_knobs(p: argparse.ArgumentParser, *keys: str, defaults: dict | None = None, call: bool = False) -> None:
+    """Flags of generation knobs (lever.config.KNOBS, by [generate] key: the flag, its bounds and
+    its help come from there), each bounded as [generate] bounds it (`call`: as a call to the API
+    does). The parsed value sits at the key (args.temperature for --temp); default None, the
+    config's, unless `defaults` gives one."""
+    for key in keys:
+        k = KNOBS[key]
+        p.add_argument(k.option, dest=k.key, type=bounded(k.call if call else k.limit),
+                       default=(defaults or {}).get(key), help=k.help)
+
+
+def knob_values(args) -> dict:
+    """The knobs a command line set: [generate] key -> value (what add_knobs parsed, None left out)."""
+    return {key: v for key in KNOBS if (v := getattr(args, key, None)) is not None}
 
 
 def check_sets(args) -> None:

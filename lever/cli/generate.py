@@ -7,11 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from lever.cli.common import add_common, int_in, n_predict, sampling
-from lever.config import MAX_CTX
+import attrs
+
+from lever.cli.common import add_common, add_knobs, int_in, knob_values
+from lever.config import KNOBS, MAX_CTX, GenerateConfig
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.generate import generate
-from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
 
 
@@ -19,13 +20,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with one model held in memory")
     g.add_argument("-m", "--model", type=Path, required=True, help="GGUF model file")
     g.add_argument("-p", "--prompt", required=True)
-    g.add_argument("-n", type=n_predict, default=128, help="tokens to generate")
-    g.add_argument("--temp", type=sampling("temperature"), default=0.0, help="temperature (0: greedy)")
-    g.add_argument("--top-k", type=sampling("top_k"), default=0, help="keep the k likeliest tokens (0: off)")
-    g.add_argument("--top-p", type=sampling("top_p"), default=1.0, help="nucleus: the likeliest tokens up to this mass")
-    g.add_argument("--min-p", type=sampling("min_p"), default=0.0, help="drop tokens under min_p x the likeliest's")
-    g.add_argument("--repeat-penalty", type=sampling("repeat_penalty"), default=1.0, help="llama.cpp's (1: off)")
-    g.add_argument("--seed", type=sampling("seed"), default=-1, help="sampling seed (-1: a fresh one)")
+    add_knobs(g, *KNOBS, defaults=attrs.asdict(GenerateConfig()))  # every knob, [generate]'s defaults
     g.add_argument("--ctx", type=int_in(0, MAX_CTX), default=0,
                    help="context length (default: min(4096, trained))")
     g.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None, help="add BOS (default: the file's)")
@@ -39,14 +34,10 @@ def check_args(args) -> None:
     """Every flag is checked by its argparse type (lever.cli.common); nothing here depends on two."""
 
 
-def _sampling(args) -> SamplingParams:
-    return SamplingParams(args.temp, args.top_k, args.top_p, args.seed, min_p=args.min_p,
-                          repeat_penalty=args.repeat_penalty)
-
-
 def main(args) -> int:
     check_args(args)
-    params = _sampling(args)
+    gen = GenerateConfig(**knob_values(args))
+    params = gen.params()
     model = Model(args.model)
     tok = Tokenizer.from_gguf(model.file)
     prompt = tok.encode(args.prompt, add_bos=None if args.bos is None else args.bos)
@@ -62,7 +53,7 @@ def main(args) -> int:
             sys.stdout.write(stream.push(t))
             sys.stdout.flush()
 
-    res = generate(model, prompt, args.n, params, n_ctx, frozenset(tok.eos_ids), on_token)
+    res = generate(model, prompt, gen.n_predict, params, n_ctx, frozenset(tok.eos_ids), on_token)
     if args.json:
         d = StreamDecoder(tok, at_start=False)
         text = "".join(d.push(t) for t in res.tokens) + d.flush()

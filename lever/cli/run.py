@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from lever.cli.common import add_common, add_sampling, add_set, check_sets, input_text_file, n_predict, output_file
+from lever.cli.common import add_common, add_knobs, add_set, check_sets, input_text_file, knob_values, output_file
 from lever.config import load_config
 from lever.errors import LeverError, read_text
 from lever.pipelines.engine import run_pipeline
@@ -24,10 +24,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="TOML config (default: examples/default.toml, the shipped model pair)")
     r.add_argument("-p", "--prompt", default=None, help="default: the config's [generate] prompt; '-': read stdin")
     r.add_argument("-f", "--file", type=Path, default=None, help="read the prompt from this file")
-    r.add_argument("-n", type=n_predict, default=None, help="tokens to generate (overrides [generate] n_predict)")
     r.add_argument("-m", "--model", default=None, help="the target GGUF (overrides [model] target)")
     r.add_argument("-md", "--model-draft", default=None, help="the draft GGUF (overrides [model] draft)")
-    add_sampling(r, "temp", "seed")
+    add_knobs(r, "n_predict", "temperature", "seed")  # each overrides its [generate] key
     add_set(r)
     r.add_argument("--json", action="store_true", help="print one JSON object with the run's figures")
     r.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace here")
@@ -54,10 +53,9 @@ def _quoted(path: str) -> str:
 
 def main(args) -> int:
     check_args(args)
-    flags = [(args.n, "generate.n_predict", str), (args.temp, "generate.temperature", repr),
-             (args.seed, "generate.seed", str), (args.model, "model.target", _quoted),
-             (args.model_draft, "model.draft", _quoted)]
-    overrides = args.set + [f"{key}={fmt(v)}" for v, key, fmt in flags if v is not None]
+    paths = [(args.model, "model.target"), (args.model_draft, "model.draft")]
+    overrides = [*args.set, *(f"generate.{key}={v!r}" for key, v in knob_values(args).items()),
+                 *(f"{key}={_quoted(v)}" for v, key in paths if v is not None)]
     cfg = load_config(args.config or shipped("default.toml"), overrides)
     prompt = read_text(args.file, "file") if args.file is not None else args.prompt
     if prompt == "-":

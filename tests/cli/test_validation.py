@@ -10,8 +10,9 @@ import types
 import pytest
 
 from lever.api import LLM
+from lever.cli.common import knob_values
 from lever.cli.main import build_parser
-from lever.config import load_config
+from lever.config import GenerateConfig, load_config
 from lever.errors import LeverError
 from lever.model.sampling import LIMITS, SamplingParams
 from lever.shipped import shipped
@@ -138,7 +139,7 @@ def test_good_values_at_the_bounds_are_accepted():
     p = build_parser()
     a = p.parse_args(["generate", "-m", "m", "-p", "x", "--temp", "0", "--top-p", "1", "--seed", "-1", "-n", "0",
                       "--min-p", "1", "--top-k", "0", "--ctx", "0"])
-    assert SamplingParams(a.temp, a.top_k, a.top_p, a.seed, min_p=a.min_p).seed is None  # -1: a fresh seed
+    assert GenerateConfig(**knob_values(a)).params().seed is None  # -1: a fresh seed
     assert p.parse_args(["convert", "a", "b", "--alignment", "32"]).alignment == 32
     assert p.parse_args(["convert", "a", "b", "--alignment", "65536"]).alignment == 65536
     assert p.parse_args(["serve", "--port", "65535", "--queue", "0"]).port == 65535
