@@ -1,6 +1,6 @@
-"""INT, TERM and HUP at random moments of `lever run`, `convert`, `calibrate` and `serve`
-(issue 18, class 5): one line, exit 128 + n, no temp file, thread or descriptor left; a signal
-during the imports ends the command before it starts; a second one is a forced quit.
+"""INT, TERM and HUP at random moments of `lever run`, `convert`, `calibrate` and `serve`: one
+line, exit 128 + n, no temp file, thread or descriptor left; a signal during the imports ends
+the command before it starts; a second one is a forced quit.
 
 The commands run in a child process that sends itself the signal from a timer thread after a
 delay drawn from a seeded generator, so each moment is reproducible from the printed seed. The

@@ -4,7 +4,7 @@ Every per-token computation of the model core passes through here. The library i
 the package install (CMake via scikit-build-core) and found beside this module. ctypes
 releases the GIL during each call, so a worker thread computing a layer does not block the
 thread reading the next one from flash. The numpy references of these kernels live in
-lever/reference/; tests compare the two.
+lever/model/reference/; tests compare the two.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def _find_library() -> Path:
 
 def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_find_library()))
-    # Arrays pass as raw addresses: numpy's ndpointer checks cost ~1 us per argument, and a
-    # decode step makes ~500 calls. The wrappers below check dtype and layout instead.
+    # Arrays pass as raw addresses: numpy's ndpointer checks cost time on every argument of every
+    # call, and a decode step makes hundreds of calls (docs/measurements.md, 'ctypes call overhead').
+    # The wrappers below check dtype and layout instead.
     sig = {
         "lever_isa_best": ([], _int),
         "lever_get_isa": ([], _int),

@@ -184,8 +184,9 @@ class _Builder:
         return y if w is None else self.op("Mul", y, w)
 
     def _rmsnorm_scaled(self, x: str, eps: str) -> str:
-        """rmsnorm for float16, where x^2 overflows from |x| = 256 on (Qwen2.5's residual
-        stream reaches ~300 by layer 2): x is divided by its row's max |x| m first, and
+        """rmsnorm for float16, where x^2 overflows from |x| = 256 on, which Qwen2.5's residual
+        stream passes within its first layers (docs/measurements.md, 'QNN HTP on the simulator'):
+        x is divided by its row's max |x| m first, and
         x / sqrt(mean(x^2) + eps) = y / sqrt(mean(y^2) + (sqrt(eps)/m)^2) with y = x/m, |y| <= 1.
         m is floored (M_FLOOR) so that an all-zero padded row gives zeros, not 0/0."""
         m = self.op("Max", self.op("ReduceMax", self.op("Abs", x), axes=[-1], keepdims=1), self.scalar("m_floor", M_FLOOR))

@@ -1,4 +1,4 @@
-"""QnnLayerRunner: `lever.model.layer_forward` on a Qualcomm HTP (NPU) through onnxruntime-qnn.
+"""QnnLayerRunner: `lever.backends.cpu.layer.layer_forward` on a Qualcomm HTP (NPU) through onnxruntime-qnn.
 
 It sits beside the CPU kernels as a drop-in for one layer: `forward` takes layer_forward's
 arguments and keeps its semantics (writes the tokens' K/V rows into the KVCache, attends over
@@ -13,23 +13,17 @@ session per bucket serves all layers, whether a layer is resident or was just re
 The alternatives measured worse or impossible here: QDQ int8/int4 weights need the weights as
 initializers (the QNN EP leaves DequantizeLinear of a graph input unsupported, so the session
 fails with CPU fallback disabled), i.e. compiled into a per-layer context binary that flash
-streaming cannot feed; compiled-in float16 weights ran no faster on the simulator (stories260K
-5.0/16.2/59 ms against 6.5/18.4/58 ms as inputs at 1/8/32 tokens; a 256-wide qwen2 18.9/44/166
-against 20.5/43/155 ms). Measured per layer call, weights cached, KV bucket 64, with another
-benchmark sharing the 2 cores (`bench(MODEL.gguf, precision)` below, medians):
-stories260K fp16 (soc 57/v75) 6.2/16.9/56 ms and fp32 0.9/2.8/12 ms at 1/8/32 tokens, against
-0.17/0.18/0.21 ms for the CPU layer_forward; tiny qwen2 (64 wide) fp16 3.9/8.5/35 ms, fp32
-0.9/2.5/8.9 ms, CPU 0.16/0.20/0.23 ms; real Qwen2.5-Coder-0.5B (Q4_K_M, 896 wide) fp16
-296/449/1403 ms against 0.46/3.0/3.5 ms on the CPU, plus 50-110 ms to dequantize a layer to
-float16 when it is not cached (numpy's float16 cast is most of it: 20-60 ms to float32). The
-simulator emulates the NPU on x86 (where float16 is the slower precision): these figures say
-what works, not a phone's speed. Compile vs reuse: 8 stories260K sessions compile in
-0.53 s and load from `cache_dir` in 0.10 s; one Qwen2.5-0.5B session 0.50 s vs 0.02 s. Buckets:
-float32 results are bit-identical whatever the token or KV bucket; float16 ones too from 2 token
-rows up, but the 1-row graph rounds differently (one float16 ulp, test_qnn.py shows it), which
-flipped no argmax over 300 stories260K positions decoded one token per call (100% agreement
-with the CPU either way). float32 graphs finalize only when small (QNN_COMMON_ERROR_MEM_ALLOC
-from 64 token rows of stories260K, and for any row of Qwen2.5-0.5B): fp16 is the working mode.
+streaming cannot feed; compiled-in float16 weights ran no faster on the simulator. The
+simulator emulates the NPU on x86, where float16 is the slower precision: a layer call there is
+far slower than the CPU's layer_forward, and dequantizing a layer to float16 when it is not
+cached (numpy's float16 cast is most of it) adds a large cost of its own, so the figures say what
+works, not a phone's speed. Compiled sessions load from `cache_dir` much faster than they
+compile. Buckets: float32 results are bit-identical whatever the token or KV bucket; float16
+ones too from 2 token rows up, but the 1-row graph rounds differently (one float16 ulp,
+test_qnn.py shows it), which flipped no argmax in a stories260K check against the CPU. float32
+graphs finalize only when small (larger ones fail with QNN_COMMON_ERROR_MEM_ALLOC): fp16 is the
+working mode. The figures, from `bench(MODEL.gguf, precision)` below, are in
+docs/measurements.md, 'QNN HTP on the simulator'.
 """
 
 from __future__ import annotations
@@ -119,8 +113,8 @@ _soc_model_sessions: list[str] = []  # soc_model of any session made in this pro
 def _note_soc_model(opts: dict[str, str]) -> None:
     """Refuse a float32 session once any session of this process set a soc_model: the HTP
     backend keeps that setting process-wide, and a float32 session created afterwards silently
-    computes in float16 (measured: 1e-3 instead of 3e-7 relative error on a tiny qwen2 layer;
-    sessions created before keep float32). tests/backends/test_qnn.py checks that it still does."""
+    computes in float16 (measured: docs/measurements.md, 'QNN HTP on the simulator'; sessions
+    created before keep float32). tests/backends/test_qnn.py checks that it still does."""
     if "soc_model" in opts:
         _soc_model_sessions.append(opts["soc_model"])
     elif opts.get("_precision") == "fp32" and _soc_model_sessions and not opts.get("_allow_fp16_leak"):
@@ -422,7 +416,7 @@ class QnnLayerRunner:
 
     def forward(self, spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
                 cache: KVCache, layer: int, rows, inv_freq: np.ndarray) -> np.ndarray:
-        """lever.model.layer_forward on HTP: the new hidden state (n_tok, n_embd) float32; the
+        """lever.backends.cpu.layer.layer_forward on HTP: the new hidden state (n_tok, n_embd) float32; the
         tokens' K/V are written into cache rows `rows`. More tokens than the largest token
         bucket run in chunks, in order, so a token may see rows of its own or earlier chunks.
         The new K/V rows are rounded to float16 before attention, as a float16 KVCache (the
@@ -512,7 +506,7 @@ class QnnLayerRunner:
         return out
 
     def model_forward(self, model, tokens: np.ndarray, pos: np.ndarray, mask: np.ndarray, cache: KVCache) -> np.ndarray:
-        """lever.model.Model.forward with every layer on HTP: hidden states after the last
+        """lever.model.transformer.Model.forward with every layer on HTP: hidden states after the last
         layer; the cache gains len(tokens) pending rows."""
         rows = cache.reserve(len(tokens))
         x = model.embed(tokens)

@@ -1,5 +1,5 @@
 """What every `lever` subcommand shares: the common flags, the parsing of list arguments, and the
-one set of checks every command's numbers and files go through (issue 18, class 4).
+one set of checks every command's numbers and files go through.
 
 A numeric flag's `type=` here is a bound from the table the config and the API use
 (lever.model.sampling.LIMITS, lever.config's lengths), so `--temp nan` is refused by argparse

@@ -175,7 +175,7 @@ def measure_target(path: str | os.PathLike, rounds: int = 5, kv_rows: int = KV_R
 
     Running several distinct layers in sequence, as a pass does, makes each one's weights
     come from DRAM; timing one layer over and over would find it partly in the CPU's cache
-    and understate a pass by a quarter on a 32 MiB L3."""
+    and understate a pass (docs/measurements.md, 'Profiling: timing layers out of cache')."""
 
 
     f = GGUFFile(path)

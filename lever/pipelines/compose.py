@@ -34,10 +34,10 @@ from lever.policy.predictor import predictor_for
 from lever.signals import run_async
 from lever.stages.accept import Accept, AcceptConfig, StopRule
 from lever.stages.draft import Draft, Drafter
+from lever.stages.drain import Drain
 from lever.stages.output import Output
 from lever.stages.prefetch import Prefetch
 from lever.stages.pruned_verify import PrunedVerify
-from lever.stages.testing import Drain
 from lever.stages.tree_expand import FlatCost, TreeExpand
 
 

@@ -54,7 +54,7 @@ def test_temp_and_seed_sample_reproducibly():
 
 def test_the_summary_words_a_sampled_difference_as_sampling_allows():
     """Greedy, a difference from the baseline is a bug; sampled, losslessness holds in
-    distribution and different tokens are what two runs' draws give (issue 18, class 10)."""
+    distribution and different tokens are what two runs' draws give."""
     from lever.cli.run import tokens_verdict
 
     assert tokens_verdict(True, 0.0, "the baseline's") == "the same tokens"

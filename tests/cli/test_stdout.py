@@ -1,4 +1,4 @@
-"""A stdout that is closed or goes away (issue 18, class 6): `lever run --json >&-` is refused
+"""A stdout that is closed or goes away: `lever run --json >&-` is refused
 before any work with one line (it used to exit 0 having written nothing), and a reader that
 leaves mid-run (`lever run | head -c 20`) ends the command quietly with 141, 128 + SIGPIPE, as a
 C tool killed by SIGPIPE ends (it used to print "error: : Broken pipe")."""

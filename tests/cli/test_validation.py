@@ -1,4 +1,4 @@
-"""One validation for every command (issue 18, class 4): a bad number in any command's flags is
+"""One validation for every command: a bad number in any command's flags is
 refused before any work, in one line naming the flag, with a non-zero exit and no traceback; the
 sampling bounds are the same table for the flags, the config, the API and SamplingParams."""
 

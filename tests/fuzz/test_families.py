@@ -1,4 +1,4 @@
-"""The fuzzer's families besides GGUF headers (lever.fuzz.files, issue 18): configs with --set
+"""The fuzzer's families besides GGUF headers (lever.fuzz.files): configs with --set
 overrides, the files Lever reads back, command lines and models with non-finite values. A short
 run of each finds nothing, and each family's check notices the failure it exists to find."""
 

@@ -1,4 +1,4 @@
-"""`lever convert` bounded and clean (issue 18, class 7): the alignment a user may ask for is a
+"""`lever convert` bounded and clean: the alignment a user may ask for is a
 power of two in [32, 65536] (no gigabytes of padding); a convert stopped by an error or a signal
 leaves no temp file and a killed one's is reaped by the next; every input goes through Lever's
 own loader first, so what Lever refuses convert refuses, in the same line."""

@@ -1,6 +1,6 @@
 """Files Lever writes and reads back (profile, predictor artifact, saved session), mutated field
 by field and byte by byte: each mutation is either read back as a valid object or refused with
-one LeverError line naming the file, never another exception (issue 18, class 3)."""
+one LeverError line naming the file, never another exception."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The memory plan counts the QNN runtime's own allocations, and a run over the plan's bound gets
-one line saying so (issue 18, class 10)."""
+one line saying so."""
 
 from lever.policy.memory import QNN_RUNTIME_BYTES, MemoryPlan, runtime_bytes_for
 from lever.policy.placement import PlacementConfig

@@ -110,8 +110,8 @@ def bench_model(model_path: str, n_gen: int = 32, pp: tuple[int, ...] = PP_TOKEN
     for t in tests:
         ours, ref = med[f"lever_{t}"], med.get(f"llama_{t}")
         # The ratio is the median of each round's ratio: a round measures both within seconds,
-        # while this shared machine's memory bandwidth moves between rounds (1.5B tg32 seen at
-        # 28-30 and 38-41 tok/s in consecutive processes of the same build).
+        # while this shared machine's memory bandwidth moves between rounds (docs/measurements.md,
+        # 'Kernels against llama.cpp').
         ratio = statistics.median(a / b for a, b in zip(samples[f"lever_{t}"], samples[f"llama_{t}"])) if ref else None
         rows[t] = {"lever_tps": ours, "llama_tps": ref, "ratio": ratio}
         lines.append((t, f"{ours:.1f}", f"{ref:.1f}" if ref else "n/a", f"{ratio:.2f}x" if ref else "-"))

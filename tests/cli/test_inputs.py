@@ -1,4 +1,4 @@
-"""Inputs that are not what they claim (issue 18, classes 2 and 8): a FIFO, a directory or a
+"""Inputs that are not what they claim: a FIFO, a directory or a
 device where a model, config, prompt or session file goes; a binary file as a config; a --set
 that smuggles a second key or leaves a quote open. One line naming the file or the --set, a
 non-zero exit, and never a hang."""

@@ -1,4 +1,4 @@
-"""Outputs that are lost or misnamed (issue 18, class 6): every file Lever writes is checked
+"""Outputs that are lost or misnamed: every file Lever writes is checked
 before the work that produces it (a missing folder, a directory, a FIFO), written under exactly
 the name given, and atomically: an error or Ctrl-C leaves neither a partial file nor a temp."""
 

@@ -1,6 +1,6 @@
-"""A draft whose tokenizer is not the target's is refused at load with figures (issue 18, class 9);
-another table of the same tokenizer is mapped (issue 19, part 1: tests/test_vocab_map.py); special
-ids that do not correspond are warned."""
+"""A draft whose tokenizer is not the target's is refused at load with figures; another table of
+the same tokenizer is mapped (tests/gguf/test_vocab_map.py); special ids that do not correspond
+are warned."""
 
 from __future__ import annotations
 

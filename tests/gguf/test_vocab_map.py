@@ -1,4 +1,4 @@
-"""Draft and target with different token tables (issue 19, part 1): the shipped draft rewritten with
+"""Draft and target with different token tables: the shipped draft rewritten with
 its ids permuted (the same function: token table and embedding rows moved together) and with padding
 rows appended, drafting through lever.gguf.vocab_map. Greedy output stays the target's own (Flash-AR
 and the DRAM loop); acceptance stays the original pair's; sampling stays exact."""
@@ -224,7 +224,7 @@ def test_the_mapped_distribution_test_catches_an_unmapped_q(monkeypatch):
 
 
 def test_another_tokenizer_is_refused_in_one_line(tmp_path):
-    from tests.test_vocab_check import _draft_with
+    from tests.gguf.test_vocab_check import _draft_with
 
     draft = _draft_with(tmp_path, "tokenizer.ggml.merges", lambda m: [m[1], m[0], *m[2:]])
     with pytest.raises(LeverError) as e:
@@ -239,7 +239,7 @@ def test_mapping_qwen_with_every_id_moved(tmp_path):
     2-core box, a figure, not a test)."""
     if not (QWEN_TARGET.exists() and QWEN_DRAFT.exists()):
         pytest.skip("the Qwen2.5-Coder pair is not fetched")
-    from tests.test_vocab_check import _with_strings
+    from tests.gguf.test_vocab_check import _with_strings
 
     path = tmp_path / "rotated.gguf"
     _with_strings(QWEN_DRAFT, path, "tokenizer.ggml.tokens", lambda toks: toks[1:] + toks[:1])

@@ -1,4 +1,4 @@
-"""Non-finite numbers presented as output (issue 18, class 1): a model whose weights hold NaN or
+"""Non-finite numbers presented as output: a model whose weights hold NaN or
 Inf ends every command with one line naming the file, which model (target or draft), the
 position and the layer or tensor at fault, never with tokens read off NaN logits. The faulty
 files are copies of the shipped pair with one tensor poisoned; the plain functions are tested
