@@ -4,8 +4,8 @@ The pair in examples/models/ is trained by examples/train_pair.py on the Python 
 of the running interpreter; this module says which of those files are training data and which
 are held out (`stdlib_files`, `is_held_out`), so the trainer, this evaluation and the tests agree
 on the split without a copy of the corpus in the repo. `evaluate_pair` runs both models with
-`lever.model.Model` over held-out tokens, teacher-forced, and reports each model's loss and how
-often the draft's argmax equals the target's: the rate a greedy chain draft would be accepted at
+`lever.model.transformer.Model` over held-out tokens, teacher-forced, and reports each model's
+loss and how often the draft's argmax equals the target's: the rate a greedy chain draft would be accepted at
 per token. It needs only lever and numpy (no torch), so it runs wherever Lever runs.
 
     python examples/eval_pair.py examples/models/stdlib-target-q4_0.gguf examples/models/stdlib-draft-q8_0.gguf

@@ -9,8 +9,8 @@ smaller draft in torch with the very forward pass Lever computes (RMSNorm, adjac
 grouped-query attention, SwiGLU, tied embeddings), and writes both as quantized GGUF files with
 gguf.GGUFWriter. It then checks the files with Lever itself: the tokenizer gives the training ids
 on held-out files, and the draft's teacher-forced agreement with the target is measured with
-`lever.model.Model`. Torch is the `train` extra (`pip install -e ".[train]"`, or just the CPU
-wheel: `pip install torch --index-url https://download.pytorch.org/whl/cpu`); Lever never imports
+`lever.model.transformer.Model`. Torch is the `train` extra (`pip install -e ".[train]"`, or just
+the CPU wheel: `pip install torch --index-url https://download.pytorch.org/whl/cpu`); Lever never imports
 it. Runs are deterministic given --seed and --threads (stop conditions are step counts, not time).
 
     python examples/train_pair.py --out examples/models            # the shipped pair

@@ -4,9 +4,9 @@
  * Python each layer was fifteen kernel calls, and their argument checks, allocations and
  * fork-joins cost 70-160 us a layer against 350-620 us of weights to stream (Qwen2.5 0.5B /
  * 1.5B, one token). Here the same kernels run in the same order on the same values, so the
- * result is bit-identical to lever.model.layer_forward_steps, the composition in Python that
- * documents this function step by step; Q, K and V (and gate and up) are one matmul job that
- * quantizes the activations once.
+ * result is bit-identical to lever.backends.cpu.layer.layer_forward_steps, the composition in
+ * Python that documents this function step by step; Q, K and V (and gate and up) are one
+ * matmul job that quantizes the activations once.
  */
 #include <math.h>
 #include <stdlib.h>

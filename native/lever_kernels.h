@@ -3,7 +3,7 @@
  * Everything the model core computes per token goes through these calls: quantized
  * matrix x activations (decode at 1 row up to tree verification at 64+ rows), dequantization,
  * and the per-token operators of a llama-style layer. Python loads the shared library with
- * ctypes (lever/native.py); ctypes drops the GIL for the call, so reads and compute overlap.
+ * ctypes (backends/cpu/native.py); ctypes drops the GIL for the call, so reads and compute overlap.
  *
  * Each kernel has a scalar reference and SIMD paths (AVX2/FMA, AVX-512, NEON) chosen once at
  * load from the CPU; lever_set_isa() forces a path so tests can compare them.
@@ -101,10 +101,10 @@ typedef struct {
  * kind of activation the types need. Each y is what lever_matmul would give, bit for bit. */
 int lever_matmul_many(int n, const lever_matrix *m, const float *x, int64_t n_tok, int n_threads);
 
-/* One transformer layer (llama, qwen2, qwen3), as lever.model.layer_forward_steps composes
- * the kernels above, bit for bit: x (n_tok, n_embd) is updated in place; the tokens' k, v rows
- * go to cache rows rows[t] (kv_type: LEVER_F16 or LEVER_F32 caches of (n_ctx, n_head_kv,
- * head_dim)), and attention reads cache rows [0, n_seen) through mask (n_tok, n_seen). */
+/* One transformer layer (llama, qwen2, qwen3), as lever.backends.cpu.layer.layer_forward_steps
+ * composes the kernels above, bit for bit: x (n_tok, n_embd) is updated in place; the tokens'
+ * k, v rows go to cache rows rows[t] (kv_type: LEVER_F16 or LEVER_F32 caches of (n_ctx,
+ * n_head_kv, head_dim)), and attention reads cache rows [0, n_seen) through mask (n_tok, n_seen). */
 typedef struct {
     int64_t n_embd, n_head, n_head_kv, head_dim, n_ff, n_rot;
     float rms_eps, attn_scale;
@@ -122,7 +122,7 @@ int lever_layer_forward(const lever_layer_dims *d, const lever_layer_weights *w,
                         const int32_t *pos, const uint8_t *mask, int64_t n_seen, void *k_cache, void *v_cache,
                         int kv_type, const int64_t *rows, int n_threads);
 
-/* sizeof the three structs above, for the test that ties lever/native.py's ctypes mirrors to them. */
+/* sizeof the three structs above, for the test that ties backends/cpu/native.py's ctypes mirrors to them. */
 void lever_struct_sizes(int64_t *out);
 
 /* Bytes of an (n_out, n_in) matrix of `type` in tile layout: whole tiles, the last padded
@@ -137,7 +137,7 @@ int lever_pack(int type, const void *src, int64_t n_out, int64_t n_in, void *dst
 int lever_unpack_rows(int type, const void *tiled, int64_t n_out, int64_t n_in, const int64_t *rows,
                       int64_t n, void *dst);
 
-/* The type table (for the test that ties lever/quants.py to it): block size, block bytes and
+/* The type table (for the test that ties lever/gguf/types.py to it): block size, block bytes and
  * the tile layout's segments as (offset, bytes, width) triples into seg (room for 3). Returns
  * the number of segments, or LEVER_EUNSUPPORTED_TYPE. */
 int lever_type_layout(int type, int *block, int *block_bytes, int *seg);

@@ -139,7 +139,7 @@ static inline void q4_K_scale_min(const uint8_t *s, int j, int *sc, int *m) {
     }
 }
 
-/* ---- the tensor types, in one table (quants.c), mirrored by lever/quants.py ------------ */
+/* ---- the tensor types, in one table (quants.c), mirrored by lever/gguf/types.py -------- */
 
 /* A run of a block's bytes and how the tile layout interleaves it: `width` bytes of each
  * of the tile's rows side by side (2: an fp16 scale, 4: a group of quants that one 32-bit

@@ -6,7 +6,7 @@ token, and again, until a node has no such child; the token chosen there is the 
 The rows go in batches along the tree's likeliest chain, so the projection's weights are read
 once per batch rather than once per accepted token.
 Greedy output is therefore the target's own greedy output, whatever the tree held. It decides
-which tree rows the KV caches keep and sends that back to Draft, and emits the tokens.
+which tree rows the KV caches keep and sends that back to TreeExpand, and emits the tokens.
 Logits holding a NaN or an Inf end the run with one line naming the target's file and the
 position (one max over each batch of rows, which the projection has just computed).
 """
@@ -104,7 +104,7 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
 
 @attrs.define
 class Accept(Stage):
-    """Verified -> Accepted (to Draft) and the emitted tokens (to whoever listens)."""
+    """Verified -> Accepted (to TreeExpand) and the emitted tokens (to whoever listens)."""
 
     name: str
     config: AcceptConfig

@@ -20,10 +20,10 @@ cached (numpy's float16 cast is most of it) adds a large cost of its own, so the
 works, not a phone's speed. Compiled sessions load from `cache_dir` much faster than they
 compile. Buckets: float32 results are bit-identical whatever the token or KV bucket; float16
 ones too from 2 token rows up, but the 1-row graph rounds differently (one float16 ulp,
-test_qnn.py shows it), which flipped no argmax in a stories260K check against the CPU. float32
-graphs finalize only when small (larger ones fail with QNN_COMMON_ERROR_MEM_ALLOC): fp16 is the
-working mode. The figures, from `bench(MODEL.gguf, precision)` below, are in
-docs/measurements.md, 'QNN HTP on the simulator'.
+tests/backends/qnn/test_runner.py shows it), which flipped no argmax in a stories260K check
+against the CPU. float32 graphs finalize only when small (larger ones fail with
+QNN_COMMON_ERROR_MEM_ALLOC): fp16 is the working mode. The figures, from
+`bench(MODEL.gguf, precision)` below, are in docs/measurements.md, 'QNN HTP on the simulator'.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _note_soc_model(opts: dict[str, str]) -> None:
     """Refuse a float32 session once any session of this process set a soc_model: the HTP
     backend keeps that setting process-wide, and a float32 session created afterwards silently
     computes in float16 (measured: docs/measurements.md, 'QNN HTP on the simulator'; sessions
-    created before keep float32). tests/backends/test_qnn.py checks that it still does."""
+    created before keep float32). tests/backends/qnn/test_runner.py checks that it still does."""
     if "soc_model" in opts:
         _soc_model_sessions.append(opts["soc_model"])
     elif opts.get("_precision") == "fp32" and _soc_model_sessions and not opts.get("_allow_fp16_leak"):

@@ -3,13 +3,14 @@
 Everything downstream (model spec, weights, tokenizer, the flash backend's read plans) asks
 this module for metadata values and tensor locations. The header is parsed here, with gguf-py's
 type tables, rather than by gguf-py's reader: that reader makes two numpy arrays per vocabulary
-string, ~490 MiB of peak RSS for a 151k-token vocabulary, more than a phone can spare for
-metadata. Here a string array becomes a list of str and a numeric array a zero-copy view of the
-mapped file. Every count, length and offset is checked against the file's size before it is
-used, and no two tensors may share bytes, so a corrupt or truncated file gives one line naming
-the file and the field, never a huge allocation or a crash. What the values mean (sizes, shapes,
-the vocabulary) is checked where they are used: model_spec, model and tokenizer. Tensor data
-is never read here: it stays mapped until used.
+string, which for a Qwen-sized vocabulary is more peak RSS than a phone can spare for metadata
+(docs/measurements.md, 'Opening a GGUF: vocabulary strings'). Here a string array becomes a list
+of str and a numeric array a zero-copy view of the mapped file. Every count, length and offset
+is checked against the file's size before it is used, and no two tensors may share bytes, so a
+corrupt or truncated file gives one line naming the file and the field, never a huge allocation
+or a crash. What the values mean (sizes, shapes, the vocabulary) is checked where they are
+used: model_spec, model and tokenizer. Tensor data is never read here: it stays mapped until
+used.
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ class _Cursor:
 
     def strings(self, count: int) -> list[str]:
         """`count` strings in a row: a vocabulary's 150,000 tokens and merges. One pass over a
-        memoryview, not a numpy slice per field: opening a Qwen-sized GGUF took 1.6 s per array."""
+        memoryview, not a numpy slice per field: those slices made opening a Qwen-sized GGUF a
+        large part of the wait for the first token (docs/measurements.md,
+        'The app engine: chat turns, first tokens, long prompts (issue 17)', cold start)."""
         view = memoryview(self.data)
         unpack, size, pos = struct.Struct("<Q").unpack_from, self.size, self.pos
         out = []

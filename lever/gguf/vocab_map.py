@@ -217,10 +217,10 @@ def pair_vocabularies(target: GGUFFile, draft: GGUFFile) -> tuple[VocabMap | Non
     - another tokenizer: refused (why: this module's docstring).
     - special ids (BOS, EOS, EOT...) that do not map to each other: warned, the draft may
       mispredict where text ends.
-    Cost, Qwen2.5-Coder 1.5B/0.5B (151,936 tokens, 151,387 merges), measured 2026-12-02 on the
-    2-core dev box under a load average of 5 (other jobs): identical tables 6-10 ms (list
-    comparisons); the target padded to 152,064 rows (Qwen2.5-7B's) 25-30 ms; every id moved (the
-    worst case: a dict of 151,936 strings and as many lookups) 90-170 ms.
+    Cost, once per pairing: identical tables are one list comparison; tables that mostly agree id
+    for id (padding rows, a few renamed tokens) add an id-by-id comparison and a dict of the rest;
+    a table with every id moved (the worst case) costs a dict of all the strings and as many
+    lookups (measured on the Qwen2.5-Coder pair: docs/measurements.md, 'Vocabulary map cost').
     """
     names = f"draft {draft.path} and target {target.path}"
     t, d = _Table.of(target), _Table.of(draft)

@@ -128,8 +128,9 @@ def first_bad_tensor(f: GGUFFile, names: Iterable[str]) -> str:
 def check_small_tensors(f: GGUFFile) -> None:
     """Refuses a file whose small float tensors (norm weights, biases, rope factors, whatever is
     F32, F16 or BF16 and at most LOAD_SCAN_ELEMS values) hold a NaN or an Inf: a model loads
-    only a few hundred KiB of them, so the scan costs about 2 ms on Qwen2.5-1.5B, and a NaN
-    norm weight would otherwise pass every other check and make every logit NaN."""
+    only a few hundred KiB of them, so the scan is cheap next to loading (docs/measurements.md,
+    'Reliability, round 2 (issue 18; 2026-12-02, AMD EPYC Zen 4, 2 vCPUs)'), and a NaN norm
+    weight would otherwise pass every other check and make every logit NaN."""
     for info in f.tensors.values():
         if info.type.name not in ("F32", "F16", "BF16") or info.n_rows * info.n_cols > LOAD_SCAN_ELEMS:
             continue

@@ -11,10 +11,11 @@ itself within a few cycles; `lever calibrate` fits it offline on a corpus, and
 
 A free source (lever.policy.lookup) has a table too, but its `q` is a confidence, not a
 probability: the identity would take an n-gram seen twice for a two-in-three chance, and on
-text that does not repeat such nodes are accepted a few times in a hundred. So its cells start
-from the source's pooled acceptance instead (`pooled_prior`): every trial of the source, in any
-cell, moves the prior of all of them, starting from a pessimistic guess that one or two cycles
-correct either way (on text that repeats, long matches are accepted nine times in ten).
+text that does not repeat such nodes are rarely accepted. So its cells start from the source's
+pooled acceptance instead (`pooled_prior`): every trial of the source, in any cell, moves the
+prior of all of them, starting from a pessimistic guess that one or two cycles correct either
+way (on text that repeats, long matches are accepted most of the time). The rates:
+docs/measurements.md, 'Free-source acceptance'.
 """
 
 from __future__ import annotations

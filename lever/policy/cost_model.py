@@ -33,8 +33,9 @@ from lever.policy.profile import HEAD_ROWS, KV_ROWS, PROFILE_SUFFIX, TOKEN_BUCKE
 NOMINAL_READ_BYTES_PER_S = 2.1e9  # UFS 3.1 sequential reads
 NOMINAL_READ_LATENCY_S = 100e-6  # one small read on UFS
 # Quantized matmuls on two CPU cores: this project's kernels run a 1.5B model's 32-token
-# forward at ~770 GFLOP/s on a 2-core Zen (`lever bench model`, pp32); a phone's big cores are
-# of that order. Conservative, since overrating compute only makes trees smaller.
+# forward at more than this rate on the 2-core dev machine (`lever bench model`, pp32:
+# docs/measurements.md, 'Kernels against llama.cpp'); a phone's big cores are of that order.
+# Conservative, since overrating compute only makes trees smaller.
 NOMINAL_FLOPS_PER_S = 300e9
 NOMINAL_DRAM_BYTES_PER_S = 10e9  # weights streamed from DRAM: batch-1 matmuls are bound by this
 

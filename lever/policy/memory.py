@@ -26,16 +26,16 @@ from lever.model.transformer import Model
 
 F32 = 4
 # Allocator slack, thread stacks, numpy temporaries the activation estimate does not name:
-# measured peak RSS minus the named parts stayed under 40 MiB on every configuration tried
-# (2026-11-29, x86-64, `python -m pytest tests/policy/test_memory.py`).
+# measured peak RSS minus the named parts stayed well under this on every configuration tried
+# (docs/measurements.md, 'Memory plan: slack and the QNN runtime'); tests/policy/test_memory.py
+# holds runs to the bound.
 RUNTIME_SLACK_BYTES = 64 * 2**20
 MARGIN_SHARE = 0.10  # peak RSS may exceed the plan by this share (plus RUNTIME_SLACK_BYTES)
 # onnxruntime-qnn's own allocations, which no GGUF header names: the runtime and HTP backend
 # libraries (in the x86-64 wheel, Qualcomm's simulator), their arenas and the compiled graph
-# sessions. Measured 2026-12-02 on the 2-core x86-64 dev box, peak RSS of `lever run -c
-# examples/snapdragon-8gen3.toml -n 8 --json` (the shipped pair, same plan, 2 runs each, within
-# 1 MiB): 295 MiB with verify and draft_batch on qnn, 80 MiB with both set to "cpu"; importing
-# onnxruntime and running one 1-node HTP session alone adds 145 MiB. So 215 MiB, rounded up.
+# sessions. The bound is the peak RSS of a run of examples/snapdragon-8gen3.toml with verify and
+# draft_batch on qnn less that of the same run with both on "cpu", rounded up
+# (docs/measurements.md, 'Memory plan: slack and the QNN runtime').
 # Measured on the tiny pair only: a larger model's graphs and fp16 weight inputs add to it (a
 # run over the bound says so, see over_bound_warning), and on a phone the HTP libraries replace
 # the simulator.

@@ -355,6 +355,6 @@ def pruning_for(cfg: PredictorConfig, n_layer: int, artifact: Artifact | None = 
 
 
 def predictor_for(p: Pruning, model, cost=None) -> Predictor:
-    """A run's predictor (its counters its own) over the target `model` (lever.model.Model)."""
+    """A run's predictor (its counters its own) over the target `model` (lever.model.transformer.Model)."""
     return Predictor(p.layer, p.threshold, p.correction, model.output_norm, model.spec.rms_eps, model.output,
                      p.max_prune_share, cost if p.cost_aware else None)

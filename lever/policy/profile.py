@@ -68,7 +68,8 @@ class FlashProfile:
 class TargetProfile:
     """The target: one layer's compute at token-count buckets, streamed (GGUF's row layout, as
     a staging buffer holds it) and resident (packed into the tile layout at load, which the
-    kernels stream up to twice as fast at one token), and its lm_head."""
+    kernels stream faster, most of all at one token: docs/measurements.md,
+    'Tile layout against row layout'), and its lm_head."""
 
     model: ModelIdentity
     n_layer: int

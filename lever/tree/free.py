@@ -12,7 +12,8 @@ heap: the model's tree is priced by the model's estimates alone. Two things then
 
 Why a heap of their own: in one heap with the model's, a free node took the model's place in
 the tree and its forwards (chains hung on it were drafted under), and mixed trees accepted
-fewer tokens a pass than the model's alone on text that repeats (docs/measurements.md).
+fewer tokens a pass than the model's alone on text that repeats (docs/measurements.md,
+'Free sources in the model's heap').
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class FreeSources:
         the model) join the heap. Not under the model's own nodes: a source continues text it
         predicted, and its estimate (learned on the text as it came) says nothing of how it
         continues text the draft made up; trees whose lookup chains hung under the model's
-        guesses expected two tokens a pass more than they got."""
+        guesses expected more tokens a pass than they got (docs/measurements.md,
+        'Free sources under the model's nodes')."""
         if node in self._proposed or not expandable:
             return
         if node and all(c.token != nodes.tokens[node] for c in self._below.get(nodes.parents[node], ())):
@@ -94,7 +96,8 @@ class FreeSources:
         """The chain the sources propose below `node`, joined as provisional nodes (no gain of
         their own) for the same forward to run: the node the forward expands instead.
 
-        A forward runs 16 tokens in about 2.5 times the time of one, so where prompt lookup
+        A forward over a chain of tokens costs a small multiple of a forward over one
+        (docs/measurements.md, 'Draft forward cost by batch'), so where prompt lookup
         already says what comes, the draft reads the chain at once and proposes below every
         token of it. Where its own children hold the chain's next token, the two merge and the
         chain node gets the model's gain; where they do not, that node and the rest of the

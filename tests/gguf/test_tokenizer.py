@@ -4,7 +4,7 @@ llama.cpp (through llama-cpp-python, when importable) must give the same ids on 
 Python source and awkward strings, for the SentencePiece vocabs (stories260K, Llama 2) and the
 byte-level one (Qwen2.5), plus tiny byte-level GGUFs written here for the other pre-tokenizers.
 Without it: stories260K agrees with llama2.c's tok512 and its encoder, known ids, special
-tokens as one id, round trips and streaming. `python tests/test_tokenizer.py` prints the
+tokens as one id, round trips and streaming. `python tests/gguf/test_tokenizer.py` prints the
 agreement rates with llama.cpp over whole corpora and the stdlib.
 """
 

@@ -161,7 +161,7 @@ def test_native_layer_is_its_steps_bit_for_bit(tiny_model, arch, wtype, kv_dtype
 
 
 def test_native_struct_mirrors_are_the_library_structs():
-    """lever/native.py's ctypes mirrors have the sizes the C structs have."""
+    """backends/cpu/native.py's ctypes mirrors have the sizes the C structs have."""
     import ctypes
 
     from lever.backends.cpu import native

@@ -118,8 +118,9 @@ def test_many_tokens_split_into_token_tiles(name, layout):
 
 @pytest.mark.parametrize("name", TYPE_NAMES)
 def test_pack_is_the_reference_pack_and_unpacks(name):
-    """native.pack equals the numpy reference built from lever/quants.py's tile_segments, for
-    whole and partial tiles; unpack_rows gives back any rows asked for, in their order."""
+    """native.pack equals the numpy reference (lever/model/reference/quants.py) built from
+    lever/gguf/types.py's tile_segments, for whole and partial tiles; unpack_rows gives back any
+    rows asked for, in their order."""
     t = TYPES[name]
     for n_out in (1, 15, 16, 17, 50):
         n_in = N_IN[name]
@@ -135,7 +136,7 @@ def test_pack_is_the_reference_pack_and_unpacks(name):
 
 
 def test_type_table_is_the_native_table():
-    """lever/quants.py's TYPES and native/quants.c's TYPE_INFO state the same facts."""
+    """lever/gguf/types.py's TYPES and native/quants.c's TYPE_INFO state the same facts."""
     for t in TYPES.values():
         assert native.type_layout(t.ggml_id) == (t.block_elems, t.block_bytes, t.tile_segments), t.name
         assert sum(n for _, n, _ in t.tile_segments) == t.block_bytes
