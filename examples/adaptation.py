@@ -69,8 +69,10 @@ def main(argv: list[str] | None = None) -> dict:
     for i, c in enumerate(adapt["cycles"]):
         off = fixed["cycles"][i].nodes if i < len(fixed["cycles"]) else ""
         mark = "  <- slower from here" if i == k else ""
-        print(f"{i + 1:>5} {c.nodes:>6} {1e3 * c.measured_s:>7.0f} {c.tokens:>6} {c.scales.read:>7.2f}   {off:>17}{mark}")
-    ref = {name: run(a.config, [*a.set, *extra], a.prompt, a.n, slow_s=slow_s, after=None) for name, extra in FIXED.items()}
+        print(f"{i + 1:>5} {c.nodes:>6} {1e3 * c.measured_s:>7.0f} {c.tokens:>6} {c.scales.read:>7.2f}"
+              f"   {off:>17}{mark}")
+    ref = {name: run(a.config, [*a.set, *extra], a.prompt, a.n, slow_s=slow_s, after=None)
+           for name, extra in FIXED.items()}
     ref["gain-cost, slow from the start"] = run(a.config, sets, a.prompt, a.n, slow_s=slow_s, after=None)
     settled = k + a.settle
     result = {"before_tps": rate(adapt["cycles"], 0, k), "after_tps": rate(adapt["cycles"], settled),

@@ -91,7 +91,8 @@ def build_tokenizer() -> HFTokenizer:
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZERS[PRE].regexes]
     hf = HFTokenizer(models.BPE())
     # the same pre-tokenizer Lever's tokenizer.py builds for a gpt2-type vocab
-    hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     hf.decoder = decoders.ByteLevel()
     return hf
 
@@ -548,7 +549,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     t_path = args.out / f"stdlib-target-{args.target_type.lower()}.gguf"
     d_path = args.out / f"stdlib-draft-{args.draft_type.lower()}.gguf"
-    write_gguf(t_path, target, "stdlib-target", meta, args.target_type, "Q8_0" if args.target_type == "Q4_0" else args.target_type)
+    write_gguf(t_path, target, "stdlib-target", meta, args.target_type,
+               "Q8_0" if args.target_type == "Q4_0" else args.target_type)
     write_gguf(d_path, draft, "stdlib-draft", meta, args.draft_type, args.draft_type)
 
     window = val_stream[: args.ctx].astype(np.int64)

@@ -225,8 +225,8 @@ class LLM:
             if self.chat_template_text is not None:
                 self._template = ChatTemplate(self.chat_template_text, "chat_template", bos, eos)
             elif self.config.model.chat_template:
-                self._template = ChatTemplate(self.config.model.chat_template, f"{self.config.where}: [model] chat_template",
-                                              bos, eos)
+                self._template = ChatTemplate(self.config.model.chat_template,
+                                              f"{self.config.where}: [model] chat_template", bos, eos)
             else:
                 self._template = ChatTemplate.from_gguf(self.engine.plan.target_file, bos, eos)
         return self._template

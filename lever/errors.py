@@ -58,4 +58,5 @@ def read_text(path, what: str = "file") -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise LeverError(f"{p}: not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r}); is this the {what}?") from None
+        raise LeverError(f"{p}: not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r}); "
+                         f"is this the {what}?") from None

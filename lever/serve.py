@@ -7,8 +7,9 @@ One model pair, one generation at a time, as on a phone: requests wait in a queu
 goes away cancels its generation at the end of the current pass and frees its place. Bad
 requests get 400 naming the field. On shutdown (SIGINT, SIGTERM or SIGHUP to `lever serve`) new
 requests get 503 and the admitted ones have `grace_s` to finish; then the running one is
-cancelled at its next pass (its client gets what was generated) and the waiting ones get 503. Starlette (on anyio, like the pipeline) serves it; the
-generation itself runs in a worker thread, so the event loop keeps answering.
+cancelled at its next pass (its client gets what was generated) and the waiting ones get 503.
+Starlette (on anyio, like the pipeline) serves it; the generation itself runs in a worker
+thread, so the event loop keeps answering.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def parse(body: bytes, endpoint: str) -> dict:
         if v is None:
             continue
         if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            want = " or ".join({str: "a string", int: "an integer", float: "a number", list: "a list", bool: "a boolean",
-                                dict: "an object"}[t] for t in types)
+            want = " or ".join({str: "a string", int: "an integer", float: "a number", list: "a list",
+                                bool: "a boolean", dict: "an object"}[t] for t in types)
             raise BadRequest(f"{name}: must be {want}, got {json.dumps(v)[:40]}", name)
         if isinstance(v, float) and not math.isfinite(v):
             raise BadRequest(f"{name}: must be a finite number", name)
@@ -162,8 +163,8 @@ class Server:
         return JSONResponse({"status": "ok", "admitted": self.admitted, "queue": self.queue})
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
-                                                          "owned_by": "lever"}]})
+        model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "lever"}
+        return JSONResponse({"object": "list", "data": [model]})
 
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, "completions")

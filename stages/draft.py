@@ -4,8 +4,9 @@ TreeExpand sends it the nodes to expand; one batched draft forward runs them all
 attention over the draft's own KV cache (each node sees the committed prefix and its own
 ancestors), and it answers with each node's most probable next tokens and their
 probabilities; when the run samples, with tokens drawn from its distribution instead, which
-the target's rejection sampling (Accept) needs. Rows added during a cycle are pending; the first request of the next cycle says
-which to keep (the accepted path), so the draft's cache follows the accepted text exactly.
+the target's rejection sampling (Accept) needs. Rows added during a cycle are pending; the first
+request of the next cycle says which to keep (the accepted path), so the draft's cache follows
+the accepted text exactly.
 A NaN or an Inf in the draft's hidden state or logits ends the run with one line naming the
 draft's file, the position and the layer or tensor at fault; the checks reuse reductions the
 forward and the softmax make anyway.
@@ -86,7 +87,8 @@ class Drafter:
     pending_parents: list[int] = attrs.field(factory=list)  # parent pending row of each pending row
     forwards: int = 0  # batched forwards run (for the run summary)
     forward_tokens: collections.Counter = attrs.field(factory=collections.Counter)  # tokens per forward -> forwards
-    batch_layer_fn: Callable | None = None  # the backend of forwards over several tokens ([placement] draft_batch); None: CPU
+    # the backend of forwards over several tokens ([placement] draft_batch); None: the CPU
+    batch_layer_fn: Callable | None = None
     sampling: SamplingParams | None = None  # when the run samples: children are drawn from the draft's distribution
     rng: np.random.Generator = attrs.field(factory=np.random.default_rng)
     vocab: VocabMap | None = None  # the draft's ids are not the target's (lever.gguf.vocab_map); None: the same table
@@ -212,7 +214,8 @@ class Draft(Stage):
         with self.tracer.span(self.name, f"draft c{req.cycle}", batch=int(req.tokens.size)):  # not the wait for a slot
             if not req.ahead:
                 return self.core.expand(req)
-            n_threads = self.slot.threads(AHEAD) if self.slot is not None and self.slot.ahead_cores else self.ahead_threads
+            own_cores = self.slot is not None and self.slot.ahead_cores
+            n_threads = self.slot.threads(AHEAD) if own_cores else self.ahead_threads
             with native.threads(n_threads):
                 return self.core.expand(req)
 

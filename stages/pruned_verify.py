@@ -68,7 +68,8 @@ class PrunedVerify(Stage):
     slot: ComputeSlot | None = None  # the compute slot, shared with other compute stages
     predictor: Predictor | None = None  # prunes branches after its layer; None: every node runs every layer
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
-    # called after every layer as observer(layer, tree, x) while no node is pruned (`lever calibrate` records through it)
+    # called after every layer as observer(layer, tree, x) while no node is pruned (`lever calibrate`
+    # records through it)
     observer: Callable[[int, TokenTree, np.ndarray], None] | None = None
     emulate_layer_s_per_token: float = 0.0  # [runtime] emulate_layer_ms_per_token, in seconds
     layer_fn: Callable = layer_forward  # the backend of the target's layers ([placement] verify): CPU kernels or QNN

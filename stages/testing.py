@@ -1,8 +1,9 @@
 """A stage test kit: stages that feed a graph and collect what it sends.
 
 Tests of the graph and the examples build pipelines from these rather than each defining its
-own toy stages, as bytewax's `testing` module serves its dataflows. Ports are typed, so `Source.of(T)` and `Sink.of(T)` make
-the stage for one message type (cached: the same type gives the same class).
+own toy stages, as bytewax's `testing` module serves its dataflows. Ports are typed, so
+`Source.of(T)` and `Sink.of(T)` make the stage for one message type (cached: the same type gives
+the same class).
 """
 
 from __future__ import annotations

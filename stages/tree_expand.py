@@ -125,7 +125,8 @@ class Cost(Protocol):
 
     def idle_s(self, n_tokens: int) -> float: ...
 
-    def cycle_s(self, n_tokens: int, draft_s: float, accept_rows: float) -> float: ...  # drafting in turns, pass, Accept
+    # drafting in turns, the pass, Accept
+    def cycle_s(self, n_tokens: int, draft_s: float, accept_rows: float) -> float: ...
 
     pass_delay_s: float  # a pass's wait for cores held by drafting ahead
 

@@ -99,7 +99,8 @@ def llama_cpp():
         return import_llama_cpp()
     except Exception as e:  # missing package, or it cannot find libllama
         pytest.skip(f"llama-cpp-python not usable ({type(e).__name__}: {e}); to compare with llama.cpp, "
-                    "pip install llama-cpp-python (or its Python part, with LLAMA_CPP_LIB_PATH set to a libllama build)")
+                    "pip install llama-cpp-python (or its Python part, "
+                    "with LLAMA_CPP_LIB_PATH set to a libllama build)")
 
 
 @pytest.fixture

@@ -139,7 +139,8 @@ def test_a_template_that_raises_gets_its_message():
     with pytest.raises(LeverError, match="chat template"):
         ChatTemplate("{% for %}", "code").render([{"role": "user", "content": "x"}])
     with pytest.raises(LeverError, match="chat template"):  # the sandbox: no reaching into Python
-        ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", "code").render([{"role": "user", "content": "x"}])
+        ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", "code").render(
+            [{"role": "user", "content": "x"}])
 
 
 def test_load_from_settings_alone_and_unknown_settings(full):
@@ -171,7 +172,8 @@ def test_qwen_chat_template_renders_like_hugging_face(qwen_target):
     tok = Tokenizer.from_gguf(f)
     t = ChatTemplate.from_gguf(f, tok.token_text(tok.bos_id), tok.token_text(tok.eos_id))
     text = t.render([{"role": "user", "content": "Write quicksort."}])
-    assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    assert text == ("<|im_start|>system\n"
+                    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
                     "<|im_start|>user\nWrite quicksort.<|im_end|>\n<|im_start|>assistant\n")
     ids = tok.encode(text, add_bos=False)
     assert ids[0] == 151644 and tok.decode(ids[:1]) == ""  # <|im_start|> is one special token

@@ -20,7 +20,8 @@ def write(tmp_path, text):
 
 
 def test_defaults_and_overrides():
-    c = load_config(None, ["generate.temperature=0.7", 'flash.mode="mmap"', "flash.dram_budget=0.5", "channels.layers=3"])
+    c = load_config(None, ["generate.temperature=0.7", 'flash.mode="mmap"', "flash.dram_budget=0.5",
+                           "channels.layers=3"])
     assert c.generate.temperature == 0.7 and c.flash.mode == "mmap" and c.flash.dram_budget == 0.5
     assert c.channels.layers == 3 and c.pipeline.kind == "flash-ar"
 

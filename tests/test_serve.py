@@ -164,7 +164,8 @@ def test_sixteen_clients_against_a_queue_of_four(server, llm):
         else:
             assert body["error"]["type"] == "rate_limit_exceeded"
     assert httpx.get(url + "/health").json()["admitted"] == 0
-    assert httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 48}).json()["choices"][0]["text"] == want
+    assert httpx.post(url + "/v1/completions",
+                      json={"prompt": PROMPT, "max_tokens": 48}).json()["choices"][0]["text"] == want
     rss_after = psutil.Process(proc.pid).memory_info().rss
     assert rss_after <= rss_before * 1.1 + (32 << 20), (rss_before, rss_after)
 
@@ -201,7 +202,8 @@ def test_qwen_chat_over_the_server_equals_the_api(qwen_target, qwen_draft):
         r = c.chat.completions.create(model="x", messages=msgs, max_tokens=32)
         assert r.choices[0].message.content == want.text and r.usage.completion_tokens == len(want.tokens)
         streamed = "".join(ev.choices[0].delta.content or "" for ev in
-                           c.chat.completions.create(model="x", messages=msgs, max_tokens=32, stream=True) if ev.choices)
+                           c.chat.completions.create(model="x", messages=msgs, max_tokens=32, stream=True)
+                           if ev.choices)
         assert streamed == want.text
         r = c.chat.completions.create(model="x", messages=msgs, max_tokens=32, stop=["\n\n"])
         assert r.choices[0].message.content == want_stop.text

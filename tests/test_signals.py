@@ -69,7 +69,8 @@ def moments(command: str, lo: float, hi: float) -> list[tuple[int, float]]:
     return [(s, rng.uniform(lo, hi)) for s in SIGNALS for _ in range(MOMENTS)]
 
 
-def drive(sig: int, delay: float, argv: list[str], slow: float = 0.0, cwd=ROOT) -> tuple[subprocess.CompletedProcess, dict]:
+def drive(sig: int, delay: float, argv: list[str], slow: float = 0.0,
+          cwd=ROOT) -> tuple[subprocess.CompletedProcess, dict]:
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(int(sig)), f"{delay:.3f}", str(slow), *argv],
                           capture_output=True, text=True, timeout=120, cwd=cwd, stdin=subprocess.DEVNULL)
     lines = proc.stderr.strip().splitlines()

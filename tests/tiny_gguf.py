@@ -39,7 +39,8 @@ def random_k_blocks(qtype: str, n_rows: int, n_cols: int, rng: np.random.Generat
     else:  # Q6_K: 128 ql, 64 qh, 16 int8 scales, f16 d; 6-bit q - 32 is zero-mean already
         q = rng.integers(0, 256, (n_blocks, 192), dtype=np.uint8)
         scales = rng.integers(-24, 25, (n_blocks, 16), dtype=np.int8).view(np.uint8)
-        d = (rng.uniform(0.5, 1.5, (n_blocks, 1)) * std / (14 * 18.5)).astype(np.float16).view(np.uint8)  # E|sc| 12, std(q-32) 18.5
+        # E|sc| 12, std(q-32) 18.5
+        d = (rng.uniform(0.5, 1.5, (n_blocks, 1)) * std / (14 * 18.5)).astype(np.float16).view(np.uint8)
         blocks = np.concatenate([q, scales, d], axis=1)
     return blocks.reshape(n_rows, -1)
 

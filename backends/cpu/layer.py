@@ -176,13 +176,15 @@ def check_tensors(f: GGUFFile, spec: ModelSpec) -> None:
         names = layer_tensor_names(f, layer)
         for field in needed:
             if field not in names:
-                raise LeverError(f"{f.path}: missing tensor blk.{layer}.{LAYER_TENSORS[field][0]} ({spec.arch} needs it)")
+                raise LeverError(f"{f.path}: missing tensor blk.{layer}.{LAYER_TENSORS[field][0]} "
+                                 f"({spec.arch} needs it)")
         for field, name in names.items():
             expect(name, shapes[field])
     for name in f.tensors:
         m = _LAYER_NAME.match(name)
         if m and (len(m[1]) > 9 or int(m[1]) >= spec.n_layer):
-            raise LeverError(f"{f.path}: tensor {shown(name)} is beyond the {spec.n_layer} layers of {spec.arch}.block_count")
+            raise LeverError(f"{f.path}: tensor {shown(name)} is beyond the {spec.n_layer} layers of "
+                             f"{spec.arch}.block_count")
 
 
 def check_vocab(f: GGUFFile, spec: ModelSpec) -> None:

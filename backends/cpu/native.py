@@ -231,8 +231,8 @@ def matmul(type_id: int, w, n_out: int, n_in: int, x: np.ndarray, out: np.ndarra
     if out is None:
         out = np.empty((n_tok, n_out), np.float32)
     nt = _threads(n_threads)
-    _check(_lib.lever_matmul(type_id, layout, _ptr(w), n_out, n_in, _addr(x, np.float32), n_tok, _addr(out, np.float32), nt),
-           "matmul")
+    _check(_lib.lever_matmul(type_id, layout, _ptr(w), n_out, n_in, _addr(x, np.float32), n_tok,
+                             _addr(out, np.float32), nt), "matmul")
     return out
 
 
@@ -264,7 +264,8 @@ def matmul_many(mats: list[Matrix], x: np.ndarray, n_threads: int | None = None)
 
 
 def layer_forward(dims: LayerDims, weights: LayerWeightsC, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
-                  k_cache: np.ndarray, v_cache: np.ndarray, rows: np.ndarray, n_threads: int | None = None) -> np.ndarray:
+                  k_cache: np.ndarray, v_cache: np.ndarray, rows: np.ndarray,
+                  n_threads: int | None = None) -> np.ndarray:
     """lever_layer_forward: the layer's output for x (n_tok, n_embd), a new array; the tokens' k, v
     go to cache rows `rows` (int64, one per token); attention sees rows [0, mask.shape[1])."""
     out = np.array(x, np.float32, order="C")  # a copy: x is the caller's
@@ -275,7 +276,8 @@ def layer_forward(dims: LayerDims, weights: LayerWeightsC, x: np.ndarray, pos: n
         raise ValueError(f"layer_forward: mask {mask.shape} for {n_tok} tokens over a cache of {k_cache.shape[0]} rows")
     if rows.size and (rows.min() < 0 or rows.max() >= k_cache.shape[0]):
         raise ValueError("layer_forward: a row is outside the cache")
-    m = mask.view(np.uint8) if mask.dtype == np.bool_ and mask.flags.c_contiguous else np.ascontiguousarray(mask, np.uint8)
+    as_is = mask.dtype == np.bool_ and mask.flags.c_contiguous
+    m = mask.view(np.uint8) if as_is else np.ascontiguousarray(mask, np.uint8)
     _check(_lib.lever_layer_forward(ctypes.addressof(dims), ctypes.addressof(weights), _addr(out, np.float32), n_tok,
                                     _addr(pos, np.int32), _addr(m, np.uint8), m.shape[1], _addr(k_cache, k_cache.dtype),
                                     _addr(v_cache, v_cache.dtype), _KV_TYPES[k_cache.dtype], _addr(rows, np.int64),
@@ -321,7 +323,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, sca
         raise ValueError(f"attention: mask {mask.shape} for {n_tok} tokens over {n_kv} rows")
     if out is None:
         out = np.empty_like(q)
-    m = mask.view(np.uint8) if mask.dtype == np.bool_ and mask.flags.c_contiguous else np.ascontiguousarray(mask, np.uint8)
+    as_is = mask.dtype == np.bool_ and mask.flags.c_contiguous
+    m = mask.view(np.uint8) if as_is else np.ascontiguousarray(mask, np.uint8)
     nt = _threads(n_threads)
     _check(_lib.lever_attention(_addr(q, np.float32), n_tok, n_head, hd, _addr(k, k.dtype), _addr(v, v.dtype),
                                 _KV_TYPES[k.dtype], n_kv, n_kv_head, _addr(m, np.uint8), scale,

@@ -189,7 +189,8 @@ class _Builder:
         x is divided by its row's max |x| m first, and
         x / sqrt(mean(x^2) + eps) = y / sqrt(mean(y^2) + (sqrt(eps)/m)^2) with y = x/m, |y| <= 1.
         m is floored (M_FLOOR) so that an all-zero padded row gives zeros, not 0/0."""
-        m = self.op("Max", self.op("ReduceMax", self.op("Abs", x), axes=[-1], keepdims=1), self.scalar("m_floor", M_FLOOR))
+        top = self.op("ReduceMax", self.op("Abs", x), axes=[-1], keepdims=1)
+        m = self.op("Max", top, self.scalar("m_floor", M_FLOOR))
         y = self.op("Div", x, m)
         e = self.op("Div", self.scalar("sqrt_eps", float(np.sqrt(self._eps))), m)
         ms = self.op("Add", self.op("ReduceMean", self.op("Mul", y, y), axes=[-1], keepdims=1), self.op("Mul", e, e))

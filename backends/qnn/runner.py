@@ -123,7 +123,8 @@ def _note_soc_model(opts: dict[str, str]) -> None:
                          "or fp16 with soc_model=None")
 
 
-def session_options(provider_opts: dict[str, str], *, context_file: Path | None = None, profile_prefix: str | None = None):
+def session_options(provider_opts: dict[str, str], *, context_file: Path | None = None,
+                    profile_prefix: str | None = None):
     """SessionOptions that put the whole graph on QNN or fail: with CPU fallback disabled, a
     node HTP cannot run makes session creation raise instead of running on the CPU EP."""
     ort, _ = _ort()
@@ -445,7 +446,8 @@ class QnnLayerRunner:
             out[a:b] = self._forward_chunk(lw, x[a:b], pos[a:b], mask[a:b], cache, layer, new_rows[a:b], inv_freq)
         if not finite(out) and finite(x):  # a max and a min; float16 on HTP overflows past 65504 where float32 does not
             bad = first_bad_row(out)
-            raise NonFiniteError("hidden state", position=int(pos[bad]), layer=f"first in the output of layer {layer} on QNN",
+            raise NonFiniteError("hidden state", position=int(pos[bad]),
+                                 layer=f"first in the output of layer {layer} on QNN",
                                  cause=f"the {self.precision} graph returned NaN or Inf from finite input "
                                        f"(an activation past float16's 65504?); [placement] on the CPU avoids it")
         return out

@@ -70,7 +70,8 @@ def calibrate(cfg: Config, corpus: Path, out: Path | None = None, n_prompts: int
     path = writable_destination(out or artifact_path("", target_path), "--out")  # before the runs, not after
     model = Model(target_path, load_layers=False)
     n_layer = model.spec.n_layer
-    layers = layers or tuple(sorted({max(0, min(n_layer - 2, round(n_layer * f))) for f in (0.25, 0.375, 0.5, 0.625, 0.75)}))
+    shares = (0.25, 0.375, 0.5, 0.625, 0.75)
+    layers = layers or tuple(sorted({max(0, min(n_layer - 2, round(n_layer * f))) for f in shares}))
     tok = Tokenizer.from_gguf(model.file)
     prompts = corpus_prompts(corpus, tok, n_prompts, prompt_tokens)
     run_cfg = attrs.evolve(cfg, predictor=attrs.evolve(cfg.predictor, enabled=False),
@@ -109,7 +110,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     ca = sub.add_parser("calibrate", help="fit the pruning predictor and the acceptance table on a corpus")
     ca.add_argument("-c", "--config", type=Path, required=True, help="a speculative pipeline's TOML config")
     ca.add_argument("--corpus", type=Path, required=True, help="text the prompts are cut from")
-    ca.add_argument("--out", type=Path, default=None, help="default: beside the target, <target>.lever-predictor.msgpack")
+    ca.add_argument("--out", type=Path, default=None,
+                    help="default: beside the target, <target>.lever-predictor.msgpack")
     ca.add_argument("--n-prompts", type=int_in(1, MAX_PROMPTS), default=18,
                     help="prompts cut from the corpus (a third held out)")
     ca.add_argument("--n-gen", type=int_in(1, MAX_TOKENS), default=40, help="tokens generated per prompt")

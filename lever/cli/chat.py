@@ -73,8 +73,8 @@ def main(args) -> int:
                         try:  # a wrong name is one line; the conversation goes on
                             if cmd == "/save":
                                 s.save(writable_destination(arg.strip(), "/save"))
-                                print(f"(saved {len(s.messages)} messages, {s.n_cached} cached tokens to {arg.strip()})",
-                                      file=err)
+                                print(f"(saved {len(s.messages)} messages, {s.n_cached} cached tokens "
+                                      f"to {arg.strip()})", file=err)
                             else:
                                 s.load(arg.strip())
                                 print(f"(loaded {len(s.messages)} messages, {s.n_cached} cached tokens)", file=err)

@@ -41,7 +41,8 @@ def cpu_model() -> str:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key = line.split(":", 1)[0].strip()
-                if key.lower() in ("model name", "hardware", "cpu model") or key == "Model":  # "model" alone: x86's number
+                # "model" alone is x86's model number, not a name
+                if key.lower() in ("model name", "hardware", "cpu model") or key == "Model":
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass

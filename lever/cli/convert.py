@@ -26,7 +26,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     cv.add_argument("input", type=Path)
     cv.add_argument("output", type=Path)
     cv.add_argument("--alignment", type=_alignment, default=4096,
-                    help=f"bytes, a power of two in [{MIN_ALIGNMENT}, {MAX_ALIGNMENT}] (default 4096: a page, for O_DIRECT)")
+                    help=f"bytes, a power of two in [{MIN_ALIGNMENT}, {MAX_ALIGNMENT}] "
+                         f"(default 4096: a page, for O_DIRECT)")
     add_common(cv)
     cv.set_defaults(func=main, check=check_args)
     return cv

@@ -36,7 +36,8 @@ def main(args) -> int:
     spec = read_spec(f)
     n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
     hist = collections.Counter(t.type.name for t in f.tensors.values())
-    layer_bytes = [sum(t.n_bytes for n, t in f.tensors.items() if n.startswith(f"blk.{i}.")) for i in range(spec.n_layer)]
+    layer_bytes = [sum(t.n_bytes for n, t in f.tensors.items() if n.startswith(f"blk.{i}."))
+                   for i in range(spec.n_layer)]
     other = sum(t.n_bytes for n, t in f.tensors.items() if not n.startswith("blk."))
     print(f"file:          {f.path} ({f.path.stat().st_size / 2**20:.1f} MiB)")
     print(f"architecture:  {spec.arch}  name: {f.get('general.name', '?')}")
@@ -46,7 +47,8 @@ def main(args) -> int:
     print(f"context:       {spec.n_ctx_train} (trained)   rms eps: {spec.rms_eps:g}")
     print(f"parameters:    {n_params:,} ({n_params / 1e6:.2f} M)")
     print("tensor types:  " + ", ".join(f"{k} x{v}" for k, v in sorted(hist.items())))
-    print(f"bytes/layer:   {np.mean(layer_bytes) / 2**20:.2f} MiB mean (min {min(layer_bytes):,}, max {max(layer_bytes):,})")
+    print(f"bytes/layer:   {np.mean(layer_bytes) / 2**20:.2f} MiB mean "
+          f"(min {min(layer_bytes):,}, max {max(layer_bytes):,})")
     print(f"other tensors: {other / 2**20:.2f} MiB (embeddings, output, norms)")
     return check_tensors(f) if getattr(args, "scan_tensors", False) else 0
 

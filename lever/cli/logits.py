@@ -51,7 +51,8 @@ def main(args) -> int:
     cache = model.new_cache(ids.size)
     hidden = model.forward(ids, np.arange(ids.size, dtype=np.int32), causal_mask(0, ids.size), cache)
     logits = model.logits(hidden).astype(np.float32)  # (n_tokens, n_vocab)
-    model.check_logits(logits, np.arange(ids.size))  # NaN logits are no output to save (the forward checked its hidden state)
+    # NaN logits are no output to save (the forward checked its hidden state)
+    model.check_logits(logits, np.arange(ids.size))
     with atomic_write(args.out, "wb", "--out") as out:  # np.save given a name would append .npy to it
         np.save(out, logits)
     print(f"wrote {args.out}: logits {logits.shape} float32", file=sys.stderr)

@@ -208,14 +208,16 @@ def measure_target(path: str | os.PathLike, rounds: int = 5, kv_rows: int = KV_R
     med = {k: statistics.median(v) for k, v in samples.items()}
 
     def per_layer(kind: str) -> tuple[float, ...]:
-        return tuple(sum(len(layers) / spec.n_layer * statistics.fmean(med[(kind, i, n)] for i in layers[:layers_per_mix])
+        return tuple(sum(len(layers) / spec.n_layer
+                             * statistics.fmean(med[(kind, i, n)] for i in layers[:layers_per_mix])
                          for layers in mixes) for n in tokens)
     out(f"target: lm_head over rows {head_rows}")
     heads = _head_jobs(model, head_rows, rng)
     _warm(heads)
     head = _median_rounds(heads, rounds)
     return TargetProfile(ModelIdentity.of(path), spec.n_layer, kv_rows, tuple(tokens), per_layer("streamed"),
-                         per_layer("resident"), tuple(sorted(timed)), tuple(head_rows), tuple(head[n] for n in head_rows))
+                         per_layer("resident"), tuple(sorted(timed)), tuple(head_rows),
+                         tuple(head[n] for n in head_rows))
 
 
 def measure_draft(path: str | os.PathLike, rounds: int = 5, kv_rows: int = KV_ROWS,
@@ -269,7 +271,8 @@ def measure(cfg, rounds: int = 5, passes: int = 3, n_reads: int = 32,
     dft = measure_draft(draft, rounds, out=out) if draft else None
     method = (
         f"flash: median of {passes} whole passes at dram_budget 0 read through Prefetch with no compute "
-        f"(lever.pipelines.compose.read_pass_s: end of one pass to the end of the next, after a first), and of {n_reads} single {SMALL_READ_BYTES}-byte reads (and chunk reads) at "
+        f"(lever.pipelines.compose.read_pass_s: end of one pass to the end of the next, after a first), "
+        f"and of {n_reads} single {SMALL_READ_BYTES}-byte reads (and chunk reads) at "
         f"random streamed offsets, one in flight; compute: median of {rounds} interleaved rounds after a warm-up, "
         f"every pass after {KV_ROWS} committed KV rows of random values; target per layer by layer_forward on "
         f"layers {list(tgt.layers_timed)} (a few of each tensor-type mix) copied to DRAM, run in sequence and "

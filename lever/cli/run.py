@@ -92,7 +92,8 @@ def print_summary(res, file) -> None:
     t, fl, mem, tr = res.timing, res.flash, res.memory, res.trees
     n = max(t.n_passes, 1)
     p(f"pipeline {res.pipeline}: {len(res.tokens)} tokens in {t.n_passes} passes, stop: {res.stop_reason}")
-    p(f"  decode      {res.decode_tps:.2f} tok/s ({res.ms_per_token:.1f} ms/token, {res.cpu_ms_per_token:.1f} ms of CPU), "
+    p(f"  decode      {res.decode_tps:.2f} tok/s ({res.ms_per_token:.1f} ms/token, "
+      f"{res.cpu_ms_per_token:.1f} ms of CPU), "
       f"{res.output.tokens_per_pass:.2f} tokens/pass from trees of {tr.mean_nodes:.1f} nodes")
     p(f"  prefill     {len(res.prompt_tokens)} tokens in 1 pass over flash, {t.prefill_s:.2f} s to the first token "
       f"({res.prefill_tps:.1f} tokens/s)")
@@ -106,7 +107,8 @@ def print_summary(res, file) -> None:
           f"draft {t.draft_s / n * 1e3:.0f} ms of which {100 * t.draft_hidden_share:.0f}% ran during verification; "
           f"{100 * tr.lookahead_hit_share:.0f}% of cycles started from rows drafted ahead")
         if tr.cycles:
-            p(f"  model       cycle predicted {tr.predicted_cycle_s * 1e3:.0f} ms, measured {tr.measured_cycle_s * 1e3:.0f} ms; "
+            p(f"  model       cycle predicted {tr.predicted_cycle_s * 1e3:.0f} ms, "
+              f"measured {tr.measured_cycle_s * 1e3:.0f} ms; "
               f"tokens/cycle predicted {tr.predicted_tokens:.2f}, measured {tr.measured_tokens:.2f}; "
               f"flash busy {100 * t.flash_busy_share:.0f}% of the run")
         if res.draft is not None:

@@ -47,14 +47,16 @@ def main(args) -> int:
 
         from lever.serve import app
     except ImportError as e:
-        raise LeverError(f"lever serve needs the serve extra: pip install 'lever[serve]' ({e.name} is missing)") from None
+        raise LeverError(f"lever serve needs the serve extra: pip install 'lever[serve]' "
+                         f"({e.name} is missing)") from None
     from lever.api import load
 
     llm = load(args.config or shipped("default.toml"), overrides=args.set)
     try:
         model_id = Path(llm.config.model.target).stem
         asgi = app(llm, model_id=model_id, queue=args.queue)
-        server = _server_class()(uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning", access_log=False))
+        server = _server_class()(uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning",
+                                                access_log=False))
 
         def stop(signum: int) -> None:  # INT, TERM or HUP: stop listening, drain, then cancel
             server.should_exit = True

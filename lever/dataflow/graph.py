@@ -133,7 +133,8 @@ class Pipeline:
                 raise GraphError(f"{e.describe()}: sends {sent.__name__}, receives {wanted.__name__}")
             for key, used in (((e.src.name, e.src_port), used_out), ((e.dst.name, e.dst_port), used_in)):
                 if key in used:
-                    raise GraphError(f"{e.describe()}: port {key[0]}.{key[1]} is already connected ({used[key].describe()})")
+                    raise GraphError(f"{e.describe()}: port {key[0]}.{key[1]} is already connected "
+                                     f"({used[key].describe()})")
                 used[key] = e
         for s in self.stages:
             for port in type(s).INPUTS:

@@ -171,7 +171,8 @@ class Expansion:
 
     cycle: int
     rows: np.ndarray = attrs.field(eq=False)  # (m,) pending-row index of each expanded node
-    child_tokens: np.ndarray = attrs.field(eq=False)  # (m, top_k) int64, most probable first (or in draw order); -1 pads
+    # (m, top_k) int64, most probable first (or in draw order); -1 pads
+    child_tokens: np.ndarray = attrs.field(eq=False)
     child_probs: np.ndarray = attrs.field(eq=False)  # (m, top_k) float32, draft probabilities
     child_q: np.ndarray | None = attrs.field(default=None, eq=False)  # (m, n_vocab) float32 drawn from, when sampling
 

@@ -162,7 +162,8 @@ class TraceSummary:
     read_bytes: int
     wall_s: float
     pass_stage_s: dict[str, float] = attrs.field(factory=dict)  # stage -> seconds inside its "pass" spans
-    hidden_s: dict[tuple[str, str], float] = attrs.field(factory=dict, repr=False)  # (stage, under) -> busy inside under's passes
+    # (stage, under) -> the stage's busy seconds inside under's passes
+    hidden_s: dict[tuple[str, str], float] = attrs.field(factory=dict, repr=False)
 
     def pass_s(self, stage: str) -> float:
         return self.pass_stage_s.get(stage, 0.0)

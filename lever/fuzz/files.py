@@ -273,9 +273,8 @@ def artifact_seeds(workdir: Path) -> list[Case]:
     t = TargetProfile(ident, 4, 256, TOKEN_BUCKETS, tuple(1e-3 * (i + 1) for i in range(n)),
                       tuple(5e-4 * (i + 1) for i in range(n)), (0, 2), HEAD_ROWS, (1e-4, 2e-4, 1e-3))
     d = DraftProfile(ident, 2, 256, TOKEN_BUCKETS, tuple(1e-3 for _ in range(n)), HEAD_ROWS, (1e-5, 2e-5, 1e-4))
-    cases = [Case("artifact-profile", profiles.write(Profile("cpu", "linux", 2, "2026-01-01T00:00:00Z", "fuzz", "0",
-                                                               fl, t, d, (0.5, 0.7)), workdir / "p.msgpack").read_bytes(),
-                  ".msgpack")]
+    profile = Profile("cpu", "linux", 2, "2026-01-01T00:00:00Z", "fuzz", "0", fl, t, d, (0.5, 0.7))
+    cases = [Case("artifact-profile", profiles.write(profile, workdir / "p.msgpack").read_bytes(), ".msgpack")]
     cal = AcceptanceTable()
     for q, rank, ok in ((0.9, 0, True), (0.3, 1, False), (0.6, 0, True)):
         cal.observe(q, rank, ok)

@@ -174,7 +174,8 @@ def serialize(d: Desc, alignment: int = 32) -> Blob:
     for kv in d.kvs:
         head += [_string(kv.key), _scalar(U32, kv.vtype), _value(kv.vtype, kv.value, kv.elem)]
     align = d.find("general.alignment")
-    if align is not None and isinstance(align.value, int) and 0 < align.value <= 4096 and not align.value & (align.value - 1):
+    power_of_two = align is not None and isinstance(align.value, int) and not align.value & (align.value - 1)
+    if power_of_two and 0 < align.value <= 4096:
         alignment = align.value
     placed, end = [], 0
     for t in d.tensors:
@@ -306,7 +307,9 @@ def load_seeds(paths: list[Path], n_vocab_max: int = 1024) -> list[Seed]:
         data = p.read_bytes()
         seed, d = parse_seed(p.name, data)
         n_tokens = len(getattr(d.find("tokenizer.ggml.tokens"), "value", []))
-        seeds.append(seed if n_tokens <= n_vocab_max else seed_from_desc(p.name + f"[:{n_vocab_max}]", reduce_vocab(d, n_vocab_max)))
+        if n_tokens > n_vocab_max:
+            seed = seed_from_desc(p.name + f"[:{n_vocab_max}]", reduce_vocab(d, n_vocab_max))
+        seeds.append(seed)
     return seeds
 
 
@@ -332,7 +335,8 @@ def mutate(ch: Chooser, seed: Seed, other: Seed | None = None) -> Blob:
             kind = choice(ch, kinds)
             f = choice(ch, [f for f in seed.fields if f.kind == kind])
             if f.kind in ("vtype", "ttype"):
-                value = choice(ch, [0, 4, 5, 8, 9, 10, 12, 13, 30, 99, 2**31, 2**32 - 1]) if chance(ch, 70) else ch.int(0, 40)
+                types = [0, 4, 5, 8, 9, 10, 12, 13, 30, 99, 2**31, 2**32 - 1]
+                value = choice(ch, types) if chance(ch, 70) else ch.int(0, 40)
             elif f.kind == "ndims":
                 value = choice(ch, [0, 1, 2, 3, 4, 5, 2**32 - 1])
             else:

@@ -51,7 +51,8 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 def _gpt2_vocab(ch: Chooser, d: Desc) -> int:
     merges = ["t h", "th e", "Ġ t", "i n", "h e", "Ġt he", "Ġ a", "1 2"]
-    tokens = byte_level_chars() + ["".join(m.split(" ")) for m in merges] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = byte_level_chars() + ["".join(m.split(" ")) for m in merges] + specials
     types = [NORMAL] * (len(tokens) - 3) + [CONTROL] * 3
     d.set("tokenizer.ggml.model", STR, "gpt2")
     d.set("tokenizer.ggml.pre", STR, choice(ch, ["default", "gpt2", "qwen2", "llama-bpe"]))
@@ -96,8 +97,8 @@ def model_desc(ch: Chooser, arch: str | None = None, vocab: str | None = None) -
         d.set(f"{arch}.attention.value_length", U32, head_dim)
     n_ff, n_layer = choice(ch, [8, 32, 64, 256]), ch.int(1, 3)
     n_rot = head_dim if arch != "llama" or chance(ch, 50) else head_dim // 2 // 2 * 2 or 2
-    for key, value in (("block_count", n_layer), ("context_length", choice(ch, [1, 64, 2048])), ("embedding_length", n_embd),
-                       ("feed_forward_length", n_ff), ("attention.head_count", n_head),
+    for key, value in (("block_count", n_layer), ("context_length", choice(ch, [1, 64, 2048])),
+                       ("embedding_length", n_embd), ("feed_forward_length", n_ff), ("attention.head_count", n_head),
                        ("attention.head_count_kv", n_head_kv), ("rope.dimension_count", n_rot)):
         d.set(f"{arch}.{key}", U32, value)
     d.set(f"{arch}.rope.freq_base", F32, 10000.0)
@@ -111,7 +112,8 @@ def model_desc(ch: Chooser, arch: str | None = None, vocab: str | None = None) -
     f32 = TYPES["F32"].ggml_id
     t = d.tensors
     if arch == "llama" and chance(ch, 30):
-        t.append(TensorDesc("rope_freqs.weight", [n_rot // 2], f32, content=struct.pack(f"<{n_rot // 2}f", *[1.0] * (n_rot // 2))))
+        ones = struct.pack(f"<{n_rot // 2}f", *[1.0] * (n_rot // 2))
+        t.append(TensorDesc("rope_freqs.weight", [n_rot // 2], f32, content=ones))
     t += [TensorDesc("token_embd.weight", [n_embd, n_vocab], wt), TensorDesc("output_norm.weight", [n_embd], f32)]
     if chance(ch, 50):
         t.append(TensorDesc("output.weight", [n_embd, n_vocab], wt))
@@ -124,9 +126,12 @@ def model_desc(ch: Chooser, arch: str | None = None, vocab: str | None = None) -
             t += [TensorDesc(p + "attn_q.bias", [q], f32), TensorDesc(p + "attn_k.bias", [kv], f32),
                   TensorDesc(p + "attn_v.bias", [kv], f32)]
         if arch == "qwen3":
-            t += [TensorDesc(p + "attn_q_norm.weight", [head_dim], f32), TensorDesc(p + "attn_k_norm.weight", [head_dim], f32)]
-        t += [TensorDesc(p + "attn_output.weight", [q, n_embd], wt), TensorDesc(p + "ffn_norm.weight", [n_embd], f32),
-              TensorDesc(p + "ffn_gate.weight", [n_embd, n_ff], wt), TensorDesc(p + "ffn_up.weight", [n_embd, n_ff], wt),
+            t += [TensorDesc(p + "attn_q_norm.weight", [head_dim], f32),
+                  TensorDesc(p + "attn_k_norm.weight", [head_dim], f32)]
+        t += [TensorDesc(p + "attn_output.weight", [q, n_embd], wt),
+              TensorDesc(p + "ffn_norm.weight", [n_embd], f32),
+              TensorDesc(p + "ffn_gate.weight", [n_embd, n_ff], wt),
+              TensorDesc(p + "ffn_up.weight", [n_embd, n_ff], wt),
               TensorDesc(p + "ffn_down.weight", [n_ff, n_embd], wt)]
     return d
 
@@ -135,7 +140,8 @@ def model_desc(ch: Chooser, arch: str | None = None, vocab: str | None = None) -
 
 HPARAMS = ["block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
            "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
-           "rope.freq_base", "attention.layer_norm_rms_epsilon", "rope.scaling.type", "rope.scaling.factor", "vocab_size"]
+           "rope.freq_base", "attention.layer_norm_rms_epsilon", "rope.scaling.type", "rope.scaling.factor",
+           "vocab_size"]
 TOKEN_IDS = ["bos_token_id", "eos_token_id", "unknown_token_id", "eot_token_id", "eom_token_id", "padding_token_id",
              "fim_pad_token_id", "fim_sep_token_id"]
 FLAGS = ["add_bos_token", "add_eos_token", "add_space_prefix"]

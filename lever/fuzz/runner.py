@@ -173,7 +173,8 @@ def _exercise(tok, blob: Blob) -> None:
         got = tok.encode(text)
         tok.decode(got)
     for i in ids:
-        for call in (lambda i=i: tok.decode([i]), lambda i=i: tok.token_bytes(i), lambda i=i: StreamDecoder(tok).push(i)):
+        for call in (lambda i=i: tok.decode([i]), lambda i=i: tok.token_bytes(i),
+                     lambda i=i: StreamDecoder(tok).push(i)):
             try:
                 call()
             except LeverError as e:  # an id out of range: refused, the rest goes on
@@ -342,7 +343,8 @@ class Worker:
         self.ctx, self.mem_limit, self.fn = mp.get_context("spawn"), mem_limit, fn
         self.proc = None
         # in memory where there is a tmpfs; the parent removes what a crashed child left
-        self.workdir = Path(tempfile.mkdtemp(prefix="lever-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.workdir = Path(tempfile.mkdtemp(prefix="lever-fuzz-", dir=shm))
 
     def start(self) -> None:
         self.conn, child = self.ctx.Pipe()

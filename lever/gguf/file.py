@@ -169,7 +169,8 @@ class GGUFFile:
                 raise c.fail("duplicate key")
             self.metadata[key] = c.value(c.value_type())
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
+        is_int = isinstance(alignment, int) and not isinstance(alignment, bool)
+        if not is_int or alignment <= 0 or alignment & (alignment - 1):
             c.where = "metadata key general.alignment"
             raise c.fail(f"{shown(repr(alignment))} is not a power of two")
         raw = []
@@ -286,5 +287,6 @@ class GGUFFile:
             return (np.array(raw.view(np.uint16), dtype=np.uint32) << 16).view(np.float32).reshape(info.shape)
         dtype = _FLOAT_DTYPES.get(info.type.name)
         if dtype is None:
-            raise LeverError(f"{self.path}: tensor {name} is {info.type.name}; a norm or factor tensor must be F32, F16 or BF16")
+            raise LeverError(f"{self.path}: tensor {name} is {info.type.name}; a norm or factor tensor must be "
+                             f"F32, F16 or BF16")
         return np.array(raw.view(dtype), dtype=np.float32).reshape(info.shape)  # a copy, not a memmap

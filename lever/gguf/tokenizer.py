@@ -219,7 +219,8 @@ def _build_spm(v: _Vocab) -> HFTokenizer:
     else:
         hf.normalizer = replace
     strip = [decoders.Strip(" ", 1, 0)] if v.flag("add_space_prefix", True) else []
-    hf.decoder = decoders.Sequence([decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    hf.decoder = decoders.Sequence([decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    *strip])
     return hf
 
 
@@ -249,7 +250,8 @@ def _build_bpe(v: _Vocab) -> HFTokenizer:
         raise v.fail("merges", f"rejected by tokenizers: {shown(' '.join(str(e).split()), 200)}") from None
     hf = HFTokenizer(model)
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-    hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
     hf.decoder = decoders.ByteLevel()
     return hf
 

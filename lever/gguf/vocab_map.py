@@ -93,8 +93,8 @@ class _Table:
             return None
         n = len(tokens)
         types = m.get("tokenizer.ggml.token_type")
-        types = (types.astype(np.int32) if isinstance(types, np.ndarray) and types.dtype.kind in "iu" and len(types) == n
-                 else np.full(n, NORMAL, np.int32))
+        usable = isinstance(types, np.ndarray) and types.dtype.kind in "iu" and len(types) == n
+        types = types.astype(np.int32) if usable else np.full(n, NORMAL, np.int32)
         scores = m.get("tokenizer.ggml.scores")
         scores = scores if isinstance(scores, np.ndarray) and scores.dtype.kind in "fiu" and len(scores) == n else None
         merges = m.get("tokenizer.ggml.merges")

@@ -57,7 +57,8 @@ class NonFiniteError(LeverError):
 
     def __init__(self, what: str, *, path=None, role: str = "", position: int | None = None, layer: str = "",
                  cause: str = ""):
-        self.what, self.path, self.role, self.position, self.layer, self.cause = what, path, role, position, layer, cause
+        self.what, self.path, self.role = what, path, role
+        self.position, self.layer, self.cause = position, layer, cause
         who = " ".join(s for s in (f"{role} model" if role else "", str(path) if path else "") if s)
         line = f"{who}: " if who else ""
         line += f"non-finite {what}"

@@ -84,7 +84,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0: no nucleus cut
     seed: int | None = attrs.field(default=None, converter=_fresh_seed)  # None (or -1): a fresh seed
     min_p: float = 0.0  # 0: no cut; else tokens below min_p x the likeliest token's probability are dropped
-    repeat_penalty: float = 1.0  # 1: off; else the logits of the last `repeat_last_n` tokens are pushed down (llama.cpp's)
+    repeat_penalty: float = 1.0  # 1: off; else the last `repeat_last_n` tokens' logits are pushed down (llama.cpp's)
     repeat_last_n: int = 64  # how many of the latest tokens the penalty looks at
 
     def __attrs_post_init__(self):

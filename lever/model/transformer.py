@@ -125,7 +125,8 @@ class Model:
                                       layer=f"first in the output of layer {i}", cause=cause)
         return NonFiniteError("hidden state", path=self.file.path, cause="not seen again on a second run")
 
-    def check_logits(self, logits: np.ndarray, positions=None, role: str = "", hidden: np.ndarray | None = None) -> None:
+    def check_logits(self, logits: np.ndarray, positions=None, role: str = "",
+                     hidden: np.ndarray | None = None) -> None:
         """Raises NonFiniteError when `logits` (n, n_vocab), or the `hidden` rows they came from
         (when the layers ran elsewhere), hold a NaN or an Inf: a max and a min on the hot path.
         `positions[i]` is row i's position in the text, `role` "target" or "draft"."""

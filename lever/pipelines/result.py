@@ -93,7 +93,7 @@ class RunResult:
     channels: dict[str, dict] = attrs.field(factory=dict)  # each channel's ChannelStats (messages, backlog)
     temperature: float = 0.0  # 0: greedy, so the tokens must equal the target's own greedy decoding
     baseline: RunResult | None = None  # [pipeline] baseline run on the same prompt, when configured
-    vocab: VocabFigures | None = None  # the draft's token table mapped to the target's; None: the same table (or no draft)
+    vocab: VocabFigures | None = None  # the draft's token table mapped to the target's; None: the same one, or no draft
 
     @property
     def tokens(self) -> list[int]:

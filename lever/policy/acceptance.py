@@ -28,7 +28,8 @@ import numpy as np
 class AcceptanceTable:
     n_bins: int = 10
     prior_weight: float = 4.0  # pseudo-observations at the identity, per cell
-    pooled_prior: float | None = None  # a free source's: cells start at its pooled acceptance, this before any trial (None: the identity)
+    # a free source's: cells start at its pooled acceptance, this before any trial (None: the identity)
+    pooled_prior: float | None = None
     pooled_weight: float = 1.0  # pseudo-observations at `pooled_prior`: a guess, so the first trials overrule it
     accepted: np.ndarray = attrs.field(init=False)  # (2, n_bins): first child, other children
     trials: np.ndarray = attrs.field(init=False)
@@ -48,7 +49,8 @@ class AcceptanceTable:
 
     def pooled(self) -> float:
         """The share of all trials accepted, with `pooled_weight` observations at `pooled_prior`."""
-        return float((self.accepted.sum() + self.pooled_weight * self.pooled_prior) / (self.trials.sum() + self.pooled_weight))
+        accepted = self.accepted.sum() + self.pooled_weight * self.pooled_prior
+        return float(accepted / (self.trials.sum() + self.pooled_weight))
 
     def first_child(self) -> float:
         """A first child's acceptance before its probability is known: the share of first

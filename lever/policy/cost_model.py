@@ -315,8 +315,10 @@ class CostModel:
         (lever.policy.online keeps them)."""
         times = lambda ys, k: tuple(y * k for y in ys)  # noqa: E731
         return attrs.evolve(self, read_bytes_per_s=self.read_bytes_per_s / read,
-                            layer_s=times(self.layer_s, compute), resident_layer_s=times(self.resident_layer_s, compute),
-                            draft_forward_s=times(self.draft_forward_s, draft), draft_head_s=times(self.draft_head_s, draft),
+                            layer_s=times(self.layer_s, compute),
+                            resident_layer_s=times(self.resident_layer_s, compute),
+                            draft_forward_s=times(self.draft_forward_s, draft),
+                            draft_head_s=times(self.draft_head_s, draft),
                             head_s=times(self.head_s, head), pass_delay_s=pass_delay_s,
                             overhead_s=overhead_s)
 

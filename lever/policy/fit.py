@@ -163,8 +163,8 @@ def depth_report(recs: list[TreeRecord], cal: AcceptanceTable) -> list[dict]:
                 if 1 <= depth[c] <= MAX_DEPTH_REPORTED:
                     pred.setdefault(int(depth[c]), []).append(float(path_p[c]))
                     obs.setdefault(int(depth[c]), []).append(bool(reached[c]))
-    return [{"depth": d, "nodes": len(pred[d]), "predicted": float(np.mean(pred[d])), "observed": float(np.mean(obs[d]))}
-            for d in sorted(pred)]
+    return [{"depth": d, "nodes": len(pred[d]), "predicted": float(np.mean(pred[d])),
+             "observed": float(np.mean(obs[d]))} for d in sorted(pred)]
 
 
 def evaluate(recs: list[TreeRecord], layer: int, corr: Correction, threshold: float, max_share: float,
@@ -180,7 +180,8 @@ def evaluate(recs: list[TreeRecord], layer: int, corr: Correction, threshold: fl
         for node, z in rec.lens.get(layer, {}).items():
             toks, q, n_kids = candidates(tree, kids, node)
             s[kids[node]] = scores(z, q, corr)[:n_kids]
-        alive = prune_by_scores(tree, s, threshold, max_share, cost, layer) if threshold > 0 else np.ones(tree.n_nodes, bool)
+        alive = (prune_by_scores(tree, s, threshold, max_share, cost, layer) if threshold > 0
+                 else np.ones(tree.n_nodes, bool))
         n, n_alive = tree.n_nodes, int(alive.sum())
         tokens += int(on_target_path(rec)[tree.n_given:].sum()) + 1
         tokens_pruned += int(on_target_path(rec, alive)[tree.n_given:].sum()) + 1

@@ -78,7 +78,8 @@ class Builder(Protocol):
 
     def latency_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float: ...
 
-    def price_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float: ...  # latency less the idle time's worth
+    # the latency less what the pass's idle time is worth
+    def price_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float: ...
 
     def forward_tokens(self, nodes: list[int]) -> int: ...  # tokens a draft forward expanding `nodes` runs
 

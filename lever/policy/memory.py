@@ -59,7 +59,8 @@ class MemoryConfig:
             return None
         n = parse_bytes(self.limit)
         if n is None or n <= 0:
-            raise LeverError(f"[memory] limit: must be \"auto\" or a positive size in bytes (e.g. 6GiB), got {self.limit!r}")
+            raise LeverError(f"[memory] limit: must be \"auto\" or a positive size in bytes (e.g. 6GiB), "
+                             f"got {self.limit!r}")
         return n
 
 
@@ -147,8 +148,8 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx:
         acts += activation_bytes(draft_spec, max(n_pass_tokens, draft_rows), n_ctx + draft_rows, draft_rows)
     if process_bytes is None:
         process_bytes = psutil.Process().memory_info().rss
-    return MemoryPlan(sum(resident_layer_bytes(target, spec, i) for i in resident), head, window, KVCache.bytes_for(spec, n_rows), draft_total,
-                      acts, process_bytes, runtime_bytes=runtime_bytes)
+    return MemoryPlan(sum(resident_layer_bytes(target, spec, i) for i in resident), head, window,
+                      KVCache.bytes_for(spec, n_rows), draft_total, acts, process_bytes, runtime_bytes=runtime_bytes)
 
 
 # The parts a configuration sizes, and the keys that size them: what to lower when it does not fit.

@@ -21,7 +21,8 @@ from lever.dataflow.messages import PassTiming
 from lever.errors import LeverError
 from lever.policy.cost_model import CostModel
 
-DEFAULT_WEIGHT = 0.5  # of the newest cycle: a change of speed shows within 2-4 cycles, one noisy cycle moves it half way
+# of the newest cycle: a change of speed shows within 2-4 cycles, one noisy cycle moves it half way
+DEFAULT_WEIGHT = 0.5
 OVERHEAD_WEIGHT = 0.25  # of the newest cycle's unexplained rest: a fixed cost, so a longer memory
 RATIO_BOUNDS = (0.1, 10.0)  # a ratio outside is a measurement gone wrong (a stall, a clock), not a machine
 

@@ -132,7 +132,7 @@ class Predictor:
     eps: float
     output: object  # the target's output projection (lever.backends.cpu.layer.Weight)
     max_prune_share: float = 0.5
-    cost: object = None  # the cost model (lever.policy.cost_model.CostModel): prune only what pays; None: by score alone
+    cost: object = None  # the cost model (lever.policy.cost_model): prune only what pays; None: by score alone
     scoring_s: float = 0.0  # what scoring and deciding cost per pass (moving average)
     n_scored: int = 0  # children scored, over the run
     n_pruned: int = 0  # nodes pruned (subtrees included), over the run
@@ -267,7 +267,8 @@ class Artifact:
             raise LeverError(f"{path}: not a predictor artifact (a msgpack {type(data).__name__}, not a map)")
         version = f.key(data, "version", "")
         if type(version) is not int or version != ARTIFACT_VERSION:
-            raise f.fail("version", f"predictor artifact version {shown(repr(version), 40)}, expected {ARTIFACT_VERSION}")
+            raise f.fail("version", f"predictor artifact version {shown(repr(version), 40)}, "
+                                    f"expected {ARTIFACT_VERSION}")
         m = f.map(f.key(data, "model", ""), "model")
         model = ModelIdentity(f.string(f.key(m, "path", "model"), "model.path"),
                               f.integer(f.key(m, "size_bytes", "model"), "model.size_bytes"),
@@ -314,7 +315,8 @@ def _acceptance(f: Fields, cal) -> AcceptanceTable:
     accepted = f.array(f.key(cal, "accepted", "calibration"), "calibration.accepted", n=2)
     n_bins = len(f.array(trials[0], "calibration.trials[0]", min_n=1, max_n=MAX_BINS))
     t = np.stack([f.numbers(r, f"calibration.trials[{i}]", n=n_bins, lo=0.0, hi=1e15) for i, r in enumerate(trials)])
-    a = np.stack([f.numbers(r, f"calibration.accepted[{i}]", n=n_bins, lo=0.0, hi=1e15) for i, r in enumerate(accepted)])
+    a = np.stack([f.numbers(r, f"calibration.accepted[{i}]", n=n_bins, lo=0.0, hi=1e15)
+                  for i, r in enumerate(accepted)])
     over = np.argwhere(a > t)
     if over.size:
         r, b = over[0]

@@ -27,7 +27,8 @@ from lever.tree.free import FreeSources
 from lever.tree.lookahead import Lookahead
 from lever.tree.nodes import Nodes
 
-MAX_TREE_SIZE = 1024  # bound on a tree's nodes, depth and fan-out: one pass verifies it, one draft forward expands a round
+# bound on a tree's nodes, depth and fan-out: one pass verifies it, one draft forward expands a round
+MAX_TREE_SIZE = 1024
 
 
 @attrs.define
@@ -39,16 +40,17 @@ class TreeBuilder:
     cost: object  # the Cost protocol of stages/tree_expand.py: verify_s, expand_s, idle_s, cycle_s
     cycle: int
     room: int  # nodes the context still has space for
-    remaining: int = MAX_TREE_SIZE + 1  # tokens the generation may still emit: a path deeper than remaining - 1 cannot pay
+    # tokens the generation may still emit: a path deeper than remaining - 1 cannot pay
+    remaining: int = MAX_TREE_SIZE + 1
     acceptance: AcceptanceTable | None = None  # draft p -> acceptance; None: the identity
     ahead_beside: bool = False  # drafting ahead has cores of its own: it may use the whole pass, not its idle time
     bar_rate: float = 0.0  # tokens/s a node must bring to join (gain-cost): the rate recent trees reached
     idle_value: float = 0.0  # seconds of drafting saved per second of idle compute in the pass (0: no drafting ahead)
-    free: FreeSources | None = None  # the free sources' side (prompt lookup, n-grams); None: the model's proposals alone
+    free: FreeSources | None = None  # the free sources' side (prompt lookup, n-grams); None: the model's alone
     nodes: Nodes = attrs.field(factory=Nodes)
     ahead: Lookahead = attrs.field(factory=Lookahead)
     heap: list[Candidate] = attrs.field(factory=list)  # the draft model's candidates, best first
-    picking: list[Candidate] = attrs.field(init=False)  # the heap the policy picks from now (the model's, then the free)
+    picking: list[Candidate] = attrs.field(init=False)  # the heap the policy picks from now: the model's, then the free
     proposals: dict[int, Proposals] = attrs.field(factory=dict)  # pending row -> the draft's children there
     draft_s: float = 0.0  # estimated drafting time of this cycle so far
     n_pending: int = 0  # rows this cycle has added to the draft's cache

@@ -26,8 +26,10 @@ class Nodes:
     source: list[Source] = attrs.field(factory=list)  # who proposed it
     row: list[int] = attrs.field(factory=list)  # its pending row in the draft's cache (-1: the draft never ran it)
     node_of_row: dict[int, int] = attrs.field(factory=dict)
-    also: dict[int, list[tuple[Source, float, int]]] = attrs.field(factory=dict)  # (source, q, rank) of others that proposed it
-    _child: dict[tuple[int, int], int] = attrs.field(factory=dict)  # (parent, token) -> node: siblings never share a token
+    # node -> (source, q, rank) of each other source that proposed it
+    also: dict[int, list[tuple[Source, float, int]]] = attrs.field(factory=dict)
+    # (parent, token) -> node: siblings never share a token
+    _child: dict[tuple[int, int], int] = attrs.field(factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)

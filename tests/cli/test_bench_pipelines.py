@@ -58,7 +58,8 @@ def fake_llama_cpp(d):
     d.mkdir()
     (d / "llama-completion").write_text('#!/bin/sh\necho "llama_perf_context_print:        eval time =     300.00 ms /'
                                         '    15 runs   (   20.00 ms per token,    50.00 tokens per second)" >&2\n')
-    (d / "llama-speculative").write_text('#!/bin/sh\necho "decoded   16 tokens in    0.200 seconds, speed:   80.000 t/s" >&2\n')
+    (d / "llama-speculative").write_text('#!/bin/sh\necho "decoded   16 tokens in    0.200 seconds,'
+                                         ' speed:   80.000 t/s" >&2\n')
     for f in d.iterdir():
         f.chmod(0o755)
     return d

@@ -19,12 +19,14 @@ def test_a_closed_stdout_is_refused_before_any_work():
                           preexec_fn=lambda: __import__("os").close(1))
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        "lever: error: stdout is closed: what this command prints would be lost (redirect it to a file or to /dev/null)"]
+        "lever: error: stdout is closed: what this command prints would be lost"
+        " (redirect it to a file or to /dev/null)"]
     assert time.monotonic() - t0 < 10  # no model was opened (a run takes longer)
 
 
 def test_a_reader_that_leaves_ends_the_run_quietly_with_141():
-    for argv in (["run", "-n", "300"], ["generate", "-m", "examples/models/stdlib-draft-q8_0.gguf", "-p", "def", "-n", "300"]):
+    for argv in (["run", "-n", "300"],
+                 ["generate", "-m", "examples/models/stdlib-draft-q8_0.gguf", "-p", "def", "-n", "300"]):
         proc = subprocess.Popen([sys.executable, "-m", "lever", *argv], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=ROOT, stdin=subprocess.DEVNULL)
         assert len(proc.stdout.read(20)) == 20

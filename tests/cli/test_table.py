@@ -8,7 +8,8 @@ from lever.cli.table import WIDTH, show
 def test_a_wide_table_fits_and_keeps_its_figures():
     lines = []
     cols = ("pipeline", "ms/token", "tok/s", "tok/pass", "nodes", "flash MB/tok", "speedup")
-    rows = [("chain-sd k=12", "123.7", "8.08", "7.21", "13.0", "112.3", "5.84x"), ("lever", "1112.3", "8.90", "9.27", "39.6", "92.7", "6.43x")]
+    rows = [("chain-sd k=12", "123.7", "8.08", "7.21", "13.0", "112.3", "5.84x"),
+            ("lever", "1112.3", "8.90", "9.27", "39.6", "92.7", "6.43x")]
     show(cols, rows, lines.append, title="DRAM budget 0%")
     assert lines[0] == "DRAM budget 0%" and max(map(len, lines)) <= WIDTH
     body = "\n".join(lines)

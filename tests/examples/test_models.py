@@ -83,7 +83,8 @@ def test_draft_agrees_with_target_on_held_out_code(pair):
 
 
 def test_lever_never_imports_torch():
-    code = ("import sys, lever.cli.main, lever.model.transformer, lever.model.generate, lever.gguf.tokenizer, lever.pipelines.engine, lever.cli.bench.model\n"
+    code = ("import sys, lever.cli.main, lever.model.transformer, lever.model.generate, lever.gguf.tokenizer, "
+            "lever.pipelines.engine, lever.cli.bench.model\n"
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 

@@ -154,7 +154,8 @@ def llama2c_encode(text: str, vocab: list[bytes], scores: list[float]) -> list[i
         ids += [index[b]] if b in index else [x + 3 for x in b]
     while True:
         best = max(
-            ((scores[index[vocab[a] + vocab[b]]], -i) for i, (a, b) in enumerate(zip(ids, ids[1:])) if vocab[a] + vocab[b] in index),
+            ((scores[index[vocab[a] + vocab[b]]], -i) for i, (a, b) in enumerate(zip(ids, ids[1:]))
+             if vocab[a] + vocab[b] in index),
             default=None,
         )
         if best is None:
@@ -166,8 +167,10 @@ def llama2c_encode(text: str, vocab: list[bytes], scores: list[float]) -> list[i
 def test_stories_vocab_and_scores_match_llama2c_tok512(stories_tok):
     vocab, scores = read_tok512()
     reader = gguf.GGUFReader(STORIES)
-    tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in reader.fields["tokenizer.ggml.tokens"].data]
-    gguf_scores = [float(reader.fields["tokenizer.ggml.scores"].parts[i][0]) for i in reader.fields["tokenizer.ggml.scores"].data]
+    tokens = [bytes(reader.fields["tokenizer.ggml.tokens"].parts[i]).decode()
+              for i in reader.fields["tokenizer.ggml.tokens"].data]
+    gguf_scores = [float(reader.fields["tokenizer.ggml.scores"].parts[i][0])
+                   for i in reader.fields["tokenizer.ggml.scores"].data]
     assert len(vocab) == len(tokens) == stories_tok.vocab_size == 512
     # tok512 writes bos/eos as "\n<s>\n" and a space where the GGUF has "▁"
     expected = [t.replace("▁", " ").encode() for t in tokens]
@@ -268,7 +271,8 @@ def test_token_bytes(llama2_tok, qwen_tok):
         assert b"".join(tok.token_bytes(i) for i in tok.encode(text, add_bos=False)).lstrip(b" ") == text.encode()
 
 
-@pytest.mark.parametrize("text", ["Emoji 😀👍🏽🇫🇷 in a line.", "中文字符和日本語のテキスト。", "mixed: naïve 😀 ok\n" * 3])
+@pytest.mark.parametrize("text", ["Emoji 😀👍🏽🇫🇷 in a line.", "中文字符和日本語のテキスト。",
+                                  "mixed: naïve 😀 ok\n" * 3])
 def test_stream_decoder_concatenates_to_decode(any_tok, text):
     ids = any_tok.encode(text)
     stream = StreamDecoder(any_tok)
@@ -354,7 +358,8 @@ def corpus_samples(n_lines: int = 300, n_files: int = 25) -> dict[str, list[str]
         if (CORPORA / name).exists():
             lines = (CORPORA / name).read_text().splitlines()
             samples[f"{name} lines"] = lines[:n_lines]
-            samples[f"{name} 20-line blocks"] = ["\n".join(lines[i : i + 20]) for i in range(0, min(len(lines), 20 * n_lines), 20)]
+            samples[f"{name} 20-line blocks"] = ["\n".join(lines[i : i + 20])
+                                                 for i in range(0, min(len(lines), 20 * n_lines), 20)]
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:n_files]
     samples["stdlib .py files"] = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
     return samples
@@ -430,7 +435,8 @@ N_GPT2 = 256 + 8 + 3  # the crafted byte-level vocabulary: bytes, merged pieces,
     (_edit("token_type", lambda t: t + [1]), f"tokenizer.ggml.token_type has {N_GPT2 + 1} entries for {N_GPT2} tokens"),
     (_edit("token_type", lambda t: t[:-5]), f"tokenizer.ggml.token_type has {N_GPT2 - 5} entries"),
     (_edit("token_type", lambda t: t[:3] + [9] + t[4:]), "tokenizer.ggml.token_type[3] = 9 is not a token type (0-6)"),
-    (_set("token_type", ARR, ["1"] * N_GPT2, STR), "tokenizer.ggml.token_type is an array of 267, expected an array of numbers"),
+    (_set("token_type", ARR, ["1"] * N_GPT2, STR),
+     "tokenizer.ggml.token_type is an array of 267, expected an array of numbers"),
     (_set("token_type", I32, 1), "tokenizer.ggml.token_type is int 1, expected an array of numbers"),
     (_set("tokens", ARR, [1, 2, 3], I32), "tokenizer.ggml.tokens is an array of 3, expected an array of strings"),
     (_set("tokens", ARR, [], STR), "tokenizer.ggml.tokens is empty"),
@@ -453,8 +459,10 @@ def test_bad_vocabulary_metadata(tmp_path, change, needle):
 
 def test_bad_spm_metadata(tmp_path):
     n = 3 + 256 + 11  # <unk> <s> </s>, the byte tokens, the pieces
-    refused_tok(crafted(tmp_path, _edit("scores", lambda s: s[:-1]), "llama"), f"tokenizer.ggml.scores has {n - 1} entries for {n} tokens")
-    refused_tok(crafted(tmp_path, _edit("scores", lambda s: [float("nan")] + s[1:]), "llama"), "tokenizer.ggml.scores[0] = nan is not a usable score")
+    refused_tok(crafted(tmp_path, _edit("scores", lambda s: s[:-1]), "llama"),
+                f"tokenizer.ggml.scores has {n - 1} entries for {n} tokens")
+    refused_tok(crafted(tmp_path, _edit("scores", lambda s: [float("nan")] + s[1:]), "llama"),
+                "tokenizer.ggml.scores[0] = nan is not a usable score")
     refused_tok(crafted(tmp_path, _edit("tokens", lambda t: t[:3] + ["<0xZZ>"] + t[4:]), "llama"),
                 "tokenizer.ggml.tokens[3] '<0xZZ>' is a byte token but not named <0xHH>")
 

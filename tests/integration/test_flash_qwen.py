@@ -39,7 +39,8 @@ def test_flash_ar_equals_resident_and_reads_the_device(qwen_target, resident, mo
     r = flash_run(qwen_target, f'flash.mode="{mode}"', "flash.dram_budget=0.25")
     assert r["tokens"] == resident["tokens"]
     per_token = r["flash_mb_per_token"] * 1e6
-    print(f"{mode}: {per_token / 1e6:.1f} MB/token from the device for {r['flash']['streamed_bytes_per_pass'] / 1e6:.1f} MB "
+    print(f"{mode}: {per_token / 1e6:.1f} MB/token from the device "
+          f"for {r['flash']['streamed_bytes_per_pass'] / 1e6:.1f} MB "
           f"streamed per pass; {r['ms_per_token']:.0f} ms/token; peak RSS {r['memory']['peak_rss_bytes'] >> 20} MiB")
     assert abs(per_token / r["flash"]["streamed_bytes_per_pass"] - 1) < DEVICE_BYTES_RTOL
 
@@ -56,7 +57,8 @@ def test_peak_rss_within_planned_memory(qwen_target, budget):
 def test_speculative_equals_autoregressive_on_the_qwen_pair(qwen_target, qwen_draft, resident, policy):
     r = flash_run(qwen_target, 'pipeline.kind="speculative"', f'model.draft="{qwen_draft}"',
                   f'tree_expand.policy="{policy}"', "flash.dram_budget=0.25")
-    print(f"{policy}: {r['tree']['accepted_per_pass']:.2f} tokens/pass from trees of {r['tree']['mean_nodes']:.1f} nodes, "
+    print(f"{policy}: {r['tree']['accepted_per_pass']:.2f} tokens/pass "
+          f"from trees of {r['tree']['mean_nodes']:.1f} nodes, "
           f"{r['ms_per_token']:.0f} ms/token")
     assert r["tokens"] == resident["tokens"]
     assert r["tree"]["accepted_per_pass"] > 1.0

@@ -141,7 +141,11 @@ def test_native_layer_is_its_steps_bit_for_bit(tiny_model, arch, wtype, kv_dtype
     x = rng.standard_normal((5, spec.n_embd)).astype(np.float32)
     prefix = 7
     mask = np.ones((5, prefix + 5), bool)
-    mask[:, prefix:] = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], bool)
+    mask[:, prefix:] = np.array([[1, 0, 0, 0, 0],
+                                 [1, 1, 0, 0, 0],
+                                 [1, 0, 1, 0, 0],
+                                 [1, 1, 0, 1, 0],
+                                 [1, 0, 1, 0, 1]], bool)
     pos = np.array([7, 8, 8, 9, 9], np.int32)
     rows = np.arange(prefix, prefix + 5)
     committed = rng.standard_normal((2, prefix, spec.n_head_kv, spec.head_dim)).astype(kv_dtype)

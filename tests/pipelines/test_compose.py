@@ -54,7 +54,8 @@ def test_stories_flash_ar_reproduces_generate(stories):
 def test_resident_pipeline_reads_nothing_per_pass(tiny_model):
     path = tiny_model("llama", "F32", n_layer=4)
     res = run_pipeline(config(path, 'pipeline.kind="resident-ar"'), PROMPT)
-    assert res.tokens == reference_tokens(path) and res.flash.streamed_bytes_per_pass == 0 and res.memory.window_bytes == 0
+    assert (res.tokens == reference_tokens(path) and res.flash.streamed_bytes_per_pass == 0
+            and res.memory.window_bytes == 0)
 
 
 def test_sampling_with_seed_equals_generate(tiny_model):
@@ -149,7 +150,8 @@ def test_speculative_sampling_runs_on_real_models(stories):
 
 def test_speculative_on_stories_accepts_many_per_pass(stories):
     """Its own draft, and a slow flash so that reads dominate: gain-cost grows deep trees."""
-    cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=60", "flash.bandwidth_cap_bytes_per_s=5e6")
+    cfg = config(stories, *SPEC, f'model.draft="{stories}"', "generate.n_predict=60",
+                 "flash.bandwidth_cap_bytes_per_s=5e6")
     res = run_pipeline(cfg, "Once upon a time")
     assert res.tokens == reference_tokens(stories, "Once upon a time", 60)
     assert res.output.tokens_per_pass > 4 and res.timing.n_passes < 20

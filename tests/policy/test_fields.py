@@ -134,7 +134,8 @@ def _session(tmp_path):
     kv.n_rows = 5
     t, d = _identity(tmp_path / "t.gguf"), _identity(tmp_path / "d.gguf")
     path = tmp_path / "s.msgpack"
-    saved_session.write(path, messages=[{"role": "user", "content": "hi"}], ids=[1, 2, 3, 4, 5], kv=kv, target=t, draft=d)
+    saved_session.write(path, messages=[{"role": "user", "content": "hi"}], ids=[1, 2, 3, 4, 5], kv=kv,
+                        target=t, draft=d)
     return path, t, d
 
 
@@ -190,7 +191,8 @@ def test_mutated_sessions_are_read_or_refused_in_one_line(tmp_path):
     (lambda d: d.update(threshold=math.nan), "threshold: = nan is not a finite number"),
     (lambda d: d["calibration"].update(trials=[[], []]), r"calibration.trials\[0\]: has 0 entries"),
     (lambda d: d["calibration"].update(trials=[[1.0] * 10]), "calibration.trials: has 1 entries, expected 2"),
-    (lambda d: d["calibration"]["accepted"][0].__setitem__(3, 5.0), r"calibration.accepted\[0\]\[3\]: = 5 is more than"),
+    (lambda d: d["calibration"]["accepted"][0].__setitem__(3, 5.0),
+     r"calibration.accepted\[0\]\[3\]: = 5 is more than"),
     (lambda d: d["calibration"].update(prior_weight=0), "calibration.prior_weight: = 0.0 is out of range"),
     (lambda d: d["correction"].pop("scale"), "correction.scale: missing"),
     (lambda d: d.update(model_sha256=7), "model_sha256: is int 7, expected a string"),

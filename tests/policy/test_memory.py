@@ -65,7 +65,8 @@ def test_peak_rss_within_the_plan_and_margin(sets):
     the test runner's peak as the run's."""
     ballast = np.ones(BALLAST_BYTES // 8)  # noqa: F841 (touched, so resident)
     r = lever_json("-n", "48", *(a for s in sets for a in ("--set", s)))
-    assert r["memory"]["peak_rss_bytes"] <= r["memory"]["rss_bound_bytes"], (r["memory"]["peak_rss_bytes"] >> 20, r["memory"])
+    assert r["memory"]["peak_rss_bytes"] <= r["memory"]["rss_bound_bytes"], (
+        r["memory"]["peak_rss_bytes"] >> 20, r["memory"])
 
 
 def test_over_the_limit_is_refused_before_loading(monkeypatch):
@@ -105,7 +106,8 @@ def test_long_run_does_not_grow(tiny_model):
     cache is allocated for the whole context up front) and the peak within the plan."""
     path = tiny_model("llama", "F32", n_layer=2, n_ctx=4096)
     n = 3000
-    proc = subprocess.Popen([sys.executable, "-m", "lever", "run", "--json", "-c", str(ROOT / "examples" / "flash-ar.toml"),
+    proc = subprocess.Popen([sys.executable, "-m", "lever", "run", "--json",
+                             "-c", str(ROOT / "examples" / "flash-ar.toml"),
                              "-p", "the", "-n", str(n), "--set", f'model.target="{path}"', "--set", "model.n_ctx=4096"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ps, samples = psutil.Process(proc.pid), []

@@ -124,7 +124,8 @@ def test_batched_scoring_equals_the_lens_node_by_node():
     from lever.model.transformer import Model
     from lever.policy.predictor import Predictor, lens_logits
 
-    m = Model(Path(__file__).resolve().parents[2] / "examples" / "models" / "stdlib-target-q4_0.gguf", load_layers=False)
+    m = Model(Path(__file__).resolve().parents[2] / "examples" / "models" / "stdlib-target-q4_0.gguf",
+              load_layers=False)
     tree = attrs.evolve(TREE, tokens=TREE.tokens + 100, drafts={0: Proposals(np.array([111, 112, 199]),
                                                                           np.array([0.6, 0.3, 0.05]))})
     x = np.random.default_rng(0).normal(size=(tree.n_nodes, m.spec.n_embd)).astype(np.float32)

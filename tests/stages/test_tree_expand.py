@@ -191,7 +191,8 @@ def test_free_sources_fill_the_models_tree_and_leave_it_as_the_model_grows_it_al
     the model grows alone, and the rate bar the next tree is held to is the model's."""
     from lever.policy.lookup import Lookup
 
-    text = [7, 5, 20, 21, 22, 9, 7, 5]  # below the root 5, the lookup says 20 21 22 9 ...: tokens the draft never proposes
+    # below the root 5, the lookup says 20 21 22 9 ...: tokens the draft never proposes
+    text = [7, 5, 20, 21, 22, 9, 7, 5]
     alone = TreeBuilder(TreeExpandConfig(policy="gain-cost", max_nodes=64), FlatCost(), cycle=1, room=1000)
     lk = Lookup(("prompt-lookup",))
     lk.extend(text)
@@ -205,7 +206,8 @@ def test_free_sources_fill_the_models_tree_and_leave_it_as_the_model_grows_it_al
             req = b.on_expansion(draft(req))
         b.tree(1, ())
     n = alone.n_nodes
-    assert mixed.n_nodes > n and mixed.nodes.tokens[:n] == alone.nodes.tokens and mixed.nodes.parents[:n] == alone.nodes.parents
+    assert (mixed.n_nodes > n and mixed.nodes.tokens[:n] == alone.nodes.tokens
+            and mixed.nodes.parents[:n] == alone.nodes.parents)
     assert set(mixed.nodes.source[n:]) == {"prompt-lookup"} and mixed.nodes.tokens[n : n + 3] == [20, 21, 22]
     assert all(r < 0 for r in mixed.nodes.row[n:])  # no draft forward under them
     stage = TreeExpand("x", TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup")), prompt=text)

@@ -83,7 +83,8 @@ def test_a_free_source_continues_its_own_text_not_the_drafts_guesses():
     # the lookup goes on below it: 30, then 31
     b = grow_with([7, 5, 10, 30, 31, 9, 7, 5])
     ten = b.nodes.tokens.index(10)
-    assert b.nodes.parents[ten] == 0 and "prompt-lookup" in [b.nodes.source[ten], *(x[0] for x in b.nodes.also.get(ten, ()))]
+    assert (b.nodes.parents[ten] == 0
+            and "prompt-lookup" in [b.nodes.source[ten], *(x[0] for x in b.nodes.also.get(ten, ()))])
     thirty = b.nodes.tokens.index(30)
     assert b.nodes.parents[thirty] == ten and b.nodes.parents[b.nodes.tokens.index(31)] == thirty
 
@@ -110,5 +111,6 @@ def test_a_forward_reads_the_free_chain_below_the_node_it_expands():
     assert [b.nodes.tokens[n] for n in priced] == [10, 10, 10] and all(b.nodes.gain[n] > 0.1 for n in priced)
     assert all(any(x[0] == "model" for x in b.nodes.also[n]) for n in priced)  # the draft's own children, merged
     nine = chain[3]
-    assert b.nodes.tokens[nine] == 9 and b.nodes.row[nine] >= 0 and "model" not in [x[0] for x in b.nodes.also.get(nine, ())]
+    assert (b.nodes.tokens[nine] == 9 and b.nodes.row[nine] >= 0
+            and "model" not in [x[0] for x in b.nodes.also.get(nine, ())])
     assert all(b.nodes.gain[n] == 0.0 for n in chain[3:])  # run by the draft, not confirmed: no gain below

@@ -91,7 +91,8 @@ def bench_chat(config: str, turns: list[str], max_tokens: int, sets: list[str] =
         "ttft_last_over_first": ls[-1]["ttft_s"] / ls[0]["ttft_s"] if ls[0]["ttft_s"] else 0.0,
         "ttft_last_over_first_no_session": runs["lever"][-1]["ttft_s"] / runs["lever"][0]["ttft_s"],
         "cached_tokens": [t["cached"] for t in ls], "same_replies": same}
-    out(f"Lever with a session: {', '.join(f'{x:.2f}x' for x in summary['speedup_per_turn'])} Flash-AR's speed per turn "
+    out(f"Lever with a session: {', '.join(f'{x:.2f}x' for x in summary['speedup_per_turn'])} Flash-AR's speed "
+        f"per turn "
         f"(Flash-AR re-prefilling; {', '.join(f'{x:.2f}x' for x in summary['speedup_vs_flash_ar_session'])} against "
         f"Flash-AR with a session too); last turn's first token {summary['ttft_last_over_first']:.2f}x the first's "
         f"({summary['ttft_last_over_first_no_session']:.2f}x without a session); prompt tokens from the caches "

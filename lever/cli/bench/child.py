@@ -22,5 +22,6 @@ def run_json(config: str | None, sets: list[str], prompt: str, n: int) -> dict:
         cmd += ["--set", s]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
-        raise LeverError(f"lever run failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
+        why = proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode
+        raise LeverError(f"lever run failed: {why}")
     return json.loads(proc.stdout)

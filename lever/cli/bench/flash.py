@@ -48,7 +48,8 @@ def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75,
     zero = rows[0]
     read_ms = read_pass_s(model_path, attrs.evolve(cfg.flash, dram_budget=budgets[0])) * 1e3
     if compute_ms:
-        out(f"\nbudget {budgets[0]:.0%}: pure read {read_ms:.1f} ms/pass, compute {compute_ms:.1f} ms/pass (resident run), "
+        out(f"\nbudget {budgets[0]:.0%}: pure read {read_ms:.1f} ms/pass, compute {compute_ms:.1f} ms/pass "
+            f"(resident run), "
             f"Flash-AR {zero['ms_per_token']:.1f} ms/token = {zero['ms_per_token'] / max(read_ms, compute_ms):.2f}x "
             f"max(read, compute)")
     if cap_bytes_per_s:

@@ -243,7 +243,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=rounds, default=3, help="alternating rounds (the medians are kept)")
     b.add_argument("--llama-bench", default=None, help="llama-bench binary to compare with (or $LLAMA_BENCH)")
     b.add_argument("--llama-completion", default=None,
-                   help="-c: llama-completion to compare decoding with (or $LLAMA_COMPLETION; default: beside llama-bench)")
+                   help="-c: llama-completion to compare decoding with (or $LLAMA_COMPLETION; "
+                        "default: beside llama-bench)")
     b.add_argument("--n-decode", type=bench_tokens, default=64,
                    help="-c: tokens decoded from --prompt, everything in DRAM")
     b.add_argument("--json", type=Path, default=None, help="write every figure to this file")

@@ -117,7 +117,8 @@ def aggregate(runs: list[dict]) -> Row:
                mean("tree", "mean_nodes"), sum(r["flash"]["read_bytes"] for r in runs) / max(n_tok, 1) / 1e6,
                mean("timing", "draft_hidden_share"), mean("tree", "lookahead_hit_share"), tuple(layers),
                runs[0]["tree"]["prune_layer"],
-               1000 * sum(r["timing"]["decode_cpu_s"] for r in runs) / max(n_tok, 1), mean("timing", "flash_busy_share"),
+               1000 * sum(r["timing"]["decode_cpu_s"] for r in runs) / max(n_tok, 1),
+               mean("timing", "flash_busy_share"),
                cycle_ms("predicted_s"), cycle_ms("measured_s"))
 
 
@@ -192,9 +193,11 @@ def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUD
     _print_summary(summary, mismatches, out, sampled)
     result = {"config": config, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": platform.platform(), "n_gen": n, "prompts": prompts, "sets": list(sets),
-              "budgets": {str(b): {k: attrs.asdict(v) | {"tps": v.tps, "speedup": rows["flash-ar"].ms_per_token / v.ms_per_token}
+              "budgets": {str(b): {k: attrs.asdict(v) | {"tps": v.tps,
+                                                          "speedup": rows["flash-ar"].ms_per_token / v.ms_per_token}
                                    for k, v in rows.items()} for b, rows in table.items()},
-              "summary": summary, "lossless_mismatches": mismatches, "sampled": sampled, "llama_cpp_ms_per_token": llama, "runs": raw}
+              "summary": summary, "lossless_mismatches": mismatches, "sampled": sampled,
+              "llama_cpp_ms_per_token": llama, "runs": raw}
     if json_path:
         with atomic_write(json_path, "w", "--json") as f:
             f.write(json.dumps(result, indent=1))
@@ -301,11 +304,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--prompts", type=Path, default=None,
                    help="a file of prompts separated by lines holding only --- (default: the shipped code prompts)")
     b.add_argument("--n-gen", type=bench_tokens, default=32, help="tokens generated per prompt")
-    b.add_argument("--budgets", default="0,0.25,0.5,0.75,1", help="DRAM budgets, fractions of the layer bytes (1: all resident)")
+    b.add_argument("--budgets", default="0,0.25,0.5,0.75,1",
+                   help="DRAM budgets, fractions of the layer bytes (1: all resident)")
     b.add_argument("--chain-ks", default="2,4,6,8", help="Chain-SD lengths swept (the best is reported)")
     b.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     b.add_argument("--plot", type=Path, default=None, help="draw speedup against budget (matplotlib)")
-    b.add_argument("--pruning", action="store_true", help="also Lever with its pruning predictor (run `lever calibrate` first)")
+    b.add_argument("--pruning", action="store_true",
+                   help="also Lever with its pruning predictor (run `lever calibrate` first)")
     b.add_argument("--llama-cpp", default=None, metavar="DIR",
                    help="llama.cpp's bin directory: adds llama-completion and llama-speculative rows at budget 1.0")
     add_set(b)

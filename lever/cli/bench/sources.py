@@ -10,7 +10,8 @@ prompt contains and the answer edits, a document to summarize) and on plain comp
 
 `--rounds R` runs the model and model+lookup variants R times per prompt, alternating their
 order (llama-bench's `-r`): on a shared machine one run's ms/token moves by more than the
-difference being compared (docs/measurements.md, 'Run-to-run spread of one run's ms/token'), and those two are what the comparison is about; Flash-AR and lookup
+difference being compared (docs/measurements.md, 'Run-to-run spread of one run's ms/token'),
+and those two are what the comparison is about; Flash-AR and lookup
 alone run once. A prompt's figure is the median of its rounds. The two are also compared run by
 run: each round's pair ran back to back, so their ratio sees the same machine, and the spread of
 those ratios over prompts and rounds gives the comparison its noise band (`paired_speedup`): "no

@@ -140,7 +140,8 @@ def recording(**kw) -> tuple[Faults, dict]:
 def test_eio_ends_the_run_naming_file_layer_offset(target, kind, at):
     faults, reads = recording(eio_at=at)
     msg, _ = fails(config(target, kind), faults)
-    assert re.match(where(target, reads[at]) + r"read of \d+ bytes failed \(Input/output error\) after 2 attempts$", msg)
+    assert re.match(where(target, reads[at]) + r"read of \d+ bytes failed \(Input/output error\) "
+                    r"after 2 attempts$", msg)
     assert [f[0] for f in faults.fired] == ["eio", "eio"]  # the first try and one retry
 
 
@@ -259,7 +260,8 @@ def test_cli_streams_text_then_ends_with_the_error_line(target):
     exit 1, never with the run summary."""
     proc = subprocess.run(
         [sys.executable, "-c", DRIVER, str(DECODE_READ + 100), "run", "-c", str(ROOT / "examples" / "default.toml"),
-         "-p", PROMPT, "-n", "40", "--set", f'model.target="{target}"', "--set", f'model.draft="{target.parent / DRAFT}"',
+         "-p", PROMPT, "-n", "40", "--set", f'model.target="{target}"',
+         "--set", f'model.draft="{target.parent / DRAFT}"',
          "--set", 'pipeline.kind="flash-ar"', "--set", 'pipeline.baseline=""', "--set", "flash.chunk_bytes=262144"],
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 1, proc.stderr

@@ -186,14 +186,16 @@ def test_qwen25_05b_real_layers_fp16(qwen_draft):
     of Qwen2.5-Coder-0.5B (896 wide, 14/2 heads, QKV biases), one layer at a time and chained.
     Tolerance: the CPU multiplies Q4_K weights by Q8_K-quantized activations (QUANT_HIDDEN_TOL)."""
     model = Model(qwen_draft)
-    tokens = np.array(Tokenizer.from_gguf(model.file).encode("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)")[:4])
+    tokens = np.array(Tokenizer.from_gguf(model.file).encode("def fib(n):\n"
+                                                             "    return n if n < 2 else fib(n - 1) + fib(n - 2)")[:4])
     runner = make_runner(model.spec, "fp16", token_buckets=(4,), kv_buckets=(64,))
     pos, mask = np.arange(4), causal_mask(0, 4)
     x_cpu = x_qnn = model.embed(tokens)
     c_cpu, c_qnn = model.new_cache(64), model.new_cache(64)
     rows = slice(0, 4)
     for i in range(4):
-        one = layer_forward(model.spec, model.layers[i], x_qnn.copy(), pos, mask, model.new_cache(64), i, rows, model.inv_freq)
+        one = layer_forward(model.spec, model.layers[i], x_qnn.copy(), pos, mask, model.new_cache(64), i, rows,
+                            model.inv_freq)
         x_cpu = layer_forward(model.spec, model.layers[i], x_cpu, pos, mask, c_cpu, i, rows, model.inv_freq)
         x_qnn = runner.forward(model.spec, model.layers[i], x_qnn, pos, mask, c_qnn, i, rows, model.inv_freq)
         assert rel_err(x_qnn, one) < QUANT_HIDDEN_TOL, i
@@ -312,7 +314,8 @@ def test_sessions_reused_across_layers_and_context_cache(tiny_model, tmp_path):
     assert len(list(tmp_path.glob("*_ctx.onnx"))) == 1
     second = make_runner(model.spec, "fp16", cache_dir=tmp_path)  # as a new process would
     c2 = copy_cache(model, cache)
-    h2 = [second.forward(model.spec, lw, x, pos, mask, c2, i, rows, model.inv_freq) for i, lw in enumerate(model.layers)]
+    h2 = [second.forward(model.spec, lw, x, pos, mask, c2, i, rows, model.inv_freq)
+          for i, lw in enumerate(model.layers)]
     assert second.sessions_stats.created == 0 and second.sessions_stats.loaded == 1
     for a, b in zip(h1, h2):
         assert np.array_equal(a, b)
