@@ -382,11 +382,6 @@ class FlashStore:
         if buf is not None:
             buf.close()
 
-    def load_resident(self) -> None:
-        """Read every resident layer now (e.g. at startup) rather than on first use."""
-        for layer in sorted(self.resident):
-            self.resident_layer(layer)
-
     # -- counters
 
     def stats(self) -> FlashStats:

@@ -162,13 +162,6 @@ def parse_tokens(text: str) -> list[int]:
     return ids
 
 
-def parse_floats(text: str, flag: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise LeverError(f"{flag}: expected numbers separated by commas, got {text[:80]!r}") from None
-
-
 def parse_list(text: str, flag: str, limit: Range, max_items: int = 64) -> tuple:
     """A comma-separated flag, each item within `limit`, at most `max_items` of them."""
     parse = bounded(limit)

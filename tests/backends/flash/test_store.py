@@ -119,7 +119,8 @@ def test_resident_layers_are_read_once(streaming_model):
 def test_every_layer_resident_leaves_no_window(stories_copy):
     with FlashStore(stories_copy, FlashConfig(dram_budget=1.0)) as store:
         assert store.resident == frozenset(range(store.n_layer)) and store.streamed == ()
-        store.load_resident()
+        for layer in sorted(store.resident):
+            store.resident_layer(layer)
         with pytest.raises(LeverError, match="no buffers"):
             store.pool.acquire()
 
