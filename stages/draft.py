@@ -142,20 +142,23 @@ class Drafter:
             raise e.evolve(role="draft", path=self.model.file.path) from None
         self.forwards += 1
         self.forward_tokens[n] += 1
-        expand = np.arange(req.n_given, n)
+        greedy = self.sampling is None or self.sampling.greedy
+        n_seen = req.n_given if req.given_proposals and greedy else 0  # given rows whose top-k is asked
+        expand = np.arange(req.n_given - n_seen, n)
         if expand.size == 0:
             empty = np.zeros((0, req.top_k))
             return Expansion(req.cycle, expand.astype(np.int32), empty.astype(np.int64), empty.astype(np.float32))
         logits = self.model.logits(hidden[expand])
-        rows = (first + expand).astype(np.int32)
         try:
-            if self.sampling is None or self.sampling.greedy:
+            if greedy:
                 if self.vocab is None:
                     tokens, probs = softmax_top_k(logits, req.top_k)
                 else:
                     tokens, probs = mapped_top_k(logits, req.top_k, self.vocab)
-                return Expansion(req.cycle, rows, tokens, probs)
-            return Expansion(req.cycle, rows, *self.draw(logits, req.top_k))
+                rows = (first + expand[n_seen:]).astype(np.int32)
+                given = (tokens[:n_seen], probs[:n_seen]) if n_seen else None
+                return Expansion(req.cycle, rows, tokens[n_seen:], probs[n_seen:], given=given)
+            return Expansion(req.cycle, (first + expand).astype(np.int32), *self.draw(logits, req.top_k))
         except NonFiniteError:  # the failure path: which row, and which tensor of the head
             raise self.model.nonfinite_logits(logits, pos[expand], "draft") from None
 

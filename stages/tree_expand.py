@@ -232,7 +232,9 @@ class TreeExpand(Stage):
 
     tree_sizes: list[int] = attrs.field(factory=list)  # nodes of each speculative tree (for the summary)
     lookahead_hits: int = 0  # cycles that started from rows drafted ahead
-    acceptance: AcceptanceTable | None = None  # gain-cost with acceptance "online": learned from each cycle
+    # the draft's acceptance, learned from each cycle: gain-cost's gains go through it (unless
+    # [tree_expand] acceptance = "identity"), and every policy's trees are scored by it
+    acceptance: AcceptanceTable | None = None
     ahead_beside: bool = False  # drafting ahead runs on cores of its own beside the pass ([runtime] ahead_cores)
     online: OnlineCost | None = None  # the cost model corrected by measurements ([tree_expand] adapt)
     cycles: list[CycleRecord] = attrs.field(factory=list)
@@ -246,7 +248,7 @@ class TreeExpand(Stage):
     _last_accepted_t: float | None = None  # when the previous Accepted arrived
 
     def __attrs_post_init__(self):
-        if self.acceptance is None and self.config.growth.learns_acceptance and self.config.acceptance == "online":
+        if self.acceptance is None and self.config.drafts:
             self.acceptance = AcceptanceTable()
         if self.online is None and self.config.adapt and isinstance(self.cost, CostModel):
             self.online = OnlineCost(self.cost)
@@ -255,6 +257,11 @@ class TreeExpand(Stage):
             self.lookup.extend(self.prompt)
             if self.config.growth.learns_acceptance:
                 self.lookup_tables = {x: AcceptanceTable(pooled_prior=FREE_PRIOR) for x in self.config.lookup_sources}
+
+    @property
+    def prices_by_table(self) -> bool:
+        """Whether the growth policy's gains go through the acceptance table (gain-cost)."""
+        return self.config.growth.learns_acceptance and self.config.acceptance != "identity"
 
     @property
     def priced_by(self) -> Cost:
@@ -282,6 +289,9 @@ class TreeExpand(Stage):
     def sent(self, b: TreeBuilder, tree: TokenTree) -> None:
         """A tree goes to verification: its predicted time and tokens, and the rate bar."""
         b.sent_s, b.sent_tokens = tree.cycle_s, b.expected_accepted() + 1
+        n = b.nodes
+        b.scored_tokens = b.sent_tokens if self.acceptance is None else 1 + self.acceptance.score(
+            n.parents, n.q, n.rank, n.gain, [x == Source.MODEL for x in n.source])
         if b.sent_s > 0:
             rate = b.model_rate or b.sent_tokens / b.sent_s  # the model's trees set the model's bar
             self._bar_rate = rate if not self._bar_rate else BAR_WEIGHT * rate + (1 - BAR_WEIGHT) * self._bar_rate
@@ -291,7 +301,7 @@ class TreeExpand(Stage):
         prev = self._last
         if prev is not None and prev.n_sent and self._last_accepted_t is not None and self.speculates:
             measured_s = now_s - self._last_accepted_t
-            self.cycles.append(CycleRecord(prev.n_sent, prev.sent_s, prev.sent_tokens, measured_s,
+            self.cycles.append(CycleRecord(prev.n_sent, prev.sent_s, prev.scored_tokens, measured_s,
                                            len(acc.tokens), self.online.scales if self.online else Scales()))
             if self.online is not None:
                 self.online.observe_cycle(measured_s, prev.sent_s)
@@ -300,12 +310,22 @@ class TreeExpand(Stage):
             self.online.observe_pass(acc.timing, len(acc.tokens))
 
     def learn(self, prev: TreeBuilder | None, acc: Accepted) -> None:
-        """The model's table: every sent node whose parent the target reached was a trial,
+        """The model's table, greedy: at every emitted token whose parent the draft expanded,
+        each of the draft's proposals there was a trial, whatever tree was grown (off-policy;
+        an accepted leaf the draft never ran is seen in the next cycle's first expansion,
+        `learn_given`). Sampled: every sent node whose parent the target reached was a trial,
         accepted or not (unless pruned). The free sources' tables: what they would have
         proposed at each emitted token (`Lookup.trials`), before the text is extended."""
         for source, q, rank, right in self.lookup.trials(acc.tokens) if self.lookup_tables else ():
             self.lookup_tables[source].observe(q, rank, right)
         if self.acceptance is None or prev is None:
+            return
+        if self.greedy:
+            for parent, token in zip(acc.keep, acc.tokens):  # keep: the root, then the accepted path
+                row = prev.nodes.row[parent]
+                if row in prev.proposals:
+                    prop = prev.proposals[row]
+                    self.acceptance.observe_proposals(prop.tokens, prop.probs, token)
             return
         reached, pruned, nodes = set(acc.keep), set(acc.pruned), prev.nodes
         for i in range(1, prev.n_sent):
@@ -313,6 +333,15 @@ class TreeExpand(Stage):
                 for source, q, rank in [(nodes.source[i], nodes.q[i], nodes.rank[i]), *nodes.also.get(i, ())]:
                     if source == Source.MODEL:
                         self.acceptance.observe(q, rank, i in reached)
+
+    def learn_given(self, req: ExpandRequest, exp: Expansion, root: int) -> None:
+        """The draft's proposals at the accepted leaves it never ran (the cycle's given
+        tokens): each given token's next is the following one, the last one's the root."""
+        if exp.given is None or self.acceptance is None:
+            return
+        given = [int(t) for t in req.tokens[: req.n_given]]
+        for (tokens, probs), nxt in zip(zip(*exp.given), [*given[1:], root]):
+            self.acceptance.observe_proposals(tokens, probs, nxt)
 
     def first_request(self) -> ExpandRequest:
         """The draft prefills the prompt while the target does."""
@@ -330,7 +359,8 @@ class TreeExpand(Stage):
             self.lookup.extend(acc.tokens)  # the root, the text's last token, is the newest of them
         free = FreeSources(self.lookup, self.lookup_tables) if self.lookup is not None else None
         b = TreeBuilder(self.config, self.priced_by, acc.pass_id + 1, room=self.n_ctx - self._committed,
-                        remaining=remaining, acceptance=self.acceptance, ahead_beside=self.ahead_beside,
+                        remaining=remaining, acceptance=self.acceptance if self.prices_by_table else None,
+                        ahead_beside=self.ahead_beside,
                         bar_rate=self._bar_rate, idle_value=self.idle_value, free=free)
         b.add(acc.tokens[-1], -1, 1.0)
         if not self.config.drafts:
@@ -346,7 +376,8 @@ class TreeExpand(Stage):
         given = [prev.nodes.tokens[n] for n, r in zip(acc.keep, rows) if r < 0]
         carry = () if given else lookahead.carry_for(prev, acc)
         if not carry:
-            return b, b.request([0], given, keep)
+            req = b.request([0], given, keep)
+            return b, attrs.evolve(req, given_proposals=bool(given) and self.greedy)
         self.lookahead_hits += 1
         lookahead.adopt(b, prev, carry)
         return b, b.next_round(keep, carry)
@@ -388,6 +419,7 @@ class TreeExpand(Stage):
                     t0 = time.perf_counter()
                     await expand_out.send(req)
                     exp = await expansions.receive()
+                    self.learn_given(req, exp, b.nodes.tokens[0])
                     if self.online is not None:  # drafted in turns: the cores were the draft's alone
                         self.online.observe_draft(time.perf_counter() - t0, req.tokens.size)
                     req = b.on_expansion(exp)

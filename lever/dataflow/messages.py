@@ -161,6 +161,10 @@ class ExpandRequest:
     keep: tuple[int, ...] | None = None
     carry: tuple[int, ...] = ()  # previous pending rows (ascending) that stay pending, after `keep`
     ahead: bool = False  # drafted ahead while the target verifies: runs only when verification waits
+    # return the given nodes' most probable next tokens too (`Expansion.given`): greedy runs
+    # learn acceptance from every emitted token, and a given node is an accepted leaf the draft
+    # never ran, the position before the newest token. Its rows ride in the same head matmul.
+    given_proposals: bool = False
 
 
 @attrs.frozen
@@ -175,6 +179,8 @@ class Expansion:
     child_tokens: np.ndarray = attrs.field(eq=False)
     child_probs: np.ndarray = attrs.field(eq=False)  # (m, top_k) float32, draft probabilities
     child_q: np.ndarray | None = attrs.field(default=None, eq=False)  # (m, n_vocab) float32 drawn from, when sampling
+    # (n_given, top_k) tokens and probabilities at the given nodes, when the request asked
+    given: tuple[np.ndarray, np.ndarray] | None = attrs.field(default=None, eq=False)
 
     def proposals(self, i: int) -> Proposals:
         """The children of the i-th expanded node."""

@@ -5,9 +5,18 @@ approximates: under greedy verification the draft's first choice is accepted mor
 its probability says, its later choices far less. The table keeps, per rank (first child or
 not) and probability bin, how often the target accepted such nodes whenever it reached their
 parent. It starts as the identity (each cell holds `prior_weight` pseudo-observations at the
-node's own probability) and learns online from every cycle's outcome, so a run calibrates
-itself within a few cycles; `lever calibrate` fits it offline on a corpus, and
-`[tree_expand] acceptance = "calibrated"` starts from that table.
+node's own probability) and learns online, so a run calibrates itself within a few cycles;
+`lever calibrate` fits it offline on a corpus, and `[tree_expand] acceptance = "calibrated"`
+starts from that table.
+
+What it learns from, under greedy verification, is every emitted token, whatever tree was
+grown (`observe_proposals`): the draft's proposals at the position before it were computed
+anyway (its parent was expanded), and each of them is a trial whose outcome is known, the
+target's token. Learning only from the nodes a policy put in its trees (on-policy) sees a
+biased sample: a sibling joins when its estimate is high, so the cells of those it tried
+stayed optimistic, and cells it stopped trying were never corrected (docs/measurements.md,
+'Acceptance off-policy'). Sampled runs learn on-policy: a drawn child's acceptance depends on
+the target's distribution there, not on its token alone.
 
 A free source (lever.policy.lookup) has a table too, but its `q` is a confidence, not a
 probability: the identity would take an n-gram seen twice for a two-in-three chance, and on
@@ -65,6 +74,29 @@ class AcceptanceTable:
         r, b = self._cell(q, rank)
         self.trials[r, b] += 1
         self.accepted[r, b] += accepted
+
+    def observe_proposals(self, tokens, probs, target: int) -> None:
+        """Off-policy: the draft's proposals at a position (most probable first, -1 pads) and
+        the token the target chose there; each proposal is a trial."""
+        for rank, (t, q) in enumerate(zip(tokens, probs)):
+            if t < 0:
+                break
+            self.observe(float(q), rank, int(t) == target)
+
+    def score(self, parents, q, rank, gains=None, model=None) -> float:
+        """Expected accepted tokens of a tree (node 0 the root; parents before children) by
+        this table: each node reached with its parent's chance times its own acceptance. A
+        node `model` marks False (a free source proposed it) keeps its own estimate, the
+        ratio of its gain to its parent's."""
+        reach = [1.0]
+        for i in range(1, len(parents)):
+            p = parents[i]
+            if model is None or model[i]:
+                a = self(float(q[i]), int(rank[i]))
+            else:
+                a = gains[i] / gains[p] if gains[p] > 0 else 0.0
+            reach.append(reach[p] * a)
+        return float(sum(reach[1:]))
 
     def table(self) -> list[tuple[int, float, int, float]]:
         """(rank, bin centre, observations, estimate) of every observed cell."""

@@ -57,6 +57,7 @@ class TreeBuilder:
     n_sent: int = 0  # nodes in the tree sent to verification; later nodes were drafted ahead
     sent_s: float = 0.0  # the cycle's predicted time when the tree was sent
     sent_tokens: float = 0.0  # its expected tokens then
+    scored_tokens: float = 0.0  # its expected tokens by the run's acceptance table, whatever the policy priced with
     model_rate: float = 0.0  # the model's tree's expected rate before the free sources filled it, tokens/s (0: no fill)
     _seq: int = 0
 

@@ -30,9 +30,9 @@ def test_bench_runs_every_pipeline_at_every_budget_losslessly(stories, tmp_path)
     cfg.write_text(f'[model]\ntarget = "{stories}"\ndraft = "{stories}"\n[tree_expand]\nlookahead_nodes = 16\n')
     lines: list[str] = []
     tools = fake_llama_cpp(tmp_path / "bin")
-    res = bench_pipelines(str(cfg), ["Once upon a time", "The cat"], 16, budgets=(0.0, 1.0), chain_ks=(2,),
+    res = bench_pipelines(str(cfg), ["Once upon a time"], 16, budgets=(0.0, 1.0), chain_ks=(2,),
                           json_path=tmp_path / "b.json", plot_path=tmp_path / "b.png", out=lines.append,
-                          progress=False, llama_cpp=str(tools))
+                          progress=False, llama_cpp=str(tools), n_rounds=2)
     assert res["lossless_mismatches"] == []
     assert set(res["budgets"]) == {"0.0", "1.0"}
     for b, rows in res["budgets"].items():
@@ -44,6 +44,16 @@ def test_bench_runs_every_pipeline_at_every_budget_losslessly(stories, tmp_path)
         assert rows["lever"]["predicted_cycle_ms"] > 0 and rows["lever"]["measured_cycle_ms"] > 0
         assert rows["flash-ar"]["measured_cycle_ms"] == 0  # no model predicts an autoregressive pass
         assert (rows["lever"]["flash_busy_share"] > 0) == (b != "1.0")  # all resident: nothing read
+        assert all(len(r["runs_ms_per_token"]) == 2 for r in rows.values())  # one prompt, two rounds
+        # every speculating pipeline's trees are scored by the same acceptance table
+        for name in ("chain-sd k=2", "edgellm-like", "lever"):
+            assert rows[name]["predicted_tokens_per_cycle"] > 1 and rows[name]["measured_tokens_per_cycle"] >= 1
+        s = res["summary"]["per_budget"][b]
+        for key in ("flash-ar", "chain-sd", "edgellm-like", "best"):
+            lo, hi = s[f"{key}_band"]
+            assert lo <= s[key] <= hi
+        assert s["best"] <= min(s["flash-ar"], s["chain-sd"], s["edgellm-like"]) * (1 + 1e-9)
+    assert {r["round"] for r in res["runs"]} == {0, 1}
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["summary"]["mean"]["flash-ar"] > 0
     # the fake tools decode at 50 and 80 tokens/s: 20 and 12.5 ms a token
@@ -51,6 +61,7 @@ def test_bench_runs_every_pipeline_at_every_budget_losslessly(stories, tmp_path)
     assert any("beside llama.cpp" in line for line in lines)
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert any("lossless: every pipeline" in line for line in lines)
+    assert any("band of about 95% over 2 prompt x round pairs" in line for line in lines)
 
 
 def fake_llama_cpp(d):

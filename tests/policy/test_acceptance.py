@@ -44,3 +44,20 @@ def test_a_free_sources_cells_start_at_its_pooled_acceptance():
     assert c(0.9, 0) == pytest.approx((9 + 4 * pooled) / 13)  # a cell with data: mostly its own
     assert c(0.55, 0) == pytest.approx(pooled)  # a cell without: the source's
     assert c(0.25, 0) == pytest.approx(4 * pooled / 5)
+
+
+def test_every_proposal_at_an_emitted_token_is_a_trial():
+    c = AcceptanceTable()
+    c.observe_proposals([7, 8, 9, -1], [0.6, 0.2, 0.1, 0.0], target=8)  # the second choice was the target's
+    assert c.trials[0].sum() == 1 and c.accepted[0].sum() == 0  # padding (-1) is no trial
+    assert c.trials[1].sum() == 2 and c.accepted[1].sum() == 1
+
+
+def test_a_tree_is_scored_by_the_chance_of_reaching_each_node():
+    c = AcceptanceTable()  # the identity: a node's acceptance is its q
+    # root, a chain 0.8 -> 0.5, and a sibling 0.1 of the first
+    parents, q, rank = [-1, 0, 1, 0], [1.0, 0.8, 0.5, 0.1], [0, 0, 0, 1]
+    assert c.score(parents, q, rank) == pytest.approx(0.8 + 0.8 * 0.5 + 0.1)
+    # a free source's node (model False) keeps its own estimate: its gain over its parent's
+    gains = [1.0, 0.8, 0.6, 0.1]
+    assert c.score(parents, q, rank, gains, [True, True, False, True]) == pytest.approx(0.8 + 0.6 + 0.1)

@@ -72,3 +72,19 @@ def test_a_commit_alone_is_an_empty_expansion(tiny_model):
     core.expand(ExpandRequest(0, np.array([3, 4]), np.array([-1, 0], np.int32), 2, n_given=2, keep=()))
     e = core.expand(ExpandRequest(1, np.zeros(0, np.int64), np.zeros(0, np.int32), 2, keep=(0, 1)))
     assert e.rows.size == 0 and core.n_committed == 2 and core.cache.n_rows == 2
+
+
+def test_given_tokens_can_bring_their_proposals_too(tiny_model):
+    """A cycle's given tokens (accepted leaves the draft never ran) return the draft's top-k at
+    them when asked, equal to running their paths from scratch; the expanded rows are as without."""
+    model = Model(tiny_model("qwen2", "Q8_0", n_layer=2))
+    core = Drafter(model, model.new_cache(64))
+    core.expand(ExpandRequest(0, np.array([3, 4]), np.array([-1, 0], np.int32), 4, n_given=2, keep=()))
+    core.expand(ExpandRequest(1, np.array([7]), np.array([-1], np.int32), 4, keep=(0, 1)))
+    e = core.expand(ExpandRequest(2, np.array([6, 9]), np.array([-1, 0], np.int32), 4, n_given=1, keep=(0,),
+                                  given_proposals=True))
+    assert e.rows.tolist() == [1] and e.given[0].shape == (1, 4)
+    want_t, want_p = direct_probs(model, [3, 4, 7, 6])
+    assert e.given[0][0].tolist() == want_t[0].tolist() and np.array_equal(e.given[1][0], want_p[0])
+    want_t, want_p = direct_probs(model, [3, 4, 7, 6, 9])
+    assert e.child_tokens[0].tolist() == want_t[0].tolist() and np.array_equal(e.child_probs[0], want_p[0])

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from lever.dataflow.messages import Accepted
+from lever.dataflow.messages import Accepted, Expansion
 from lever.errors import LeverError
 from lever.stages.tree_expand import FlatCost, TreeExpand, TreeExpandConfig
 from lever.tree import lookahead
@@ -91,7 +92,7 @@ def test_a_wrong_guess_starts_from_scratch():
 
 
 def test_online_calibration_learns_from_each_cycle():
-    """Nodes whose parent the target reached are trials; the next tree's gains use the rates."""
+    """Every proposal at an emitted token is a trial; the next tree's gains use the rates."""
     stage = TreeExpand("x", TreeExpandConfig(policy="gain-cost", max_nodes=8, round_nodes=4), prompt=[1, 2, 3])
     b, req = stage.start_cycle(Accepted(0, (5,), (0, 1, 2)))
     draft = FakeDraft(p_first=0.7)
@@ -102,7 +103,7 @@ def test_online_calibration_learns_from_each_cycle():
     first = [i for i in range(1, b.n_nodes) if b.nodes.parents[i] == 0 and b.nodes.rank[i] == 0]
     stage.start_cycle(Accepted(1, (10, 99), (0, first[0])))  # the first child accepted, nothing below
     c = stage.acceptance
-    # first children: the root's (accepted) and its own (rejected); the root's others: rejected
+    # at the two emitted tokens, the root's proposals (the first accepted) and first[0]'s (none)
     assert c.trials[0].sum() == 2 and c.accepted[0].sum() == 1
     assert c.trials[1].sum() >= 1 and c.accepted[1].sum() == 0
     assert c(0.1, 1) < 0.1  # rejected later choices now count for less than their draft probability
@@ -214,3 +215,41 @@ def test_free_sources_fill_the_models_tree_and_leave_it_as_the_model_grows_it_al
     stage.sent(mixed, mixed.tree(1, ()))
     assert stage._bar_rate == pytest.approx(mixed.model_rate) and mixed.model_rate < mixed.sent_tokens / mixed.sent_s
 
+
+
+def test_greedy_learns_off_policy_from_every_emitted_token_whatever_the_tree():
+    """A chain holds no second choice, yet every second choice the draft proposed at an emitted
+    token is a trial; a sampled run learns only from the nodes its trees held."""
+    for greedy in (True, False):
+        stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=2), prompt=[1, 2, 3], greedy=greedy)
+        b, req = stage.start_cycle(Accepted(0, (5,), (0, 1, 2)))
+        draft = FakeDraft()
+        while req is not None:
+            req = b.on_expansion(draft(req))
+        stage._last = b
+        b.tree(pass_id=1, keep=(0, 1, 2))
+        assert b.n_nodes == 3 and set(b.nodes.rank) == {0}
+        stage.start_cycle(Accepted(1, (10, 11), (0, 1)))  # the first child taken, then the second choice there
+        c = stage.acceptance
+        if greedy:  # proposals at the root and at node 1: 1 + 3 trials each
+            assert (c.trials[0].sum(), c.accepted[0].sum(), c.trials[1].sum(), c.accepted[1].sum()) == (2, 1, 6, 1)
+        else:  # nodes 1 (taken) and 2 (not): the tree's own
+            assert (c.trials[0].sum(), c.accepted[0].sum(), c.trials[1].sum()) == (2, 1, 0)
+
+
+def test_an_accepted_leaf_the_draft_never_ran_is_learned_from_its_given_row():
+    stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=2), prompt=[1, 2, 3])
+    b, req = stage.start_cycle(Accepted(0, (5,), (0, 1, 2)))
+    draft = FakeDraft()
+    while req is not None:
+        req = b.on_expansion(draft(req))
+    stage._last = b
+    b.tree(pass_id=1, keep=(0, 1, 2))
+    b2, req2 = stage.start_cycle(Accepted(1, (10, 10, 12), (0, 1, 2)))  # node 2, a leaf, then 12
+    assert req2.given_proposals and req2.n_given == 1
+    before = stage.acceptance.trials.sum()
+    exp = Expansion(2, np.array([1], np.int32), np.array([[10, 11]]), np.array([[0.7, 0.2]], np.float32),
+                    given=(np.array([[12, 13]]), np.array([[0.5, 0.3]], np.float32)))
+    stage.learn_given(req2, exp, b2.nodes.tokens[0])
+    c = stage.acceptance
+    assert c.trials.sum() == before + 2 and c.accepted[0, 5] == 1  # 12 was the leaf's first choice, q 0.5

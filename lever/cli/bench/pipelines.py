@@ -5,8 +5,15 @@ Lever) generates from the same prompts with the same model pair, each run in its
 (`lever run --json`) so that memory and page cache are its own. It prints a table per budget
 (ms/token, tokens/s, tokens per pass, tree size, flash MB per token, speedup over Flash-AR of
 that budget), checks that every greedy pipeline produced Flash-AR's tokens exactly, and ends
-with Lever's mean speedups over the budgets. `--json` keeps every figure; `--plot` draws
+with Lever's speed over each baseline at each budget. `--json` keeps every figure; `--plot` draws
 speedup against budget (matplotlib).
+
+`--rounds R` runs every pipeline R times per prompt, the pipelines alternating (one order, then
+the reverse: a run after another is not always as fast as the first). Each ratio of Lever's
+speed to a baseline's is then the geometric mean over prompts x rounds of the run-by-run ratios,
+with a band of about 95% (lever.cli.bench.paired): a gain is a band above 1, not a mean that
+happens to be. Every pipeline's trees are also scored by the run's acceptance table: predicted
+against measured tokens per pass says whether the gain the tree policy sees is the real one.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from rich.progress import Progress
 
 from lever.cli.bench.child import run_json
 from lever.cli.bench.model import llama_completion, llama_speculative
+from lever.cli.bench.paired import paired_speedup
 from lever.cli.common import (
     MAX_PROMPT_BYTES,
     add_common,
@@ -33,6 +41,7 @@ from lever.cli.common import (
     input_text_file,
     output_file,
     parse_list,
+    rounds,
 )
 from lever.cli.table import show
 from lever.config import load_config
@@ -95,6 +104,9 @@ class Row:
     flash_busy_share: float = 0.0  # share of the run with a flash read under way
     predicted_cycle_ms: float = 0.0  # the cost model's cycle (drafting in turns, pass, Accept), mean over cycles
     measured_cycle_ms: float = 0.0
+    predicted_tokens_per_cycle: float = 0.0  # the tree's expected tokens by the run's acceptance table, mean
+    measured_tokens_per_cycle: float = 0.0  # tokens the same cycles emitted, mean
+    runs_ms_per_token: tuple[float, ...] = ()  # each run's, in (round, prompt) order: the pairs of the bands
 
     def late_token_layers(self, m: int) -> float:
         """Verification compute after layer m: token-layers per pass."""
@@ -113,13 +125,19 @@ def aggregate(runs: list[dict]) -> Row:
     layers = [sum(col) / n_pass for col in zip(*(r["tree"]["layer_tokens"] for r in runs))]
     cycles = [c for r in runs for c in r["tree"]["cycles"]]
     cycle_ms = lambda key: 1000 * sum(c[key] for c in cycles) / len(cycles) if cycles else 0.0  # noqa: E731
+    per_cycle = lambda key: sum(c[key] for c in cycles) / len(cycles) if cycles else 0.0  # noqa: E731
     return Row(1000 * sum(r["timing"]["decode_s"] for r in runs) / max(n_tok, 1), mean("tree", "accepted_per_pass"),
                mean("tree", "mean_nodes"), sum(r["flash"]["read_bytes"] for r in runs) / max(n_tok, 1) / 1e6,
                mean("timing", "draft_hidden_share"), mean("tree", "lookahead_hit_share"), tuple(layers),
                runs[0]["tree"]["prune_layer"],
                1000 * sum(r["timing"]["decode_cpu_s"] for r in runs) / max(n_tok, 1),
                mean("timing", "flash_busy_share"),
-               cycle_ms("predicted_s"), cycle_ms("measured_s"))
+               cycle_ms("predicted_s"), cycle_ms("measured_s"), per_cycle("predicted_tokens"), per_cycle("tokens"),
+               tuple(ms_per_token(r) for r in runs))
+
+
+def ms_per_token(run: dict) -> float:
+    return 1000 * run["timing"]["decode_s"] / max(len(run["tokens"]) - 1, 1)
 
 
 def llama_cpp_rows(directory: str, config: str, sets, prompts: list[str], n: int) -> dict[str, float]:
@@ -152,33 +170,31 @@ def best_chain(rows: dict[str, Row]) -> str:
 
 def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUDGETS, chain_ks=DEFAULT_CHAIN_KS,
                     sets: list[str] = (), json_path=None, plot_path=None, out=print, progress: bool = True,
-                    pruning: bool = False, llama_cpp: str | None = None) -> dict:
-
+                    pruning: bool = False, llama_cpp: str | None = None, n_rounds: int = 1) -> dict:
     runs = pipelines(chain_ks, pruning)
     table: dict[float, dict[str, Row]] = {}
     raw: list[dict] = []
     mismatches: list[str] = []
     sampled = False  # any run at temperature > 0: its tokens may differ from Flash-AR's, as sampling allows
     with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task("bench pipelines", total=len(budgets) * len(runs) * len(prompts))
+        task = bar.add_task("bench pipelines", total=len(budgets) * len(runs) * len(prompts) * n_rounds)
         for b in budgets:
-            table[b] = {}
-            reference: list[list[int]] = []
-            for name, extra in runs.items():
-                rs = []
+            by: dict[str, list[dict]] = {name: [] for name in runs}  # in (round, prompt) order
+            for k in range(n_rounds):
                 for i, prompt in enumerate(prompts):
-                    bar.update(task, description=f"budget {b:.0%}: {name}, prompt {i + 1}/{len(prompts)}")
-                    r = run_json(config, [*sets, f"flash.dram_budget={b!r}", *extra], prompt, n)
-                    rs.append(r)
-                    raw.append(r | {"budget": b, "pipeline": name, "prompt": i})
-                    bar.advance(task)
-                toks = [r["tokens"] for r in rs]
-                if name == "flash-ar":
-                    reference = toks
-                elif toks != reference and _greedy(rs):
+                    for name in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
+                        bar.update(task, description=f"budget {b:.0%}, round {k + 1}/{n_rounds}: {name}, "
+                                                     f"prompt {i + 1}/{len(prompts)}")
+                        r = run_json(config, [*sets, f"flash.dram_budget={b!r}", *runs[name]], prompt, n)
+                        by[name].append(r)
+                        raw.append(r | {"budget": b, "pipeline": name, "prompt": i, "round": k})
+                        bar.advance(task)
+            reference = [r["tokens"] for r in by["flash-ar"]]
+            for name, rs in by.items():
+                if name != "flash-ar" and _greedy(rs) and [r["tokens"] for r in rs] != reference:
                     mismatches.append(f"{name} at budget {b:.0%}")
                 sampled |= not _greedy(rs)
-                table[b][name] = aggregate(rs)
+            table[b] = {name: aggregate(rs) for name, rs in by.items()}
             _print_budget(b, table[b], out)
     llama = {}
     if llama_cpp and 1.0 in table:  # llama.cpp holds the whole model in DRAM: beside the 100% budget
@@ -190,9 +206,9 @@ def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUD
               {**{k: r.ms_per_token for k, r in table[1.0].items()}, **llama}.items()],
              out, title="DRAM budget 100%, beside llama.cpp (same pair, prompts and token count)")
     summary = _summary(table)
-    _print_summary(summary, mismatches, out, sampled)
+    _print_summary(summary, mismatches, out, sampled, n_pairs=len(prompts) * n_rounds)
     result = {"config": config, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": platform.platform(), "n_gen": n, "prompts": prompts, "sets": list(sets),
+              "machine": platform.platform(), "n_gen": n, "rounds": n_rounds, "prompts": prompts, "sets": list(sets),
               "budgets": {str(b): {k: attrs.asdict(v) | {"tps": v.tps,
                                                           "speedup": rows["flash-ar"].ms_per_token / v.ms_per_token}
                                    for k, v in rows.items()} for b, rows in table.items()},
@@ -220,11 +236,19 @@ def _print_budget(b: float, rows: dict[str, Row], out) -> None:
            f"{r.flash_mb_per_token:.1f}", f"{r.cpu_ms_per_token:.1f}", f"{ar / r.ms_per_token:.2f}x")
           for name, r in rows.items()],
          out, title=f"DRAM budget {b:.0%} (MB/tok: read from flash; CPU ms/tok: every thread, an energy proxy)")
-    show(("pipeline", "flash busy", "cycle predicted ms", "measured ms", "predicted/measured"),
+    ratio = lambda a, b: f"{a / b:.2f}" if b else ""  # noqa: E731
+    show(("pipeline", "flash busy", "cycle ms predicted", "measured", "ratio", "tokens/cycle predicted", "measured",
+          "ratio"),
          [(name, f"{100 * r.flash_busy_share:.0f}%", f"{r.predicted_cycle_ms:.0f}" if r.measured_cycle_ms else "",
            f"{r.measured_cycle_ms:.0f}" if r.measured_cycle_ms else "",
-           f"{r.predicted_cycle_ms / r.measured_cycle_ms:.2f}" if r.measured_cycle_ms else "")
-          for name, r in rows.items()], out, title="where the time went (flash busy: share of the run reading)")
+
+           ratio(r.predicted_cycle_ms, r.measured_cycle_ms),
+           f"{r.predicted_tokens_per_cycle:.2f}" if r.measured_tokens_per_cycle else "",
+           f"{r.measured_tokens_per_cycle:.2f}" if r.measured_tokens_per_cycle else "",
+           ratio(r.predicted_tokens_per_cycle, r.measured_tokens_per_cycle))
+          for name, r in rows.items()], out,
+         title="where the time went (flash busy: share of the run reading; tokens/cycle predicted: the tree scored "
+               "by the run's acceptance table)")
     if "lever+pruning" in rows:
         p, lv = rows["lever+pruning"], rows["lever"]
         m = p.prune_layer
@@ -235,37 +259,54 @@ def _print_budget(b: float, rows: dict[str, Row], out) -> None:
             f"tokens/s {lv.tps:.2f} -> {p.tps:.2f} ({lv.ms_per_token / p.ms_per_token:.2f}x)")
 
 
+BASELINES = ("flash-ar", "chain-sd", "edgellm-like")
+
+
 def _summary(table: dict[float, dict[str, Row]]) -> dict:
-    """Lever's speedup over each baseline at each budget (Chain-SD: its best k there), and the means."""
+    """Lever's speed over each baseline at each budget (Chain-SD: its best k there), the
+    geometric mean of the run-by-run ratios with its band, and over the best of them; the mean
+    over the budgets that stream."""
     per = {}
     for b, rows in table.items():
-        lever = rows["lever"].ms_per_token
+        lever = rows["lever"].runs_ms_per_token
         chain = best_chain(rows)
-        per[str(b)] = {"flash-ar": rows["flash-ar"].ms_per_token / lever, "chain-sd": rows[chain].ms_per_token / lever,
-                       "best_chain": chain, "edgellm-like": rows["edgellm-like"].ms_per_token / lever}
+        names = {"flash-ar": "flash-ar", "chain-sd": chain, "edgellm-like": "edgellm-like"}
+        entry: dict = {"best_chain": chain}
+        for key, name in names.items():
+            sp, lo, hi = paired_speedup(list(rows[name].runs_ms_per_token), list(lever))
+            entry[key], entry[f"{key}_band"] = sp, [lo, hi]
+        fastest = [min(xs) for xs in zip(*(rows[name].runs_ms_per_token for name in names.values()))]
+        sp, lo, hi = paired_speedup(fastest, list(lever))
+        entry["best"], entry["best_band"] = sp, [lo, hi]  # against the fastest baseline of each run
+        per[str(b)] = entry
     # the mean over the budgets that stream (the paper's setting); 100% is reported on its own
     flash = [v for b, v in per.items() if float(b) < 1.0] or list(per.values())
     mean = {k: sum(v[k] for v in flash) / len(flash) for k in PAPER}
     return {"per_budget": per, "mean": mean}
 
 
-def _print_summary(summary: dict, mismatches: list[str], out, sampled: bool = False) -> None:
-    x = lambda v: f"{v:.2f}x"  # noqa: E731
-    rows = [(f"{float(b):.0%}", x(v["flash-ar"]), x(v["chain-sd"]), x(v["edgellm-like"]), v["best_chain"])
-            for b, v in summary["per_budget"].items()]
+def _print_summary(summary: dict, mismatches: list[str], out, sampled: bool = False, n_pairs: int = 1) -> None:
+    def x(v: dict, key: str) -> str:
+        lo, hi = v[f"{key}_band"]
+        return f"{v[key]:.2f}x" + (f" ({lo:.2f}-{hi:.2f})" if n_pairs > 1 else "")
+
+    rows = [(f"{float(b):.0%}", x(v, "flash-ar"), x(v, "chain-sd"), x(v, "edgellm-like"), x(v, "best"),
+             v["best_chain"]) for b, v in summary["per_budget"].items()]
     m = summary["mean"]
-    rows += [("mean <100%", x(m["flash-ar"]), x(m["chain-sd"]), x(m["edgellm-like"]), ""),
-             ("paper", x(PAPER["flash-ar"]), x(PAPER["chain-sd"]), x(PAPER["edgellm-like"]), "")]
+    rows += [("mean <100%", f"{m['flash-ar']:.2f}x", f"{m['chain-sd']:.2f}x", f"{m['edgellm-like']:.2f}x", "", ""),
+             ("paper", *(f"{PAPER[k]:.2f}x" for k in BASELINES), "", "")]
     out("")
-    show(("budget", "vs Flash-AR", "vs Chain-SD", "vs EdgeLLM-like", "best chain"), rows, out,
-         title="Lever's speed, x each baseline's: above 1x faster, below slower (Chain-SD: its best k at each budget)")
+    band = f"; in brackets the band of about 95% over {n_pairs} prompt x round pairs" if n_pairs > 1 else ""
+    show(("budget", "vs Flash-AR", "vs Chain-SD", "vs EdgeLLM-like", "vs the fastest of each run", "best chain"),
+         rows, out, title="Lever's speed, x each baseline's: above 1x faster, below slower (Chain-SD: its best k at "
+                          f"each budget; geometric means of run-by-run ratios{band})")
     if mismatches:
         out("LOSSLESS CHECK FAILED: greedy tokens differ from Flash-AR's for " + ", ".join(mismatches))
     elif sampled:  # lossless in distribution: each pipeline draws its own tokens, none is compared
         out("sampled (temperature > 0): tokens may differ from Flash-AR's, as sampling allows; "
             "greedy runs, if any, equal Flash-AR's")
     else:
-        out("lossless: every pipeline's tokens equal Flash-AR's, for every prompt and budget")
+        out("lossless: every pipeline's tokens equal Flash-AR's, for every prompt, round and budget")
 
 
 def plot(table: dict[float, dict[str, Row]], path) -> None:
@@ -304,6 +345,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--prompts", type=Path, default=None,
                    help="a file of prompts separated by lines holding only --- (default: the shipped code prompts)")
     b.add_argument("--n-gen", type=bench_tokens, default=32, help="tokens generated per prompt")
+    b.add_argument("--rounds", type=rounds, default=1,
+                   help="runs of every pipeline per prompt, alternating: ratios get a noise band")
     b.add_argument("--budgets", default="0,0.25,0.5,0.75,1",
                    help="DRAM budgets, fractions of the layer bytes (1: all resident)")
     b.add_argument("--chain-ks", default="2,4,6,8", help="Chain-SD lengths swept (the best is reported)")
@@ -343,5 +386,5 @@ def main(args) -> int:
     budgets, chain_ks = check_args(args)
     prompts = read_prompts(args.prompts or shipped("prompts", "code.txt"))
     bench_pipelines(str(args.config), prompts, args.n_gen, budgets, chain_ks, args.set, args.json,
-                    args.plot, pruning=args.pruning, llama_cpp=args.llama_cpp)
+                    args.plot, pruning=args.pruning, llama_cpp=args.llama_cpp, n_rounds=args.rounds)
     return 0

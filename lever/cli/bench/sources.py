@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from pathlib import Path
 
+from lever.cli.bench.paired import paired_speedup
 from lever.cli.bench.pipelines import BUDGET, read_prompts
 from lever.cli.common import (
     MAX_PROMPT_BYTES,
@@ -67,18 +67,6 @@ def _order(k: int, variants: tuple[str, ...]) -> list[str]:
         return list(variants)
     again = [v for v in REPEATED if v in variants]
     return again if k % 2 == 0 else again[::-1]
-
-
-def paired_speedup(base_ms: list[float], new_ms: list[float]) -> tuple[float, float, float]:
-    """`new`'s speed over `base`'s from runs paired one to one: the geometric mean of the
-    ratios and its band of about 95% (two standard errors of the mean log ratio). One pair
-    has no spread: its band is the point."""
-    if not base_ms or len(base_ms) != len(new_ms):
-        raise ValueError("paired_speedup: needs as many runs of each, at least one")
-    logs = [math.log(b / n) for b, n in zip(base_ms, new_ms)]
-    mean = statistics.fmean(logs)
-    half = 2 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float, ...], sets: list[str] = (),
