@@ -38,6 +38,7 @@ from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.cost_model import CostModel
+from lever.policy.fallback import TREE, Fallback, Shape
 from lever.policy.growth import POLICIES, GrowthPolicy, Source
 from lever.policy.lookup import SOURCES, Lookup
 from lever.policy.online import OnlineCost, Scales
@@ -76,6 +77,9 @@ class TreeExpandConfig:
     # correct the cost model from each cycle's measured pass, Accept and draft times
     # (lever.policy.online); a seeded sampled run keeps the profile, to stay reproducible
     adapt: bool = True
+    # gain-cost: grow a chain or the root alone for a while when, replayed on the same tokens,
+    # it would have beaten the trees' recent rate (lever.policy.fallback)
+    fallback: bool = True
 
     def __attrs_post_init__(self):
         if self.policy not in POLICIES:  # the names: lever.policy.growth
@@ -178,6 +182,8 @@ class TreeStats:
     tree_sizes: tuple[int, ...]  # nodes of each speculative tree, root included
     lookahead_hits: int  # cycles that started from rows drafted ahead
     cycles: tuple[CycleRecord, ...] = ()  # every decoding cycle the run finished
+    shapes: dict[str, int] = attrs.field(factory=dict)  # gain-cost with its fallback: cycles grown as each shape
+    fallback_switches: int = 0  # times the fallback replaced gain-cost's tree by a simpler shape
 
     @property
     def mean_nodes(self) -> float:
@@ -241,6 +247,10 @@ class TreeExpand(Stage):
     greedy: bool = True  # free sources propose only under greedy verification (sampling needs a draft distribution)
     lookup: Lookup | None = None  # the free sources over the text so far ([tree_expand] sources)
     lookup_tables: dict = attrs.field(factory=dict)  # a free source -> its acceptance table, learned from the text
+    fallback: Fallback | None = None  # gain-cost's check against the shapes it contains ([tree_expand] fallback)
+    _shape: Shape = TREE  # what the last tree sent was grown as
+    # (keep, given) the draft has not been told: the root alone grew without it (lever.policy.fallback)
+    _lag: tuple[tuple[int, ...], list[int]] | None = None
     _committed: int = 0  # target rows committed, to keep trees inside the context
     _emitted: int = 0  # tokens Accept has emitted
     _bar_rate: float = 0.0  # moving estimate of the predicted rate of the trees sent, tokens/s
@@ -250,6 +260,9 @@ class TreeExpand(Stage):
     def __attrs_post_init__(self):
         if self.acceptance is None and self.config.drafts:
             self.acceptance = AcceptanceTable()
+        cfg = self.config
+        if self.fallback is None and cfg.fallback and cfg.drafts and cfg.growth.learns_acceptance:
+            self.fallback = Fallback(self.config.max_depth, greedy=self.greedy)
         if self.online is None and self.config.adapt and isinstance(self.cost, CostModel):
             self.online = OnlineCost(self.cost)
         if self.lookup is None and self.greedy and self.config.lookup_sources:
@@ -284,7 +297,9 @@ class TreeExpand(Stage):
         return (self.lookahead_hits + IDLE_PRIOR_CYCLES / 2) / (n + IDLE_PRIOR_CYCLES)
 
     def stats(self) -> TreeStats:
-        return TreeStats(tuple(self.tree_sizes), self.lookahead_hits, tuple(self.cycles))
+        fb = self.fallback
+        return TreeStats(tuple(self.tree_sizes), self.lookahead_hits, tuple(self.cycles),
+                         dict(fb.cycles) if fb else {}, fb.switches if fb else 0)
 
     def sent(self, b: TreeBuilder, tree: TokenTree) -> None:
         """A tree goes to verification: its predicted time and tokens, and the rate bar."""
@@ -292,7 +307,7 @@ class TreeExpand(Stage):
         n = b.nodes
         b.scored_tokens = b.sent_tokens if self.acceptance is None else 1 + self.acceptance.score(
             n.parents, n.q, n.rank, n.gain, [x == Source.MODEL for x in n.source])
-        if b.sent_s > 0:
+        if b.sent_s > 0 and self._shape == TREE:  # the bar is the trees' own, not a fallback shape's
             rate = b.model_rate or b.sent_tokens / b.sent_s  # the model's trees set the model's bar
             self._bar_rate = rate if not self._bar_rate else BAR_WEIGHT * rate + (1 - BAR_WEIGHT) * self._bar_rate
 
@@ -305,6 +320,8 @@ class TreeExpand(Stage):
                                            len(acc.tokens), self.online.scales if self.online else Scales()))
             if self.online is not None:
                 self.online.observe_cycle(measured_s, prev.sent_s)
+            if self.fallback is not None:
+                self.fallback.observe_cycle(self._shape, len(acc.tokens), prev.sent_s)
         self._last_accepted_t = now_s
         if self.online is not None and acc.timing is not None and acc.pass_id > 0:  # the prefill is not a cycle
             self.online.observe_pass(acc.timing, len(acc.tokens))
@@ -321,11 +338,12 @@ class TreeExpand(Stage):
         if self.acceptance is None or prev is None:
             return
         if self.greedy:
-            for parent, token in zip(acc.keep, acc.tokens):  # keep: the root, then the accepted path
+            first = self._emitted - len(acc.tokens)  # the index of the cycle's first emitted token
+            for j, (parent, token) in enumerate(zip(acc.keep, acc.tokens)):  # keep: the root, then the path
                 row = prev.nodes.row[parent]
                 if row in prev.proposals:
                     prop = prev.proposals[row]
-                    self.acceptance.observe_proposals(prop.tokens, prop.probs, token)
+                    self.observe_proposals(first + j, prop.tokens, prop.probs, token)
             return
         reached, pruned, nodes = set(acc.keep), set(acc.pruned), prev.nodes
         for i in range(1, prev.n_sent):
@@ -340,8 +358,15 @@ class TreeExpand(Stage):
         if exp.given is None or self.acceptance is None:
             return
         given = [int(t) for t in req.tokens[: req.n_given]]
-        for (tokens, probs), nxt in zip(zip(*exp.given), [*given[1:], root]):
-            self.acceptance.observe_proposals(tokens, probs, nxt)
+        first = self._emitted - len(given)  # the index of the first given token's next
+        for j, ((tokens, probs), nxt) in enumerate(zip(zip(*exp.given), [*given[1:], root])):
+            self.observe_proposals(first + j, tokens, probs, nxt)
+
+    def observe_proposals(self, index: int, tokens, probs, target: int) -> None:
+        """The draft's proposals before the emitted token `index`, which was `target`."""
+        self.acceptance.observe_proposals(tokens, probs, target)
+        if self.fallback is not None and len(tokens):
+            self.fallback.observe_hit(index, int(tokens[0]) == target)
 
     def first_request(self) -> ExpandRequest:
         """The draft prefills the prompt while the target does."""
@@ -358,7 +383,12 @@ class TreeExpand(Stage):
         if self.lookup is not None:
             self.lookup.extend(acc.tokens)  # the root, the text's last token, is the newest of them
         free = FreeSources(self.lookup, self.lookup_tables) if self.lookup is not None else None
-        b = TreeBuilder(self.config, self.priced_by, acc.pass_id + 1, room=self.n_ctx - self._committed,
+        self._shape = TREE
+        if self.fallback is not None:
+            self._shape = self.fallback.choose(self.priced_by, self.acceptance.first_child())
+        cfg = self.config if self._shape == TREE else attrs.evolve(self.config, policy=self._shape.policy,
+                                                                   chain_length=max(self._shape.length, 1))
+        b = TreeBuilder(cfg, self.priced_by, acc.pass_id + 1, room=self.n_ctx - self._committed,
                         remaining=remaining, acceptance=self.acceptance if self.prices_by_table else None,
                         ahead_beside=self.ahead_beside,
                         bar_rate=self._bar_rate, idle_value=self.idle_value, free=free)
@@ -369,12 +399,18 @@ class TreeExpand(Stage):
             return b, None
         prev = self._last
         if prev is None:  # after the prefill: the draft holds the whole prompt as pending rows
-            return b, b.request([0], [], tuple(range(len(self.prompt))))
-        # the accepted path's expanded rows stay; an accepted leaf the draft never ran joins now
-        rows = [prev.nodes.row[n] for n in acc.keep]
-        keep = tuple(r for r in rows if r >= 0)
-        given = [prev.nodes.tokens[n] for n, r in zip(acc.keep, rows) if r < 0]
-        carry = () if given else lookahead.carry_for(prev, acc)
+            keep, given = tuple(range(len(self.prompt))), []
+        else:  # the accepted path's expanded rows stay; an accepted leaf the draft never ran joins now
+            rows = [prev.nodes.row[n] for n in acc.keep]
+            keep = tuple(r for r in rows if r >= 0)
+            given = [prev.nodes.tokens[n] for n, r in zip(acc.keep, rows) if r < 0]
+        if self._lag is not None:  # the root alone grew meanwhile: the draft catches up now
+            keep, given = self._lag[0], [*self._lag[1], *given]
+        if not cfg.drafts:  # the root alone (the fallback's plain decoding): the draft waits
+            self._lag = (keep, given)
+            return b, None
+        self._lag = None
+        carry = () if given or prev is None else lookahead.carry_for(prev, acc)
         if not carry:
             req = b.request([0], given, keep)
             return b, attrs.evolve(req, given_proposals=bool(given) and self.greedy)
@@ -393,7 +429,7 @@ class TreeExpand(Stage):
             except anyio.EndOfStream:
                 return None
             req = None
-            if self.config.drafts and self.config.lookahead_nodes:
+            if b.config.drafts and self.config.lookahead_nodes:
                 req = lookahead.request(b, end_s - time.perf_counter())
             if req is None:
                 return await _receive(accepted)

@@ -137,6 +137,37 @@ def test_drafting_ahead_is_lossless_and_hits(stories, policy):
     assert res.trees.lookahead_hit_share > 0.2 and res.timing.draft_hidden_share > 0.1
 
 
+@pytest.mark.parametrize("draft_seed", [0, 7], ids=["draft=target", "other-draft"])
+def test_fallback_shapes_are_lossless_in_any_order(tiny_model, monkeypatch, draft_seed):
+    """Gain-cost's fallback grows chains and the root alone between its trees (the draft
+    catching up after the root alone): greedy output is the target's own, and a seeded sampled
+    run is the same text twice."""
+    from lever.policy import fallback
+
+    script = [fallback.TREE, fallback.ROOT, fallback.ROOT, fallback.Shape("chain", 3), fallback.ROOT,
+              fallback.TREE, fallback.Shape("chain", 1), fallback.ROOT, fallback.TREE]
+    seen: list = []  # each run's Fallback, kept alive so that no id is reused
+    calls: dict[int, int] = {}  # per run: each follows the script from its start
+
+    def choose(self, cost, first_child):
+        if id(self) not in calls:
+            seen.append(self)
+        n = calls[id(self)] = calls.get(id(self), -1) + 1
+        return script[n % len(script)]
+
+    monkeypatch.setattr(fallback.Fallback, "choose", choose)
+    path = tiny_model("qwen2", "Q8_0", n_layer=3)
+    draft = tiny_model("qwen2", "Q8_0", n_layer=1, seed=draft_seed) if draft_seed else path
+    sets = [*SPEC, f'model.draft="{draft}"', "generate.n_predict=40", "tree_expand.max_nodes=24",
+            "tree_expand.lookahead_nodes=8"]
+    res = run_pipeline(config(path, *sets), PROMPT)
+    assert res.tokens == reference_tokens(path, n=40)
+    assert {"none", "chain k=3", "gain-cost"} <= set(res.trees.shapes)
+    # (without drafting ahead, whose draws follow the machine's timing)
+    sampled = [*sets, "generate.temperature=0.8", "generate.seed=5", "tree_expand.lookahead_nodes=0"]
+    assert run_pipeline(config(path, *sampled), PROMPT).tokens == run_pipeline(config(path, *sampled), PROMPT).tokens
+
+
 def test_speculative_sampling_runs_on_real_models(stories):
     """Sampled, with the draft equal to the target: its drawn tokens are the target's own
     distribution, so rejection sampling accepts them and passes emit several tokens; the
