@@ -36,7 +36,7 @@ from lever.dataflow.graph import Stage
 from lever.dataflow.messages import Accepted, ExpandRequest, Expansion, TokenTree
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
-from lever.policy.acceptance import AcceptanceTable
+from lever.policy.acceptance import MODEL_PRIOR_WEIGHT, AcceptanceTable
 from lever.policy.cost_model import CostModel
 from lever.policy.fallback import TREE, Fallback, Shape
 from lever.policy.growth import POLICIES, GrowthPolicy, Source
@@ -259,7 +259,7 @@ class TreeExpand(Stage):
 
     def __attrs_post_init__(self):
         if self.acceptance is None and self.config.drafts:
-            self.acceptance = AcceptanceTable()
+            self.acceptance = AcceptanceTable(prior_weight=MODEL_PRIOR_WEIGHT)
         cfg = self.config
         if self.fallback is None and cfg.fallback and cfg.drafts and cfg.growth.learns_acceptance:
             self.fallback = Fallback(self.config.max_depth, greedy=self.greedy)
@@ -402,7 +402,7 @@ class TreeExpand(Stage):
             keep, given = tuple(range(len(self.prompt))), []
         else:  # the accepted path's expanded rows stay; an accepted leaf the draft never ran joins now
             rows = [prev.nodes.row[n] for n in acc.keep]
-            keep = tuple(r for r in rows if r >= 0)
+            keep = (*prev.given_rows, *(r for r in rows if r >= 0))  # the given tokens precede the root
             given = [prev.nodes.tokens[n] for n, r in zip(acc.keep, rows) if r < 0]
         if self._lag is not None:  # the root alone grew meanwhile: the draft catches up now
             keep, given = self._lag[0], [*self._lag[1], *given]

@@ -32,6 +32,12 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+# the draft model's table learns off-policy, from every proposal at every emitted token (top_k
+# trials a token): one pseudo-observation at the identity is enough, where more held the cells
+# of a draft's first choices near their probability, below what the target takes
+# (docs/measurements.md, 'Acceptance off-policy')
+MODEL_PRIOR_WEIGHT = 1.0
+
 
 @attrs.define
 class AcceptanceTable:

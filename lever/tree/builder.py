@@ -54,6 +54,9 @@ class TreeBuilder:
     proposals: dict[int, Proposals] = attrs.field(factory=dict)  # pending row -> the draft's children there
     draft_s: float = 0.0  # estimated drafting time of this cycle so far
     n_pending: int = 0  # rows this cycle has added to the draft's cache
+    # the rows of the accepted tokens this cycle's first request gave the draft (leaves it never
+    # ran): text before the root, kept with the accepted path when the next cycle commits
+    given_rows: tuple[int, ...] = ()
     n_sent: int = 0  # nodes in the tree sent to verification; later nodes were drafted ahead
     sent_s: float = 0.0  # the cycle's predicted time when the tree was sent
     sent_tokens: float = 0.0  # its expected tokens then
@@ -93,6 +96,7 @@ class TreeBuilder:
         if self.free is not None:
             nodes = self.nodes.with_unrun_ancestors(nodes)
         first = self.n_pending
+        self.given_rows += tuple(range(first, first + len(given)))
         toks, parents = list(given), [first - 1 + i if i else -1 for i in range(len(given))]
         for i, n in enumerate(nodes):
             self.nodes.set_row(n, first + len(given) + i)

@@ -137,6 +137,16 @@ def test_drafting_ahead_is_lossless_and_hits(stories, policy):
     assert res.trees.lookahead_hit_share > 0.2 and res.timing.draft_hidden_share > 0.1
 
 
+def test_a_draft_equal_to_the_target_has_every_chain_accepted(stories):
+    """The draft's cache follows the accepted text exactly, the leaves it never ran included:
+    a draft that is the target proposes the target's own tokens, so every chain is taken whole."""
+    cfg = config(stories, *SPEC, f'model.draft="{stories}"', 'tree_expand.policy="chain"', "tree_expand.chain_length=4",
+                 "generate.n_predict=41")
+    res = run_pipeline(cfg, "Once upon a time")
+    assert res.tokens == reference_tokens(stories, "Once upon a time", 41)
+    assert [c.tokens for c in res.trees.cycles] == [5] * 8
+
+
 @pytest.mark.parametrize("draft_seed", [0, 7], ids=["draft=target", "other-draft"])
 def test_fallback_shapes_are_lossless_in_any_order(tiny_model, monkeypatch, draft_seed):
     """Gain-cost's fallback grows chains and the root alone between its trees (the draft

@@ -26,6 +26,12 @@ def test_next_cycle_commits_the_expanded_accepted_path_and_feeds_an_unexpanded_l
     b2, req2 = stage.start_cycle(Accepted(1, (10, 10, 42), (0, 1, 2)))
     assert req2.keep == (0, 1) and req2.n_given == 1 and req2.tokens.tolist() == [10, 42]
     assert req2.parents.tolist() == [-1, 0]
+    while req2 is not None:
+        req2 = b2.on_expansion(draft(req2))
+    stage._last = b2
+    # the next cycle keeps the given leaf's row (0, text before the root) with the accepted path
+    _, req3 = stage.start_cycle(Accepted(2, (10, 7), (0, 1)))
+    assert req3.keep == (0, 1, 2) and req3.n_given == 0
 
 
 def chain_cycle(stage: TreeExpand, lookahead_rounds: int) -> TreeBuilder:
@@ -253,3 +259,29 @@ def test_an_accepted_leaf_the_draft_never_ran_is_learned_from_its_given_row():
     stage.learn_given(req2, exp, b2.nodes.tokens[0])
     c = stage.acceptance
     assert c.trials.sum() == before + 2 and c.accepted[0, 5] == 1  # 12 was the leaf's first choice, q 0.5
+
+
+def test_the_drafts_cache_holds_the_whole_accepted_text_cycle_after_cycle(tiny_model):
+    """Every chain taken whole: its leaf, never run by the draft, is given to it the next cycle
+    and kept the cycle after, so the draft's committed rows are always the text before the root."""
+    from lever.model.transformer import Model
+    from lever.stages.draft import Drafter
+
+    model = Model(tiny_model("qwen2", "Q8_0", n_layer=1))
+    core = Drafter(model, model.new_cache(128))
+    prompt = [1, 2, 3]
+    stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=2, fallback=False), prompt=prompt)
+    core.expand(stage.first_request())
+    acc = Accepted(0, (5,), (0, 1, 2))
+    for cycle in range(1, 6):
+        b, req = stage.start_cycle(acc)
+        first = True
+        while req is not None:
+            exp = core.expand(req)
+            if first:  # the committed text and the given tokens: everything before the root
+                assert core.n_committed + req.n_given == len(prompt) + stage._emitted - 1
+                first = False
+            req = b.on_expansion(exp)
+        stage._last = b
+        b.tree(pass_id=cycle, keep=acc.keep)
+        acc = Accepted(cycle, (b.nodes.tokens[1], b.nodes.tokens[2], 9), (0, 1, 2))  # the chain, then 9
