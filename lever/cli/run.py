@@ -111,6 +111,9 @@ def print_summary(res, file) -> None:
               f"measured {tr.measured_cycle_s * 1e3:.0f} ms; "
               f"tokens/cycle predicted {tr.predicted_tokens:.2f}, measured {tr.measured_tokens:.2f}; "
               f"flash busy {100 * t.flash_busy_share:.0f}% of the run")
+        if tr.fallback_switches:
+            p(f"  fallback    {tr.fallback_switches} times a simpler shape would have been faster; cycles by shape: "
+              + ", ".join(f"{k} {v}" for k, v in tr.shapes.items()))
         if res.draft is not None:
             p("  drafting    forwards by tokens in them: "
               + ", ".join(f"{k} x{c}" for k, c in sorted(res.draft.forward_tokens.items())))
