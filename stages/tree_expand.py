@@ -259,7 +259,7 @@ class TreeExpand(Stage):
 
     def __attrs_post_init__(self):
         if self.acceptance is None and self.config.drafts:
-            self.acceptance = AcceptanceTable(prior_weight=MODEL_PRIOR_WEIGHT)
+            self.acceptance = AcceptanceTable(prior_weight=MODEL_PRIOR_WEIGHT, shaped=self.greedy)
         cfg = self.config
         if self.fallback is None and cfg.fallback and cfg.drafts and cfg.growth.learns_acceptance:
             self.fallback = Fallback(self.config.max_depth, greedy=self.greedy)

@@ -33,10 +33,15 @@ import attrs
 import numpy as np
 
 # the draft model's table learns off-policy, from every proposal at every emitted token (top_k
-# trials a token): one pseudo-observation at the identity is enough, where more held the cells
-# of a draft's first choices near their probability, below what the target takes
+# trials a token): one pseudo-observation at the prior is enough, where more held the cells of a
+# draft's first choices near their probability, below what the target takes
 # (docs/measurements.md, 'Acceptance off-policy')
 MODEL_PRIOR_WEIGHT = 1.0
+# greedy verification takes a draft's first choice more often than its probability says and its
+# later choices less: a shaped prior (first choice sqrt(q), the others q^1.5, fitted by eye on the
+# Qwen pair's code prompts) is nearer both from the first cycle, when deep paths were priced
+# below what they kept (same section)
+FIRST_EXPONENT, LATER_EXPONENT = 0.5, 1.5
 
 
 @attrs.define
@@ -46,6 +51,7 @@ class AcceptanceTable:
     # a free source's: cells start at its pooled acceptance, this before any trial (None: the identity)
     pooled_prior: float | None = None
     pooled_weight: float = 1.0  # pseudo-observations at `pooled_prior`: a guess, so the first trials overrule it
+    shaped: bool = False  # the prior is q^FIRST_EXPONENT for a first choice, q^LATER_EXPONENT after (greedy)
     accepted: np.ndarray = attrs.field(init=False)  # (2, n_bins): first child, other children
     trials: np.ndarray = attrs.field(init=False)
 
@@ -59,8 +65,14 @@ class AcceptanceTable:
     def __call__(self, q: float, rank: int) -> float:
         """Estimated acceptance of a node the draft gave probability q as its rank-th child."""
         r, b = self._cell(q, rank)
-        prior = q if self.pooled_prior is None else self.pooled()
+        prior = self.prior(q, rank) if self.pooled_prior is None else self.pooled()
         return (self.accepted[r, b] + self.prior_weight * prior) / (self.trials[r, b] + self.prior_weight)
+
+    def prior(self, q: float, rank: int) -> float:
+        """A cell's acceptance before its trials: the identity, or the shaped prior."""
+        if not self.shaped:
+            return q
+        return q ** (FIRST_EXPONENT if rank == 0 else LATER_EXPONENT)
 
     def pooled(self) -> float:
         """The share of all trials accepted, with `pooled_weight` observations at `pooled_prior`."""
@@ -73,7 +85,7 @@ class AcceptanceTable:
         the identity over the probabilities they had (one half before any)."""
         seen, took = self.trials[0].sum(), self.accepted[0].sum()
         centres = (np.arange(self.n_bins) + 0.5) / self.n_bins
-        prior = float(centres @ self.trials[0] / seen) if seen else 0.5
+        prior = float(np.array([self.prior(c, 0) for c in centres]) @ self.trials[0] / seen) if seen else 0.5
         return float((took + self.prior_weight * prior) / (seen + self.prior_weight))
 
     def observe(self, q: float, rank: int, accepted: bool) -> None:

@@ -61,3 +61,11 @@ def test_a_tree_is_scored_by_the_chance_of_reaching_each_node():
     # a free source's node (model False) keeps its own estimate: its gain over its parent's
     gains = [1.0, 0.8, 0.6, 0.1]
     assert c.score(parents, q, rank, gains, [True, True, False, True]) == pytest.approx(0.8 + 0.6 + 0.1)
+
+
+def test_the_shaped_prior_takes_first_choices_above_their_probability_and_later_ones_below():
+    c = AcceptanceTable(prior_weight=1.0, shaped=True)
+    assert c(0.49, 0) == pytest.approx(0.7) and c(0.49, 2) == pytest.approx(0.49**1.5)
+    for _ in range(99):
+        c.observe(0.45, 0, False)  # the data overrules it
+    assert c(0.45, 0) == pytest.approx(0.45**0.5 / 100)

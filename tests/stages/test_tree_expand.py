@@ -125,8 +125,12 @@ def test_measured_slow_reads_grow_the_next_trees_within_a_few_cycles():
     from lever.dataflow.messages import PassTiming
     from tests.policy.test_cost_model import model
 
+    from lever.policy.acceptance import AcceptanceTable
+
     cm = model(bw=20e9)  # a fast flash: a pass is mostly compute, and nodes cost
-    stage = TreeExpand("x", TreeExpandConfig(policy="gain-cost", max_nodes=64, max_depth=16), prompt=[1, 2, 3], cost=cm)
+    # the cost side alone: an identity prior, so the fake draft's flat rates do not move the gains much
+    stage = TreeExpand("x", TreeExpandConfig(policy="gain-cost", max_nodes=64, max_depth=16), prompt=[1, 2, 3], cost=cm,
+                       acceptance=AcceptanceTable(prior_weight=1.0))
     assert stage.online is not None
     draft, sizes, t = FakeDraft(p_first=0.8), [], 0.0
     acc = Accepted(0, (5,), (0, 1, 2))
