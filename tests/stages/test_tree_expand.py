@@ -123,9 +123,8 @@ def test_unknown_policy_is_an_error():
 def test_measured_slow_reads_grow_the_next_trees_within_a_few_cycles():
     """[tree_expand] adapt: each Accepted's PassTiming corrects the cost model the next tree is priced with."""
     from lever.dataflow.messages import PassTiming
-    from tests.policy.test_cost_model import model
-
     from lever.policy.acceptance import AcceptanceTable
+    from tests.policy.test_cost_model import model
 
     cm = model(bw=20e9)  # a fast flash: a pass is mostly compute, and nodes cost
     # the cost side alone: an identity prior, so the fake draft's flat rates do not move the gains much
