@@ -71,8 +71,18 @@ def hook_phase(monkeypatch, phase: str, interrupt: Interrupt) -> Faults:
     return Faults(on_read=on_read if phase == "io" else None, slow_every=31 if phase == "io" else 0)
 
 
+@pytest.fixture
+def sigint_default():
+    """Ctrl-C as in a terminal: a job that a non-interactive shell puts in the background
+    inherits SIGINT ignored, and then no signal would interrupt the run."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("phase", ["prefill", "drafting", "verification", "io"])
-def test_ctrl_c_stops_lever_within_a_second_and_releases_everything(pair_dir, reference, monkeypatch, phase):  # noqa: F811
+def test_ctrl_c_stops_lever_within_a_second_and_releases_everything(pair_dir, reference, monkeypatch, phase,  # noqa: F811
+                                                                    sigint_default):
     released, interrupt = Released(), Interrupt()
     faults = hook_phase(monkeypatch, phase, interrupt)
     with inject(faults), pytest.raises(KeyboardInterrupt):
