@@ -77,8 +77,8 @@ class Fallback:
 
     def observe_hit(self, index: int, hit: bool) -> None:
         self.hits[index] = hit
-        for old in [i for i in self.hits if i < index - 4 * WINDOW]:
-            del self.hits[old]
+        if len(self.hits) > 4 * WINDOW:  # now and then, not per token: the window is the newest WINDOW
+            self.hits = {i: h for i, h in self.hits.items() if i >= index - 2 * WINDOW}
 
     def observe_cycle(self, shape: Shape, tokens: int, predicted_s: float) -> None:
         self.cycles[str(shape)] += 1

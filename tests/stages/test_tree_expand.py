@@ -231,12 +231,7 @@ def test_greedy_learns_off_policy_from_every_emitted_token_whatever_the_tree():
     token is a trial; a sampled run learns only from the nodes its trees held."""
     for greedy in (True, False):
         stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=2), prompt=[1, 2, 3], greedy=greedy)
-        b, req = stage.start_cycle(Accepted(0, (5,), (0, 1, 2)))
-        draft = FakeDraft()
-        while req is not None:
-            req = b.on_expansion(draft(req))
-        stage._last = b
-        b.tree(pass_id=1, keep=(0, 1, 2))
+        b = chain_cycle(stage, 0)
         assert b.n_nodes == 3 and set(b.nodes.rank) == {0}
         stage.start_cycle(Accepted(1, (10, 11), (0, 1)))  # the first child taken, then the second choice there
         c = stage.acceptance
@@ -248,12 +243,7 @@ def test_greedy_learns_off_policy_from_every_emitted_token_whatever_the_tree():
 
 def test_an_accepted_leaf_the_draft_never_ran_is_learned_from_its_given_row():
     stage = TreeExpand("x", TreeExpandConfig(policy="chain", chain_length=2), prompt=[1, 2, 3])
-    b, req = stage.start_cycle(Accepted(0, (5,), (0, 1, 2)))
-    draft = FakeDraft()
-    while req is not None:
-        req = b.on_expansion(draft(req))
-    stage._last = b
-    b.tree(pass_id=1, keep=(0, 1, 2))
+    chain_cycle(stage, 0)
     b2, req2 = stage.start_cycle(Accepted(1, (10, 10, 12), (0, 1, 2)))  # node 2, a leaf, then 12
     assert req2.given_proposals and req2.n_given == 1
     before = stage.acceptance.trials.sum()
