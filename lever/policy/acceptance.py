@@ -42,6 +42,11 @@ MODEL_PRIOR_WEIGHT = 1.0
 # Qwen pair's code prompts) is nearer both from the first cycle, when deep paths were priced
 # below what they kept (same section)
 FIRST_EXPONENT, LATER_EXPONENT = 0.5, 1.5
+# a shaped cell's prior weighs at least one expected acceptance (1 / prior observations, up to
+# this): a later choice of q 0.05 is taken about 1% of the time, and one lucky hit in its first
+# two trials read 0.34 at one pseudo-observation, so wide trees of such siblings grew until the
+# cell had seen dozens (docs/measurements.md, 'The first tree')
+MAX_PRIOR_WEIGHT = 20.0
 
 
 @attrs.define
@@ -66,7 +71,10 @@ class AcceptanceTable:
         """Estimated acceptance of a node the draft gave probability q as its rank-th child."""
         r, b = self._cell(q, rank)
         prior = self.prior(q, rank) if self.pooled_prior is None else self.pooled()
-        return (self.accepted[r, b] + self.prior_weight * prior) / (self.trials[r, b] + self.prior_weight)
+        w = self.prior_weight
+        if self.shaped and self.pooled_prior is None:
+            w = max(w, min(1.0 / max(prior, 1e-9), MAX_PRIOR_WEIGHT))
+        return (self.accepted[r, b] + w * prior) / (self.trials[r, b] + w)
 
     def prior(self, q: float, rank: int) -> float:
         """A cell's acceptance before its trials: the identity, or the shaped prior."""
@@ -79,13 +87,19 @@ class AcceptanceTable:
         accepted = self.accepted.sum() + self.pooled_weight * self.pooled_prior
         return float(accepted / (self.trials.sum() + self.pooled_weight))
 
-    def first_child(self) -> float:
+    def first_child(self, proposed_q: float | None = None) -> float:
         """A first child's acceptance before its probability is known: the share of first
         children accepted so far (their parent reached), with `prior_weight` observations at
-        the identity over the probabilities they had (one half before any)."""
+        the prior over the probabilities they had. Before any, the prior at `proposed_q`, a
+        probability the draft's first choices have had (lever.tree.builder passes the mean of
+        its tree's), or one half. A flat half priced the first tree of a run as if every level
+        lost half its reach: it stopped 3 deep where the draft was sure of 10 (docs/measurements.md,
+        'The first tree')."""
         seen, took = self.trials[0].sum(), self.accepted[0].sum()
+        if not seen:
+            return self.prior(proposed_q, 0) if proposed_q is not None else 0.5
         centres = (np.arange(self.n_bins) + 0.5) / self.n_bins
-        prior = float(np.array([self.prior(c, 0) for c in centres]) @ self.trials[0] / seen) if seen else 0.5
+        prior = float(np.array([self.prior(c, 0) for c in centres]) @ self.trials[0] / seen)
         return float((took + self.prior_weight * prior) / (seen + self.prior_weight))
 
     def observe(self, q: float, rank: int, accepted: bool) -> None:

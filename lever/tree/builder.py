@@ -62,6 +62,7 @@ class TreeBuilder:
     sent_tokens: float = 0.0  # its expected tokens then
     scored_tokens: float = 0.0  # its expected tokens by the run's acceptance table, whatever the policy priced with
     model_rate: float = 0.0  # the model's tree's expected rate before the free sources filled it, tokens/s (0: no fill)
+    first_q: list[float] = attrs.field(factory=list)  # the draft's first choices' probabilities in this tree
     _seq: int = 0
 
     def __attrs_post_init__(self):
@@ -123,6 +124,8 @@ class TreeBuilder:
         for rank, (t, q) in enumerate(zip(prop.tokens, prop.probs)):
             if t < 0:  # fewer tokens had mass than were asked for
                 break
+            if rank == 0:
+                self.first_q.append(float(q))
             p = self.acceptance(float(q), rank) if self.acceptance is not None else float(q)
             c = Candidate(-self.nodes.gain[node] * p, self._seq, node, int(t), float(q), rank)
             if self.nodes.child(node, int(t)) is not None:  # a free source proposed it, and it joined
@@ -212,12 +215,14 @@ class TreeBuilder:
     def child_gain(self, node: int) -> float:
         """What the best child of `node` is expected to bring, before the draft proposes it:
         the node's gain times a first child's acceptance (the table's, over the first
-        children it saw; with no table, the node's own draft probability). Not the node's
+        children it saw, or before any the prior at this tree's first choices; with no table,
+        the node's own draft probability). Not the node's
         own acceptance: the draft's doubt is local (a name, a number), the token after one
         is as predictable as any other."""
         if self.acceptance is None:
             return self.nodes.gain[node] * self.nodes.q[node]
-        return self.nodes.gain[node] * self.acceptance.first_child()
+        proposed = sum(self.first_q) / len(self.first_q) if self.first_q else None
+        return self.nodes.gain[node] * self.acceptance.first_child(proposed)
 
     def forward_tokens(self, nodes: list[int]) -> int:
         return len(self.nodes.with_unrun_ancestors(nodes)) if self.free is not None else len(nodes)

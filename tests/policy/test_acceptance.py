@@ -22,9 +22,22 @@ def test_learns_per_rank_and_bin():
     assert [(r, n) for r, _, n, _ in c.table()] == [(0, 96), (1, 96)]
 
 
+def test_one_lucky_hit_does_not_make_an_unlikely_sibling_likely():
+    c = AcceptanceTable(prior_weight=1.0, shaped=True)
+    c.observe(0.05, 1, True)
+    c.observe(0.05, 1, False)
+    # one pseudo-observation would read (1 + 0.011) / 3 = 0.34; the prior weighs 20 here
+    assert c(0.05, 1) == pytest.approx((1 + 20 * 0.05**1.5) / 22)
+    for _ in range(200):
+        c.observe(0.05, 1, True)  # and enough data still overrules it
+    assert c(0.05, 1) > 0.85
+
+
 def test_first_child_is_the_share_accepted_leaning_on_the_identity_before_data():
     c = AcceptanceTable(prior_weight=4)
     assert c.first_child() == pytest.approx(0.5)
+    assert c.first_child(proposed_q=0.81) == pytest.approx(0.81)  # the identity at the draft's first choices
+    assert AcceptanceTable(shaped=True).first_child(proposed_q=0.81) == pytest.approx(0.9)
     for i in range(40):
         c.observe(0.45, 0, i % 10 != 0)  # 90% of first children accepted at q ~0.45
         c.observe(0.3, 1, False)  # later children do not count
@@ -67,5 +80,6 @@ def test_the_shaped_prior_takes_first_choices_above_their_probability_and_later_
     c = AcceptanceTable(prior_weight=1.0, shaped=True)
     assert c(0.49, 0) == pytest.approx(0.7) and c(0.49, 2) == pytest.approx(0.49**1.5)
     for _ in range(99):
-        c.observe(0.45, 0, False)  # the data overrules it
-    assert c(0.45, 0) == pytest.approx(0.45**0.5 / 100)
+        c.observe(0.45, 0, False)  # the data overrules it (the prior weighs 1 / 0.67 observations)
+    w = 1 / 0.45**0.5
+    assert c(0.45, 0) == pytest.approx(w * 0.45**0.5 / (99 + w))

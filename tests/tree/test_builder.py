@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from lever.policy.acceptance import AcceptanceTable
 from lever.stages.tree_expand import FlatCost, TreeExpandConfig
 from lever.tree.builder import TreeBuilder
 from lever.tree.free import FreeSources
 from tests.tree.fake_draft import FakeDraft
 
 
-def grow(config: TreeExpandConfig, cost=FlatCost(), room=1000) -> TreeBuilder:
-    b = TreeBuilder(config, cost, cycle=1, room=room)
+def grow(config: TreeExpandConfig, cost=FlatCost(), room=1000, acceptance=None, p_first=0.7) -> TreeBuilder:
+    b = TreeBuilder(config, cost, cycle=1, room=room, acceptance=acceptance)
     b.add(5, -1, 1.0)
-    draft = FakeDraft()
+    draft = FakeDraft(p_first)
     req = b.request([0], given=[], keep=())
     while req is not None:
         req = b.on_expansion(draft(req))
@@ -36,6 +37,16 @@ def test_gain_cost_grows_when_reads_dominate_and_shrinks_when_compute_does():
     fast_flash = grow(cfg, FlatCost(read_s=0.01, compute_per_token_s=0.005, draft_step_s=0.02))
     assert slow_flash.n_nodes > 2 * fast_flash.n_nodes
     assert fast_flash.n_nodes >= 2  # the first, likely child is still worth it
+
+
+def test_a_runs_first_tree_goes_as_deep_as_the_drafts_first_choices_are_sure():
+    """Before the table has seen a first child, a level's reach is priced at the prior of the
+    first choices the draft proposed in this tree, not at a flat half (which stopped 3 deep)."""
+    cfg = TreeExpandConfig(policy="gain-cost", max_nodes=64, max_depth=24)
+    cost = FlatCost(read_s=0.1, compute_per_token_s=0.002, draft_step_s=0.02)
+    sure = grow(cfg, cost, acceptance=AcceptanceTable(prior_weight=1.0, shaped=True), p_first=0.95)
+    unsure = grow(cfg, cost, acceptance=AcceptanceTable(prior_weight=1.0, shaped=True), p_first=0.5)
+    assert max(sure.nodes.depth) >= 10 > 3 >= max(unsure.nodes.depth)  # a flat half: 3 deep for both
 
 
 def test_gain_is_the_path_probability():
