@@ -49,6 +49,18 @@ def test_a_runs_first_tree_goes_as_deep_as_the_drafts_first_choices_are_sure():
     assert max(sure.nodes.depth) >= 10 > 3 >= max(unsure.nodes.depth)  # a flat half: 3 deep for both
 
 
+def test_an_expensive_pass_with_cheap_nodes_grows_hundreds_of_nodes():
+    """Where the pass reads for seconds and a node's compute is nearly free (an NPU beside
+    slow flash), the same policy grows trees of hundreds of nodes, as SpecExec and Sequoia do."""
+    cfg = TreeExpandConfig(policy="gain-cost", max_nodes=1024, max_depth=64)
+    phone = grow(cfg, FlatCost(read_s=4.0, compute_per_token_s=0.002, draft_step_s=0.02),
+                 acceptance=AcceptanceTable(prior_weight=1.0, shaped=True), p_first=0.9)
+    dram = grow(cfg, FlatCost(read_s=0.05, compute_per_token_s=0.002, draft_step_s=0.02),
+                acceptance=AcceptanceTable(prior_weight=1.0, shaped=True), p_first=0.9)
+    assert phone.n_nodes > 300 and max(phone.nodes.depth) > 40
+    assert dram.n_nodes < 40
+
+
 def test_gain_is_the_path_probability():
     b = grow(TreeExpandConfig(policy="chain", chain_length=3))
     assert np.allclose(b.nodes.gain, [1.0, 0.7, 0.49, 0.343])
