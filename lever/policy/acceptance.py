@@ -59,10 +59,12 @@ class AcceptanceTable:
     shaped: bool = False  # the prior is q^FIRST_EXPONENT for a first choice, q^LATER_EXPONENT after (greedy)
     accepted: np.ndarray = attrs.field(init=False)  # (2, n_bins): first child, other children
     trials: np.ndarray = attrs.field(init=False)
+    first_prior: np.ndarray = attrs.field(init=False)  # (n_bins,): a first choice's prior at each bin's centre
 
     def __attrs_post_init__(self):
         self.accepted = np.zeros((2, self.n_bins))
         self.trials = np.zeros((2, self.n_bins))
+        self.first_prior = np.array([self.prior((b + 0.5) / self.n_bins, 0) for b in range(self.n_bins)])
 
     def _cell(self, q: float, rank: int) -> tuple[int, int]:
         return min(rank, 1), min(int(q * self.n_bins), self.n_bins - 1)
@@ -98,8 +100,7 @@ class AcceptanceTable:
         seen, took = self.trials[0].sum(), self.accepted[0].sum()
         if not seen:
             return self.prior(proposed_q, 0) if proposed_q is not None else 0.5
-        centres = (np.arange(self.n_bins) + 0.5) / self.n_bins
-        prior = float(np.array([self.prior(c, 0) for c in centres]) @ self.trials[0] / seen)
+        prior = float(self.first_prior @ self.trials[0] / seen)
         return float((took + self.prior_weight * prior) / (seen + self.prior_weight))
 
     def observe(self, q: float, rank: int, accepted: bool) -> None:

@@ -62,7 +62,9 @@ class TreeBuilder:
     sent_tokens: float = 0.0  # its expected tokens then
     scored_tokens: float = 0.0  # its expected tokens by the run's acceptance table, whatever the policy priced with
     model_rate: float = 0.0  # the model's tree's expected rate before the free sources filled it, tokens/s (0: no fill)
-    first_q: list[float] = attrs.field(factory=list)  # the draft's first choices' probabilities in this tree
+    # the draft's first choices in this tree: their probabilities' sum and count
+    first_q_sum: float = 0.0
+    n_first_q: int = 0
     _seq: int = 0
 
     def __attrs_post_init__(self):
@@ -125,7 +127,8 @@ class TreeBuilder:
             if t < 0:  # fewer tokens had mass than were asked for
                 break
             if rank == 0:
-                self.first_q.append(float(q))
+                self.first_q_sum += float(q)
+                self.n_first_q += 1
             p = self.acceptance(float(q), rank) if self.acceptance is not None else float(q)
             c = Candidate(-self.nodes.gain[node] * p, self._seq, node, int(t), float(q), rank)
             if self.nodes.child(node, int(t)) is not None:  # a free source proposed it, and it joined
@@ -221,7 +224,7 @@ class TreeBuilder:
         is as predictable as any other."""
         if self.acceptance is None:
             return self.nodes.gain[node] * self.nodes.q[node]
-        proposed = sum(self.first_q) / len(self.first_q) if self.first_q else None
+        proposed = self.first_q_sum / self.n_first_q if self.n_first_q else None
         return self.nodes.gain[node] * self.acceptance.first_child(proposed)
 
     def forward_tokens(self, nodes: list[int]) -> int:
