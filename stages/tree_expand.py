@@ -68,6 +68,9 @@ class TreeExpandConfig:
     kary_depth: int = 3  # kary: depth of the full tree (top_k children per node)
     confidence: float = 0.3  # confidence: add nodes whose path probability stays above this
     lookahead_nodes: int = 0  # nodes drafted ahead while the target verifies (0: off), within the pass's idle time
+    # drafting ahead takes only nodes at least this likely to be reached (their gain): a row
+    # drafted ahead is a forward's compute, and most are never used (lever.tree.lookahead)
+    lookahead_min_gain: float = 0.0
     # gain-cost: "online" learns draft probability -> acceptance from each cycle; "calibrated"
     # starts from `lever calibrate`'s table and learns on; "identity" takes the draft's word
     acceptance: str = "online"
@@ -97,6 +100,8 @@ class TreeExpandConfig:
         if not 0 <= self.lookahead_nodes <= MAX_TREE_SIZE:
             raise LeverError(f"[tree_expand] lookahead_nodes: must be in [0, {MAX_TREE_SIZE}], "
                              f"got {self.lookahead_nodes}")
+        if not 0.0 <= self.lookahead_min_gain <= 1.0:  # NaN fails too
+            raise LeverError(f"[tree_expand] lookahead_min_gain: must be in [0, 1], got {self.lookahead_min_gain}")
 
     @property
     def growth(self) -> GrowthPolicy:
@@ -184,6 +189,8 @@ class TreeStats:
     cycles: tuple[CycleRecord, ...] = ()  # every decoding cycle the run finished
     shapes: dict[str, int] = attrs.field(factory=dict)  # gain-cost with its fallback: cycles grown as each shape
     fallback_switches: int = 0  # times the fallback replaced gain-cost's tree by a simpler shape
+    ahead_nodes: int = 0  # nodes drafted ahead while the target verified
+    ahead_used: int = 0  # of them, nodes a later tree took without drafting them again
 
     @property
     def mean_nodes(self) -> float:
@@ -192,6 +199,11 @@ class TreeStats:
     @property
     def lookahead_hit_share(self) -> float:
         return self.lookahead_hits / len(self.tree_sizes) if self.tree_sizes else 0.0
+
+    @property
+    def ahead_used_share(self) -> float:
+        """The share of drafting ahead a later tree used: the rest was compute spent for nothing."""
+        return self.ahead_used / self.ahead_nodes if self.ahead_nodes else 0.0
 
     @property
     def predicted_cycle_s(self) -> float:
@@ -238,6 +250,8 @@ class TreeExpand(Stage):
 
     tree_sizes: list[int] = attrs.field(factory=list)  # nodes of each speculative tree (for the summary)
     lookahead_hits: int = 0  # cycles that started from rows drafted ahead
+    ahead_nodes: int = 0  # nodes drafted ahead, all cycles
+    ahead_used: int = 0  # of them, nodes a later tree took
     # the draft's acceptance, learned from each cycle: gain-cost's gains go through it (unless
     # [tree_expand] acceptance = "identity"), and every policy's trees are scored by it
     acceptance: AcceptanceTable | None = None
@@ -299,7 +313,8 @@ class TreeExpand(Stage):
     def stats(self) -> TreeStats:
         fb = self.fallback
         return TreeStats(tuple(self.tree_sizes), self.lookahead_hits, tuple(self.cycles),
-                         dict(fb.cycles) if fb else {}, fb.switches if fb else 0)
+                         dict(fb.cycles) if fb else {}, fb.switches if fb else 0,
+                         ahead_nodes=self.ahead_nodes, ahead_used=self.ahead_used)
 
     def sent(self, b: TreeBuilder, tree: TokenTree) -> None:
         """A tree goes to verification: its predicted time and tokens, and the rate bar."""
@@ -459,6 +474,9 @@ class TreeExpand(Stage):
                     if self.online is not None:  # drafted in turns: the cores were the draft's alone
                         self.online.observe_draft(time.perf_counter() - t0, req.tokens.size)
                     req = b.on_expansion(exp)
+            if self._last is not None:
+                self.ahead_nodes += self._last.ahead.n_ahead
+            self.ahead_used += b.ahead.n_used
             self._last = b
             self.tree_sizes.append(b.n_nodes)
             tree = b.tree(acc.pass_id + 1, acc.keep)

@@ -105,7 +105,8 @@ def print_summary(res, file) -> None:
     if t.draft_s:
         p(f"  cycle       verify pass {t.verify_pass_s / n * 1e3:.0f} ms, accept {t.accept_s / n * 1e3:.0f} ms, "
           f"draft {t.draft_s / n * 1e3:.0f} ms of which {100 * t.draft_hidden_share:.0f}% ran during verification; "
-          f"{100 * tr.lookahead_hit_share:.0f}% of cycles started from rows drafted ahead")
+          f"{100 * tr.lookahead_hit_share:.0f}% of cycles started from rows drafted ahead"
+          + (f" ({tr.ahead_nodes} drafted ahead, {100 * tr.ahead_used_share:.0f}% of them used)" if tr.ahead_nodes else ""))
         if tr.cycles:
             p(f"  model       cycle predicted {tr.predicted_cycle_s * 1e3:.0f} ms, "
               f"measured {tr.measured_cycle_s * 1e3:.0f} ms; "

@@ -8,6 +8,12 @@ the tree's unexpanded nodes and the best candidates, which join as nodes past th
 When the target has answered, `carry_for` finds the new root among them (or nothing, when the
 guess missed) and `adopt` starts the next tree from its rows and their children at no drafting
 cost; only the draft's cache rows carry over (the Draft stage keeps them pending).
+
+Only nodes at least `lookahead_min_gain` likely to be reached are drafted ahead: each round is
+a draft forward's compute on a core the pass could use, and the next root is one exact token,
+so of all rows drafted ahead a later tree used 2-10% (code.txt, budget 0: `lever run --json`'s
+`ahead_used_share`), and drafting ahead by gain alone cost more CPU, and time, than it saved
+(docs/measurements.md, 'Drafting ahead only what is likely').
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ def request(b, time_left_s: float = float("inf")) -> ExpandRequest | None:
     # the n likeliest things to expand: unexpanded tree nodes and candidates, by gain
     leaves = [(-nodes.gain[i], i) for i in range(b.n_sent) if nodes.row[i] < 0]
     best = heapq.nsmallest(n, leaves + [(c.neg_gain, -1 - k) for k, c in enumerate(heapq.nsmallest(n, b.heap))])
+    best = [(g, i) for g, i in best if -g >= cfg.lookahead_min_gain]  # in gain order: a prefix
     # a forward's cost grows slowly with its batch: take the batch with the most gain per second
     gains = np.cumsum([-g for g, _ in best])
     if gains.size == 0:

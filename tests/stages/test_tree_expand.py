@@ -64,6 +64,19 @@ def test_lookahead_expands_the_leaf_then_the_likeliest_candidates():
     assert all(b.nodes.gain[i] <= b.nodes.gain[j] for i, j in zip(list(ahead)[4:], list(ahead)[:4]))
 
 
+def test_lookahead_drafts_only_what_is_likely_enough_to_be_reached():
+    def ahead(min_gain: float) -> TreeBuilder:
+        cfg = TreeExpandConfig(policy="chain", chain_length=2, lookahead_nodes=8, round_nodes=4,
+                               lookahead_min_gain=min_gain)
+        return chain_cycle(TreeExpand("x", cfg, prompt=[1, 2, 3]), 10)
+
+    everything, likely = ahead(0.0), ahead(0.2)
+    assert everything.ahead.n_ahead == 8  # by gain alone: the node cap, siblings at 0.05 among them
+    assert 0 < likely.ahead.n_ahead < 8  # the leaf (0.49), then its likeliest line while it stays above 0.2
+    assert all(likely.nodes.gain[i] >= 0.2 for i in range(likely.n_nodes) if likely.nodes.row[i] >= 0)
+    assert ahead(0.5).ahead.n_ahead == 0  # not even the leaf: the sent chain's end is reached at 0.49
+
+
 def test_lookahead_stays_within_the_idle_time_of_the_pass():
     cfg = TreeExpandConfig(policy="chain", chain_length=2, lookahead_nodes=64)
     busy = TreeExpand("x", cfg, prompt=[1, 2, 3], cost=FlatCost(read_s=0.0))  # compute-bound: no idle time
@@ -118,6 +131,12 @@ def test_online_calibration_learns_from_each_cycle():
 def test_unknown_policy_is_an_error():
     with pytest.raises(LeverError, match=r"\[tree_expand\] policy"):
         TreeExpandConfig(policy="magic")
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
+def test_a_lookahead_min_gain_outside_zero_to_one_names_the_key(value):
+    with pytest.raises(LeverError, match=r"\[tree_expand\] lookahead_min_gain"):
+        TreeExpandConfig(lookahead_min_gain=value)
 
 
 def test_measured_slow_reads_grow_the_next_trees_within_a_few_cycles():
