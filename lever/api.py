@@ -186,12 +186,16 @@ def load(config: str | os.PathLike | None = None, *, overrides: Sequence[str] = 
     """Opens a pipeline: from a config file, or from settings alone (target=..., draft=...).
 
     `settings` are the common keys by short name (ALIASES: target, draft, dram_budget, n_ctx,
-    kind, policy, threads, and the [generate] defaults); `overrides` any "section.key=value"
-    as `--set` takes them. Paths given here resolve against the working directory."""
-    sets = []
+    kind, policy, threads, and the [generate] defaults), and `mem` ("2G", or bytes) as `--mem`
+    takes it: [memory] limit, with the target's resident layers filling what the rest leaves
+    (a dram_budget given too wins); `overrides` any "section.key=value" as `--set` takes them.
+    Paths given here resolve against the working directory."""
+    mem = settings.pop("mem", None)
+    sets = [] if mem is None else [f"memory.limit={_toml(mem)}", 'flash.dram_budget="fill"']
     for name, value in settings.items():
         if name not in ALIASES:
-            raise LeverError(f"lever.load: unknown setting {name!r} (known: {', '.join(ALIASES)}, or overrides=[...])")
+            raise LeverError(f"lever.load: unknown setting {name!r} (known: mem, {', '.join(ALIASES)}, "
+                             f"or overrides=[...])")
         if name in PATH_ALIASES and value:
             value = str(Path(value).expanduser().resolve())
         sets.append(f"{ALIASES[name]}={_toml(value)}")

@@ -20,8 +20,10 @@ MAX_LATENCY_MS = 10_000.0
 PAGE_BYTES = 4096  # O_DIRECT alignment: a multiple of every logical block size we meet (512, 4096)
 MODES = ("direct", "mmap")
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_BYTES_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b|b)?\s*$", re.IGNORECASE)
+# a bare K/M/G is binary, as in memory limits elsewhere (systemd's MemoryMax=2G, docker -m 2g)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "k": 2**10, "m": 2**20, "g": 2**30}
+_BYTES_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b|[kmg]|b)?\s*$", re.IGNORECASE)
 _LAYERS_RE = re.compile(r"^\s*(\d+)\s*(l|layers?)\s*$", re.IGNORECASE)
 _PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 _FRACTION_RE = re.compile(r"^\s*(\d*\.\d*)\s*$")
@@ -31,8 +33,8 @@ _FRACTION_RE = re.compile(r"^\s*(\d*\.\d*)\s*$")
 class Budget:
     """A parsed DRAM budget: `amount` bytes, a fraction of all layer bytes, or a count of layers."""
 
-    kind: str  # "bytes" | "fraction" | "layers"
-    amount: float
+    kind: str  # "bytes" | "fraction" | "layers" | "fill"
+    amount: float  # "fill": 0, the amount is what [memory] limit leaves (lever.policy.memory.fill_residency)
 
 
 def parse_bytes(value) -> int | None:
@@ -52,7 +54,9 @@ def parse_budget(value: int | float | str | Budget, key: str = "dram_budget") ->
       (`500MB`, `2GB`, `1000kB`) or binary (`256MiB`, `1GiB`);
     - fraction of the total layer bytes: a float in [0, 1] (`0.25`), a string with a decimal
       point (`"0.25"`, `"1.0"`) or a percentage (`"25%"`);
-    - layer count: a string ending in `L` or `layers` (`"8L"`, `"8 layers"`).
+    - layer count: a string ending in `L` or `layers` (`"8L"`, `"8 layers"`);
+    - `"fill"`: every layer that fits in `[memory] limit` beside everything else the run
+      plans (`--mem`), placed with the memory plan (lever.policy.memory.fill_residency).
 
     A bare int is always bytes (so `1` is one byte, not 100%); write `1.0` or `"100%"` for all.
     """
@@ -67,6 +71,8 @@ def parse_budget(value: int | float | str | Budget, key: str = "dram_budget") ->
     if isinstance(value, float):
         return _fraction(value, key, value)
     if isinstance(value, str):
+        if value.strip().lower() == "fill":
+            return Budget("fill", 0)
         if (n := parse_bytes(value)) is not None:
             return Budget("bytes", n)
         if m := _LAYERS_RE.match(value):
@@ -76,7 +82,7 @@ def parse_budget(value: int | float | str | Budget, key: str = "dram_budget") ->
         if (m := _FRACTION_RE.match(value)) and m[1] != ".":
             return _fraction(float(m[1]), key, value)
     raise LeverError(
-        f"[flash] {key}: {value!r} is not bytes (e.g. 512MiB), a fraction (0.25, 25%) or a layer count (8L)"
+        f"[flash] {key}: {value!r} is not bytes (e.g. 512MiB), a fraction (0.25, 25%), a layer count (8L) or \"fill\""
     )
 
 
@@ -100,6 +106,8 @@ def plan_residency(layer_bytes: list[int], budget: int | float | str | Budget) -
     """The layers kept in DRAM: as many as the budget allows, spread evenly across depth."""
     b = parse_budget(budget)
     n = len(layer_bytes)
+    if b.kind == "fill":  # a run's plan places these (RunPlan.resolve); layer sizes alone cannot
+        raise LeverError('[flash] dram_budget: "fill" is placed by a run\'s memory plan, against [memory] limit')
     if b.kind == "layers":
         return frozenset(spread(n, min(int(b.amount), n)))
     limit = b.amount if b.kind == "bytes" else b.amount * sum(layer_bytes)
@@ -163,8 +171,9 @@ class FlashConfig:
 
     dram_budget: int | float | str = 0
     """DRAM for layers kept resident (read once), outside the staging window: bytes (int or
-    "512MiB"), a fraction of all layer bytes (0.25, "25%") or a layer count ("8L"). 0 streams
-    every layer. See `parse_budget`."""
+    "512MiB"), a fraction of all layer bytes (0.25, "25%"), a layer count ("8L"), or "fill":
+    what [memory] limit leaves after everything else (`--mem`). 0 streams every layer. See
+    `parse_budget`."""
 
     def __attrs_post_init__(self) -> None:
         _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(repr(m) for m in MODES))

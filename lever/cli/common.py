@@ -21,6 +21,7 @@ import re
 import sys
 from typing import NoReturn
 
+from lever.backends.flash.config import parse_bytes
 from lever.config import CTX, KNOBS, MAX_CTX, N_PREDICT, THREADS, check_overrides
 from lever.errors import LeverError, regular_file
 from lever.model.sampling import Range
@@ -65,6 +66,24 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def add_set(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.add_argument("--mem", type=memory_size, metavar="SIZE",
+                   help="DRAM the run may use (e.g. 2G, 1536MiB): [memory] limit, and the target's layers "
+                        "kept resident fill what the rest of the plan leaves ([flash] dram_budget = \"fill\"); "
+                        "a --set of either wins")
+
+
+def memory_size(text: str) -> str:
+    """--mem: a positive size in bytes (2G, 1536MiB, 2000000000), as [memory] limit takes it."""
+    n = parse_bytes(text)
+    if n is None or n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size in bytes (e.g. 2G, 1536MiB), got {text!r}")
+    return text.strip()
+
+
+def mem_sets(args) -> list[str]:
+    """--mem as the --set overrides it stands for, to go before the command line's own."""
+    mem = getattr(args, "mem", None)
+    return [] if mem is None else [f"memory.limit={mem!r}", 'flash.dram_budget="fill"']
 
 
 def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:

@@ -75,6 +75,10 @@ def _main(argv: list[str] | None) -> int:
         print("lever: error: stdout is closed: what this command prints would be lost "
               "(redirect it to a file or to /dev/null)", file=sys.stderr)
         return 1
+    if hasattr(args, "set"):  # --mem stands for two --set values; the command line's own come after and win
+        from lever.cli.common import mem_sets
+
+        args.set[:0] = mem_sets(args)
     if args.threads and hasattr(args, "set"):  # a command with a config: --threads is its [runtime] threads
         args.set.append(f"runtime.threads={args.threads}")
     from lever.backends.cpu import native

@@ -15,6 +15,7 @@ from lever.cli.common import add_common, add_knobs, add_set, check_sets, input_t
 from lever.config import load_config
 from lever.errors import LeverError, read_text
 from lever.pipelines.engine import run_pipeline
+from lever.policy.memory import FILL_PROMPT_TOKENS
 from lever.shipped import shipped
 
 
@@ -106,7 +107,8 @@ def print_summary(res, file) -> None:
         p(f"  cycle       verify pass {t.verify_pass_s / n * 1e3:.0f} ms, accept {t.accept_s / n * 1e3:.0f} ms, "
           f"draft {t.draft_s / n * 1e3:.0f} ms of which {100 * t.draft_hidden_share:.0f}% ran during verification; "
           f"{100 * tr.lookahead_hit_share:.0f}% of cycles started from rows drafted ahead"
-          + (f" ({tr.ahead_nodes} drafted ahead, {100 * tr.ahead_used_share:.0f}% of them used)" if tr.ahead_nodes else ""))
+          + (f" ({tr.ahead_nodes} drafted ahead, {100 * tr.ahead_used_share:.0f}% of them used)"
+             if tr.ahead_nodes else ""))
         if tr.cycles:
             p(f"  model       cycle predicted {tr.predicted_cycle_s * 1e3:.0f} ms, "
               f"measured {tr.measured_cycle_s * 1e3:.0f} ms; "
@@ -126,6 +128,10 @@ def print_summary(res, file) -> None:
     if mem.plan is not None:
         p(f"  memory      peak RSS {mem.peak_rss_bytes / mib:.0f} MiB, planned before loading {mem.plan.describe()}; "
           f"bound with margin {mem.rss_bound_bytes / mib:.0f} MiB")
+        if mem.fill is not None:
+            p(f"  fill        --mem / [memory] limit placed {mem.fill.resident_layer_bytes / mib:.0f} MiB of target "
+              f"layers in DRAM by a plan of {mem.fill.total_bytes / mib:.0f} MiB (prompts up to "
+              f"{FILL_PROMPT_TOKENS} tokens); the rest stream")
         over = over_bound(mem)
         if over:
             p(f"  WARNING     {over}")

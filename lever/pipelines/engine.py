@@ -11,12 +11,15 @@ compute, and peak RSS against the memory plan (lever.pipelines.result). `run_pip
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import resource
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import attrs
+import psutil
 
 from lever.backends.cpu import native
 from lever.backends.cpu.kv_cache import KVCache
@@ -59,6 +62,9 @@ class Engine:
     plan: RunPlan
     target: FlashTarget | None = None
     draft: Model | None = None  # None: the plan does not draft
+    # the process before loading (interpreter, libraries, tokenizer): a plan made after loading
+    # must not count the loaded weights twice, once as their parts and once in the process's RSS
+    process_bytes: int | None = None
 
     @classmethod
     def open(cls, cfg: Config, name: str | None = None, *, prompt: str | None = None) -> Engine:
@@ -67,7 +73,7 @@ class Engine:
         plan = RunPlan.resolve(cfg, name)
         for line in plan.warnings:
             print(f"lever: warning: {line}", file=sys.stderr)
-        engine = cls(plan)
+        engine = cls(plan, process_bytes=psutil.Process().memory_info().rss)
         engine.memory_plan(len(engine.encode(prompt)) if prompt is not None else 1)
         with native.default_threads(plan.runtime.threads), ThreadPoolExecutor(1, "lever-load") as pool:
             # the draft loads beside the target: both are mostly reads and packing in the
@@ -109,7 +115,7 @@ class Engine:
         mem = plan_memory(p.target_file, p.spec, p.flash, n_ctx=p.n_ctx, n_pass_tokens=max(n_prompt, p.tree.max_nodes),
                           tree_rows=p.tree.max_nodes, draft=p.draft_file, draft_spec=p.draft_spec,
                           draft_rows=p.tree.draft_rows if p.drafts else 0, runtime_bytes=p.runtime_bytes,
-                          resident=p.resident)
+                          resident=p.resident, process_bytes=self.process_bytes)
         check_memory(mem, p.memory, p.where)
         return mem
 
@@ -135,6 +141,7 @@ class Engine:
             self.target.close()
             self.target = None
         self.draft = None
+        _give_back()
 
     def __enter__(self) -> Engine:
         return self
@@ -214,7 +221,8 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
     per_pass_bytes = target.store.streamed_bytes
     flash = FlashFigures(per_pass_bytes, max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
                          target.store.stats().requested_bytes, summary.flash_gbps)
-    memory = MemoryFigures(target.resident_bytes, target.head_bytes, target.window_bytes, _peak_rss_bytes(), mem)
+    memory = MemoryFigures(target.resident_bytes, target.head_bytes, target.window_bytes, _peak_rss_bytes(), mem,
+                           fill=plan.fill)
     place = plan.placement
     gen = request.generate or plan.generate
     return RunResult(
@@ -225,3 +233,24 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
         placement=place.where | {f"qnn {i}": _qnn_figures(r) for i, r in enumerate(place.runners)},
         channels={k: attrs.asdict(v) for k, v in h.pipeline.channel_stats.items()}, temperature=gen.temperature,
         vocab=plan.vocab.figures if plan.vocab is not None and h.draft is not None else None)
+
+
+def _give_back() -> None:
+    """Returns what a closed engine freed to the system: glibc keeps freed arenas mapped, so the
+    next engine in this process (a run's baseline, an app that reopens) would plan from an RSS
+    that counts them, and a limit that held the first would not hold the second."""
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+_LIBC = _libc()

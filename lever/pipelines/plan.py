@@ -24,7 +24,7 @@ import copy
 import attrs
 
 from lever.backends.flash import FlashConfig
-from lever.backends.flash.config import plan_residency
+from lever.backends.flash.config import parse_budget, plan_residency
 from lever.backends.flash.layout import layer_extents
 from lever.config import PIPELINE_KINDS, ChannelsConfig, Config, GenerateConfig, PipelineKind, RuntimeConfig
 from lever.errors import LeverError
@@ -34,7 +34,14 @@ from lever.gguf.tokenizer import Tokenizer
 from lever.gguf.vocab_map import VocabMap, pair_vocabularies
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.cost_model import CostModel, cost_model_for
-from lever.policy.memory import MemoryConfig, runtime_bytes_for
+from lever.policy.memory import (
+    FILL_PROMPT_TOKENS,
+    MemoryConfig,
+    MemoryPlan,
+    fill_residency,
+    plan_memory,
+    runtime_bytes_for,
+)
 from lever.policy.placement import Placement, placement_for
 from lever.policy.predictor import Artifact, Pruning, artifact_path, pruning_for
 from lever.stages.tree_expand import TreeExpandConfig
@@ -66,6 +73,7 @@ class RunPlan:
     placement: Placement = attrs.field(factory=Placement)
     runtime_bytes: int = 0  # an accelerator runtime's own DRAM, for the memory plan
     warnings: tuple[str, ...] = ()  # one line each, for the caller to print
+    fill: MemoryPlan | None = None  # [flash] dram_budget = "fill": the plan the resident layers were placed by
 
     @property
     def drafts(self) -> bool:
@@ -110,7 +118,12 @@ class RunPlan:
             # another tokenizer is refused, another table of the same one mapped, once, here;
             # special ids that differ are warned (lever.gguf.vocab_map)
             vocab, warnings = pair_vocabularies(f, draft_file)
-        resident = plan_residency([e.buffer_bytes for e in layer_extents(f)], flash.dram_budget)
+        fill = None
+        if parse_budget(flash.dram_budget).kind == "fill":
+            resident, fill = _fill(cfg, f, spec, flash=flash, tree=tree, n_ctx=n_ctx, draft_file=draft_file,
+                                   draft_spec=draft_spec)
+        else:
+            resident = plan_residency([e.buffer_bytes for e in layer_extents(f)], flash.dram_budget)
         cost = pruning = acceptance = None
         if pk.speculates:
             cost = cost_model_for(target=cfg.model.target, draft=cfg.model.draft or None, flash=flash,
@@ -121,7 +134,28 @@ class RunPlan:
                                   draft_spec=draft_spec, n_ctx=n_ctx)
         return cls(cfg.where, pk, tree, flash, resident, n_ctx, cfg.generate, cfg.channels, cfg.runtime, cfg.memory,
                    f, spec, tok, draft_file, draft_spec, vocab, cost, pruning, acceptance, placement,
-                   runtime_bytes_for(cfg.placement), tuple(warnings))
+                   runtime_bytes_for(cfg.placement), tuple(warnings), fill)
+
+
+def _fill(cfg: Config, f: GGUFFile, spec: ModelSpec, *, flash: FlashConfig, tree: TreeExpandConfig, n_ctx: int,
+          draft_file: GGUFFile | None, draft_spec: ModelSpec | None) -> tuple[frozenset[int], MemoryPlan]:
+    """[flash] dram_budget = "fill": the layers [memory] limit holds beside everything else
+    the run plans (Engine.memory_plan's parts, for a prompt of up to FILL_PROMPT_TOKENS)."""
+    limit = cfg.memory.limit_bytes
+    if limit is None:
+        raise LeverError(f'{cfg.where}: [flash] dram_budget: "fill" fills [memory] limit, which is "auto": '
+                         f"give a size (--mem 2G, or [memory] limit)")
+
+    def plan(resident: frozenset[int]):
+        return plan_memory(f, spec, flash, n_ctx=n_ctx, n_pass_tokens=max(FILL_PROMPT_TOKENS, tree.max_nodes),
+                           tree_rows=tree.max_nodes, draft=draft_file, draft_spec=draft_spec,
+                           draft_rows=tree.draft_rows if tree.drafts else 0,
+                           runtime_bytes=runtime_bytes_for(cfg.placement), resident=resident)
+
+    try:
+        return fill_residency(limit, spec.n_layer, plan)
+    except LeverError as e:
+        raise LeverError(f"{cfg.where}: {e}") from None
 
 
 def _calibrated(cfg: Config, spec: ModelSpec) -> tuple[Pruning | None, AcceptanceTable | None]:

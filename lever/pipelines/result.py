@@ -69,6 +69,7 @@ class MemoryFigures:
     window_bytes: int  # staging buffers for streamed layers
     peak_rss_bytes: int
     plan: MemoryPlan | None = None  # lever.policy.memory's plan, checked against [memory] limit
+    fill: MemoryPlan | None = None  # [flash] dram_budget = "fill" (--mem): the plan that placed the resident layers
 
     @property
     def rss_bound_bytes(self) -> int:
@@ -157,7 +158,8 @@ class RunResult:
                                           "draft_bytes": self.draft_bytes, "rss_bound_bytes": m.rss_bound_bytes},
              "tree": {"accepted_per_pass": self.output.tokens_per_pass, "mean_nodes": tr.mean_nodes,
                       "lookahead_hit_share": tr.lookahead_hit_share,
-                      "ahead_nodes": tr.ahead_nodes, "ahead_used_share": tr.ahead_used_share, "token_layers": v.token_layers,
+                      "ahead_nodes": tr.ahead_nodes, "ahead_used_share": tr.ahead_used_share,
+                      "token_layers": v.token_layers,
                       "layer_tokens": list(v.layer_tokens), "prune_layer": v.prune_layer,
                       "pruned_share": v.pruned_share,
                       "draft_forward_tokens": self.draft.forward_tokens if self.draft is not None else {},

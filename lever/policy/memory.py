@@ -17,7 +17,7 @@ import psutil
 from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.cpu.layer import resident_layer_bytes, tiled_bytes
 from lever.backends.flash import FlashConfig
-from lever.backends.flash.config import parse_bytes, plan_residency
+from lever.backends.flash.config import parse_bytes, plan_residency, spread
 from lever.backends.flash.layout import layer_extents
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
@@ -150,6 +150,27 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx:
         process_bytes = psutil.Process().memory_info().rss
     return MemoryPlan(sum(resident_layer_bytes(target, spec, i) for i in resident), head, window,
                       KVCache.bytes_for(spec, n_rows), draft_total, acts, process_bytes, runtime_bytes=runtime_bytes)
+
+
+# A prompt a plan that fills [memory] limit leaves room for: its prefill's activations are the
+# largest pass's (~0.23 MB a token for the Qwen pair). A longer prompt is refused with the plan's
+# figures, as any plan over the limit is; reserving the whole context would cost a 2 GiB cap
+# ~460 MB of layers at n_ctx 2048 for prompts most runs never send.
+FILL_PROMPT_TOKENS = 512
+
+
+def fill_residency(limit_bytes: int, n_layer: int, plan) -> tuple[frozenset[int], MemoryPlan]:
+    """[flash] dram_budget = "fill": the most target layers, spread evenly across depth, whose
+    plan stays within `limit_bytes`; `plan(resident)` is the run's MemoryPlan with those layers
+    kept (each kept layer also leaves the window when no layer is streamed). Refuses, with the
+    figures, a limit that streaming every layer does not fit."""
+    for k in range(n_layer, -1, -1):
+        chosen = frozenset(spread(n_layer, k)) if k else frozenset()
+        p = plan(chosen)
+        if p.total_bytes <= limit_bytes:
+            return chosen, p
+    raise LeverError(f"[memory] limit: {mib(limit_bytes)} does not hold this run even with every layer streamed: "
+                     f"it needs {p.describe()}; {largest(p)}")
 
 
 # The parts a configuration sizes, and the keys that size them: what to lower when it does not fit.

@@ -27,6 +27,7 @@ DEFAULT = ROOT / "examples" / "default.toml"
 # the run may exceed RSS early in it by the cache's bytes plus this much (allocator noise).
 GROWTH_SLACK_BYTES = 8 * 2**20
 BALLAST_BYTES = 512 * 2**20
+ALONE = ("--set", 'pipeline.baseline=""')  # the shipped config's Flash-AR baseline opens a second engine
 
 
 def lever_json(*args: str) -> dict:
@@ -99,6 +100,57 @@ def test_refusal_is_one_line_from_the_cli():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "pipeline" not in proc.stdout + proc.stderr  # no run, no summary
     assert len(proc.stderr.strip().splitlines()) == 1 and "[memory] limit" in proc.stderr
+
+
+def test_fill_keeps_the_most_evenly_spread_layers_the_limit_holds():
+    def plan(resident):  # 4 layers of 10 bytes; a window of 10 while any layer streams
+        return memory.MemoryPlan(10 * len(resident), 0, 10 if len(resident) < 4 else 0, 0, 0, 0, 100, slack_bytes=0)
+
+    assert memory.fill_residency(135, 4, plan)[0] == frozenset({1, 3})  # 130: a third layer would need 140
+    chosen, p = memory.fill_residency(140, 4, plan)
+    assert chosen == frozenset(range(4)) and p.window_bytes == 0  # the last streamed layer takes the window with it
+    assert memory.fill_residency(110, 4, plan)[0] == frozenset()
+    with pytest.raises(LeverError, match=r"\[memory\] limit: 0 MiB does not hold this run even with every layer "
+                                         r"streamed"):
+        memory.fill_residency(105, 4, plan)
+
+
+def test_fill_without_a_limit_says_to_give_one():
+    with pytest.raises(LeverError, match=r'\[flash\] dram_budget: "fill" fills \[memory\] limit.*--mem'):
+        run_pipeline(load_config(DEFAULT, ['flash.dram_budget="fill"']), "def f(x):")
+
+
+def test_mem_keeps_resident_what_the_limit_leaves_and_the_run_stays_inside_it():
+    """--mem between streaming everything and keeping everything: some layers resident, the
+    plan inside the limit, peak RSS inside the plan's bound; a --set of the budget wins. The
+    run plans again after loading (Engine.run): fill leaves less than a layer spare, so that plan
+    counting the loaded weights twice (in their parts and in the process's RSS) is refused."""
+    ballast = np.ones(BALLAST_BYTES // 8)  # noqa: F841 (a fresh process's peak is its own: see above)
+    every = lever_json("-n", "8", *ALONE, "--mem", "64G")["memory"]["fill"]  # a limit that holds every layer
+    none = lever_json("-n", "8", *ALONE, "--set", "flash.dram_budget=0")
+    layers = every["resident_layer_bytes"]
+    assert layers > 0 and every["window_bytes"] == 0  # nothing streams: no window
+    # fill's plan with nothing resident: every layer's bytes out, the streaming window back in
+    floor = sum(every.values()) - layers + none["memory"]["plan"]["window_bytes"]
+    limit = floor + layers // 2
+    r = lever_json("-n", "8", *ALONE, "--mem", str(limit))
+    plan, fill = r["memory"]["plan"], r["memory"]["fill"]
+    assert 0 < plan["resident_layer_bytes"] == fill["resident_layer_bytes"] < layers, fill
+    assert sum(fill.values()) <= limit and sum(plan.values()) <= limit
+    assert r["memory"]["peak_rss_bytes"] <= r["memory"]["rss_bound_bytes"]
+    assert r["tokens"] == none["tokens"]  # where the layers live changes no token
+    explicit = lever_json("-n", "8", *ALONE, "--mem", str(limit), "--set", "flash.dram_budget=0")
+    assert explicit["memory"]["plan"]["resident_layer_bytes"] == 0
+
+
+def test_a_mem_that_holds_nothing_is_one_line_naming_the_limit():
+    proc = subprocess.run([sys.executable, "-m", "lever", "run", "-n", "4", "--mem", "64M"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "[memory] limit: 64 MiB does not hold this run even with every layer streamed" in proc.stderr
+    bad = subprocess.run([sys.executable, "-m", "lever", "run", "--mem", "lots"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--mem: must be a positive size" in bad.stderr
 
 
 def test_long_run_does_not_grow(tiny_model):

@@ -69,9 +69,17 @@ def test_parse_budget_syntax():
     assert parse_budget("1.0") == Budget("fraction", 1.0)
     assert parse_budget("8L") == Budget("layers", 8)
     assert parse_budget("8 layers") == Budget("layers", 8)
+    assert parse_budget("2G") == Budget("bytes", 2 << 30)  # a bare unit is binary, as --mem 2G means
+    assert parse_budget("512m") == Budget("bytes", 512 << 20)
+    assert parse_budget("fill") == Budget("fill", 0)
     for bad in ("lots", "1.5", "-3", "150%", -1, True, "3.5L"):
         with pytest.raises(LeverError, match="dram_budget"):
             parse_budget(bad)
+
+
+def test_fill_is_placed_by_a_runs_memory_plan_not_by_layer_sizes():
+    with pytest.raises(LeverError, match=r'dram_budget: "fill" is placed by a run'):
+        plan_residency([100] * 10, "fill")
 
 
 def test_plan_residency_bytes_fraction_count():
