@@ -36,6 +36,7 @@ from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState, Request
 from lever.pipelines.engine import Engine
 from lever.pipelines.result import RunResult
+from lever.policy.memory import mem_overrides
 
 MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
 MAX_STOP_CHARS = 256
@@ -191,7 +192,7 @@ def load(config: str | os.PathLike | None = None, *, overrides: Sequence[str] = 
     (a dram_budget given too wins); `overrides` any "section.key=value" as `--set` takes them.
     Paths given here resolve against the working directory."""
     mem = settings.pop("mem", None)
-    sets = [] if mem is None else [f"memory.limit={_toml(mem)}", 'flash.dram_budget="fill"']
+    sets = [] if mem is None else mem_overrides(mem)
     for name, value in settings.items():
         if name not in ALIASES:
             raise LeverError(f"lever.load: unknown setting {name!r} (known: mem, {', '.join(ALIASES)}, "

@@ -26,6 +26,7 @@ from lever.config import CTX, KNOBS, MAX_CTX, N_PREDICT, THREADS, check_override
 from lever.errors import LeverError, regular_file
 from lever.model.sampling import Range
 from lever.outputs import writable_destination
+from lever.policy.memory import mem_overrides
 
 # A prompt, turns or corpus file is read whole and tokenized: past these sizes it is a wrong
 # file (a model, a log), not text for a context of at most MAX_CTX tokens (~4 bytes each).
@@ -83,7 +84,7 @@ def memory_size(text: str) -> str:
 def mem_sets(args) -> list[str]:
     """--mem as the --set overrides it stands for, to go before the command line's own."""
     mem = getattr(args, "mem", None)
-    return [] if mem is None else [f"memory.limit={mem!r}", 'flash.dram_budget="fill"']
+    return [] if mem is None else mem_overrides(mem)
 
 
 def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:

@@ -33,7 +33,7 @@ from lever.pipelines.compose import KVState, Request, compose
 from lever.pipelines.plan import RunPlan
 from lever.pipelines.result import FlashFigures, MemoryFigures, RunResult, Timing
 from lever.pipelines.target import FlashTarget
-from lever.policy.memory import MemoryPlan, plan_memory
+from lever.policy.memory import MemoryPlan
 from lever.policy.memory import check as check_memory
 from lever.signals import run_async
 
@@ -112,10 +112,7 @@ class Engine:
         p = self.plan
         if n_past + n_prompt >= p.n_ctx:
             raise LeverError(f"prompt is {n_past + n_prompt} tokens, over the context of {p.n_ctx} ([model] n_ctx)")
-        mem = plan_memory(p.target_file, p.spec, p.flash, n_ctx=p.n_ctx, n_pass_tokens=max(n_prompt, p.tree.max_nodes),
-                          tree_rows=p.tree.max_nodes, draft=p.draft_file, draft_spec=p.draft_spec,
-                          draft_rows=p.tree.draft_rows if p.drafts else 0, runtime_bytes=p.runtime_bytes,
-                          resident=p.resident, process_bytes=self.process_bytes)
+        mem = p.memory_plan(n_prompt, self.process_bytes)
         check_memory(mem, p.memory, p.where)
         return mem
 

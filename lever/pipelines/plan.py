@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 
 import attrs
+import psutil
 
 from lever.backends.flash import FlashConfig
 from lever.backends.flash.config import parse_budget, plan_residency
@@ -74,6 +75,12 @@ class RunPlan:
     runtime_bytes: int = 0  # an accelerator runtime's own DRAM, for the memory plan
     warnings: tuple[str, ...] = ()  # one line each, for the caller to print
     fill: MemoryPlan | None = None  # [flash] dram_budget = "fill": the plan the resident layers were placed by
+
+    def memory_plan(self, n_prompt: int, process_bytes: int | None = None) -> MemoryPlan:
+        """This run's memory plan for a prompt of n_prompt tokens (run_memory)."""
+        return run_memory(target=self.target_file, spec=self.spec, flash=self.flash, tree=self.tree, n_ctx=self.n_ctx,
+                          draft_file=self.draft_file, draft_spec=self.draft_spec, runtime_bytes=self.runtime_bytes,
+                          n_prompt=n_prompt, resident=self.resident, process_bytes=process_bytes)
 
     @property
     def drafts(self) -> bool:
@@ -137,20 +144,31 @@ class RunPlan:
                    runtime_bytes_for(cfg.placement), tuple(warnings), fill)
 
 
+def run_memory(*, target: GGUFFile, spec: ModelSpec, flash: FlashConfig, tree: TreeExpandConfig, n_ctx: int,
+               draft_file: GGUFFile | None, draft_spec: ModelSpec | None, runtime_bytes: int, n_prompt: int,
+               resident: frozenset[int], process_bytes: int | None = None) -> MemoryPlan:
+    """A run's memory plan (lever.policy.memory.plan_memory) for a prompt of n_prompt tokens:
+    the one wiring of its parts, for Engine's check and for fill's placement alike."""
+    return plan_memory(target, spec, flash, n_ctx=n_ctx, n_pass_tokens=max(n_prompt, tree.max_nodes),
+                       tree_rows=tree.max_nodes, draft=draft_file, draft_spec=draft_spec,
+                       draft_rows=tree.draft_rows if tree.drafts else 0, runtime_bytes=runtime_bytes,
+                       resident=resident, process_bytes=process_bytes)
+
+
 def _fill(cfg: Config, f: GGUFFile, spec: ModelSpec, *, flash: FlashConfig, tree: TreeExpandConfig, n_ctx: int,
           draft_file: GGUFFile | None, draft_spec: ModelSpec | None) -> tuple[frozenset[int], MemoryPlan]:
     """[flash] dram_budget = "fill": the layers [memory] limit holds beside everything else
-    the run plans (Engine.memory_plan's parts, for a prompt of up to FILL_PROMPT_TOKENS)."""
+    the run plans (run_memory's parts, for a prompt of up to FILL_PROMPT_TOKENS)."""
     limit = cfg.memory.limit_bytes
     if limit is None:
         raise LeverError(f'{cfg.where}: [flash] dram_budget: "fill" fills [memory] limit, which is "auto": '
                          f"give a size (--mem 2G, or [memory] limit)")
+    process_bytes = psutil.Process().memory_info().rss  # once: every candidate is priced against the same process
 
-    def plan(resident: frozenset[int]):
-        return plan_memory(f, spec, flash, n_ctx=n_ctx, n_pass_tokens=max(FILL_PROMPT_TOKENS, tree.max_nodes),
-                           tree_rows=tree.max_nodes, draft=draft_file, draft_spec=draft_spec,
-                           draft_rows=tree.draft_rows if tree.drafts else 0,
-                           runtime_bytes=runtime_bytes_for(cfg.placement), resident=resident)
+    def plan(resident: frozenset[int]) -> MemoryPlan:
+        return run_memory(target=f, spec=spec, flash=flash, tree=tree, n_ctx=n_ctx, draft_file=draft_file,
+                          draft_spec=draft_spec, runtime_bytes=runtime_bytes_for(cfg.placement),
+                          n_prompt=FILL_PROMPT_TOKENS, resident=resident, process_bytes=process_bytes)
 
     try:
         return fill_residency(limit, spec.n_layer, plan)

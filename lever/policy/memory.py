@@ -159,6 +159,13 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx:
 FILL_PROMPT_TOKENS = 512
 
 
+def mem_overrides(size: int | str) -> list[str]:
+    """`--mem SIZE` (and lever.load's `mem=`) as the config values it stands for: the limit, and
+    resident layers filling it. Given before a caller's own overrides, so theirs win."""
+    value = size if isinstance(size, int) else '"' + str(size).replace('"', "") + '"'
+    return [f"memory.limit={value}", 'flash.dram_budget="fill"']
+
+
 def fill_residency(limit_bytes: int, n_layer: int, plan) -> tuple[frozenset[int], MemoryPlan]:
     """[flash] dram_budget = "fill": the most target layers, spread evenly across depth, whose
     plan stays within `limit_bytes`; `plan(resident)` is the run's MemoryPlan with those layers
