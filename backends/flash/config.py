@@ -18,7 +18,7 @@ from lever.errors import LeverError
 MIN_CAP_BYTES_PER_S = 1e6
 MAX_LATENCY_MS = 10_000.0
 PAGE_BYTES = 4096  # O_DIRECT alignment: a multiple of every logical block size we meet (512, 4096)
-MODES = ("direct", "mmap")
+MODES = ("direct", "mmap", "cached")
 
 # a bare K/M/G is binary, as in memory limits elsewhere (systemd's MemoryMax=2G, docker -m 2g)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -141,7 +141,11 @@ class FlashConfig:
     """"direct": O_DIRECT reads into the staging window, bypassing the page cache (the
     default: the bytes read are the bytes asked for, with no cache to hide the device).
     "mmap": the file is mapped; each chunk is faulted in (MADV_WILLNEED), copied into the
-    staging window and dropped from the page cache at once."""
+    staging window and dropped from the page cache at once.
+    "cached": buffered reads whose pages stay in the page cache, so the kernel's LRU decides
+    what a later pass finds in DRAM: an LRU block cache, for comparing with static residency
+    (`lever bench cap`). The bytes counted are the bytes asked for, cached or not; what came
+    from the device is the kernel's count."""
 
     queue_depth: int = 4
     """Reads in flight at once. The class itself is synchronous; the pipeline stage that

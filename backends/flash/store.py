@@ -7,7 +7,7 @@ acquires a buffer of the staging window (`pool`), runs the layer's `plan_reads` 
 `tensors(layer, buffer)` to compute, and afterwards calls `release_layer` and gives the buffer
 back. Everything here is synchronous and thread-safe; the scheduling is the stage's.
 
-Two ways to read, chosen by FlashConfig.mode:
+Three ways to read, chosen by FlashConfig.mode:
 
 - direct: O_DIRECT preadv into the page-aligned buffer. The page cache is bypassed, so each
   pass reads the device, and a device error is an errno we can report.
@@ -21,6 +21,11 @@ Two ways to read, chosen by FlashConfig.mode:
   buffer protocol as direct mode, a page cache that never holds more than the chunks in
   flight, and no view that, used after its layer was released, silently faults the pages back
   in from flash.
+- cached: buffered preadv, the pages left in the page cache: the kernel's LRU is a block cache
+  over the streamed layers. Not for a phone's runs: a pass scans the layers in one cyclic
+  order, and an LRU smaller than the scan evicts each block before its next use, so it hits
+  nothing (docs/measurements.md, 'Static residency against an LRU block cache'); it is there
+  to measure that against static residency under the same cap.
 
 What is retried, and what ends the run (every error names the file, the layer and the offset):
 

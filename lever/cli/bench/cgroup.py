@@ -1,0 +1,107 @@
+"""A child process under a memory cap that counts the page cache, as a phone's DRAM does
+(`lever bench cap`).
+
+A phone's DRAM holds the process and the file pages it reads; an mmap of a model larger than
+that re-reads from storage what the kernel evicted. A memory cgroup's limit counts both, so a
+child in a cgroup of its own, capped, sees what it would see there: past the cap the kernel
+reclaims (or, when nothing can be reclaimed, kills). Before each run the model files' cached
+pages are dropped (`evict`), so an earlier run gives it no free hits. What it read from storage
+is the kernel's own count (the children's `ru_inblock`, 512-byte blocks: page-cache misses and
+O_DIRECT reads alike), the same for Lever and for llama.cpp.
+
+Needs a writable memory controller (cgroup v2 or v1): root, here.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import attrs
+
+from lever.errors import LeverError
+
+V2_ROOT, V1_ROOT = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
+BLOCK_BYTES = 512  # ru_inblock's unit
+
+
+@attrs.frozen
+class Capped:
+    """What one capped child did."""
+
+    returncode: int  # negative: killed by that signal (the cap's OOM kill is SIGKILL)
+    stdout: str
+    stderr: str
+    peak_bytes: int  # the cgroup's peak: the process and the page cache it filled
+    read_bytes: int  # read from storage, by the kernel's count
+    wall_s: float
+    timed_out: bool = False
+
+    @property
+    def killed(self) -> bool:
+        return self.returncode == -signal.SIGKILL and not self.timed_out
+
+
+def evict(path: str | Path) -> None:
+    """Drop the file's clean pages from the page cache (that file only)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _controller() -> tuple[Path, str, str]:
+    """(parent directory, limit file, peak file) of the writable memory controller."""
+    ctl = V2_ROOT / "cgroup.controllers"
+    if ctl.exists() and "memory" in ctl.read_text().split():
+        return V2_ROOT, "memory.max", "memory.peak"
+    if V1_ROOT.is_dir():
+        return V1_ROOT, "memory.limit_in_bytes", "memory.max_usage_in_bytes"
+    raise LeverError("bench cap: no memory cgroup controller is mounted (cgroup v2 or v1 memory)")
+
+
+def run_capped(cmd: list[str], cap_bytes: int, *, evict_paths=(), timeout_s: float = 3600.0) -> Capped:
+    """Run `cmd` in a fresh memory cgroup limited to `cap_bytes`, after evicting `evict_paths`."""
+    parent, limit_file, peak_file = _controller()
+    group = parent / f"lever-cap-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        group.mkdir()
+        (group / limit_file).write_text(str(cap_bytes))
+        swap = group / ("memory.swap.max" if limit_file == "memory.max" else "memory.memsw.limit_in_bytes")
+        if swap.exists() and limit_file == "memory.max":
+            swap.write_text("0")  # swap would hide the cap
+    except OSError as e:
+        raise LeverError(f"bench cap: cannot make a memory cgroup in {parent}: {e.strerror} (it needs root)") from None
+    try:
+        for p in evict_paths:
+            evict(p)
+        procs = str(group / "cgroup.procs")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock
+        t0 = time.perf_counter()
+        # a shell joins the group, then becomes the command: everything it maps is counted
+        joined = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *cmd]
+        proc = subprocess.Popen(joined, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                text=True)
+        timed_out = False
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            timed_out = True
+        wall = time.perf_counter() - t0
+        read = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock - before) * BLOCK_BYTES
+        peak = int((group / peak_file).read_text())
+        return Capped(proc.returncode, out, err, peak, read, wall, timed_out)
+    finally:
+        for _ in range(50):  # the group goes once its last process has left it
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
