@@ -4,6 +4,7 @@ tokens compared, the summary's ratios, and its inputs."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -26,6 +27,7 @@ from lever.cli.bench.cgroup import Capped, run_capped
 from lever.cli.main import main
 from lever.gguf.tokenizer import Tokenizer
 from lever.shipped import shipped
+from tests.deep_target import write_deep_target
 
 MIB = 1 << 20
 
@@ -47,7 +49,9 @@ def test_a_child_past_its_cap_is_killed_and_its_peak_and_reads_are_counted(tmp_p
     big = run_capped([sys.executable, "-c", "x = bytearray(400 << 20); x[::4096] = b'1' * len(x[::4096])"], 128 * MIB)
     assert big.killed and big.peak_bytes <= 128 * MIB
     f = tmp_path / "blob"
-    f.write_bytes(b"\1" * (32 * MIB))
+    with open(f, "wb") as w:
+        w.write(b"\1" * (32 * MIB))
+        os.fsync(w.fileno())  # a dirty page cannot be evicted
     r = run_capped([sys.executable, "-c", f"open({str(f)!r}, 'rb').read()"], 256 * MIB, evict_paths=[f])
     assert r.returncode == 0 and not r.killed
     # evicted first, so the whole file came from storage, by the kernel's count
@@ -69,11 +73,33 @@ def fake_llama_cpp(d):
     return d
 
 
+@pytest.fixture(scope="module")
+def deep_pair(tmp_path_factory):
+    """The shipped pair with its target three times as deep (each block, then two that add 0)."""
+    d = tmp_path_factory.mktemp("deep")
+    target = write_deep_target(shipped("models", "stdlib-target-q4_0.gguf"), d / "deep3.gguf", 3)
+    cfg = d / "deep.toml"
+    cfg.write_text(f'[model]\ntarget = "{target}"\ndraft = "{shipped("models", "stdlib-draft-q8_0.gguf")}"\n'
+                   '[tree_expand]\nmax_depth = 24\n')
+    return cfg
+
+
+def test_the_deep_target_decodes_the_source_tokens(deep_pair):
+    from lever.config import load_config
+    from lever.pipelines.engine import run_pipeline
+
+    sets = ["generate.n_predict=24", "flash.dram_budget=0", 'pipeline.baseline=""']
+    deep = run_pipeline(load_config(deep_pair, sets), "def f(x):\n")
+    source = run_pipeline(load_config(shipped("default.toml"), sets), "def f(x):\n")
+    assert list(deep.tokens) == list(source.tokens) and len(deep.tokens) == 24
+    assert deep.flash.streamed_bytes_per_pass > 2.5 * source.flash.streamed_bytes_per_pass
+
+
 @needs_cgroup
-def test_bench_cap_runs_each_row_in_its_own_capped_process(tmp_path):
+def test_bench_cap_runs_each_row_in_its_own_capped_process(deep_pair, tmp_path):
     lines: list[str] = []
     tools = fake_llama_cpp(tmp_path / "bin")
-    doc = bench_cap(config=str(shipped("default.toml")), prompts=["def f(x):\n"], caps=["768M"], n=8, spec_ks=(4,),
+    doc = bench_cap(config=str(deep_pair), prompts=["def f(x):\n"], caps=["768M"], n=8, spec_ks=(4,),
                     llama_dir=str(tools), json_path=tmp_path / "c.json", out=lines.append)
     rows = doc["summary"]["per_cap"]["768M"]["rows"]
     assert list(rows) == [FLASH_AR, LEVER, LEVER_LRU, LLAMA_COMPLETION, "llama-spec k=4"]
@@ -85,7 +111,7 @@ def test_bench_cap_runs_each_row_in_its_own_capped_process(tmp_path):
     assert 0 < lever["rss_bytes"] <= lever["plan_bytes"] and lever["peak_bytes"] <= 768 * MIB
     assert lever["read_mb_per_token"] > 0  # the files were evicted: loading them was read from storage
     assert rows["llama-spec k=4"]["tokens_per_pass"] == pytest.approx(8 / 2)  # 8 predicted, 6 drafts accepted
-    assert rows[LLAMA_COMPLETION]["tps"] == 50.0 and rows["llama-spec k=4"]["tps"] == 80.0
+    assert rows[LLAMA_COMPLETION]["tps"] == pytest.approx(50.0) and rows["llama-spec k=4"]["tps"] == pytest.approx(80.0)
     over = doc["summary"]["per_cap"]["768M"]["lever_over"]
     assert set(over) == {FLASH_AR, LEVER_LRU, LLAMA_COMPLETION, "llama-spec k=4"}
     assert over[LLAMA_COMPLETION]["pairs"] == 1

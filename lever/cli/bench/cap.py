@@ -32,7 +32,7 @@ import attrs
 
 from lever.backends.flash.config import parse_bytes
 from lever.cli.bench.cgroup import Capped, run_capped
-from lever.cli.bench.model import _DECODED, _EVAL, find_llama_bench, find_tool
+from lever.cli.bench.model import DECODED_LINE, EVAL_LINE, find_llama_bench, find_tool
 from lever.cli.bench.paired import paired_speedup
 from lever.cli.bench.pipelines import read_prompts
 from lever.cli.common import (
@@ -128,7 +128,7 @@ def lever_run(c: Capped, *, name: str, cap_bytes: int, prompt: int) -> CapRun:
     d = json.loads(c.stdout)
     n = max(len(d["tokens"]), 1)
     t, tree = d["timing"], d.get("tree") or {}
-    passes, cycles = max(t["n_passes"], 1), max(tree.get("cycles", 0), 1)
+    passes, cycles = max(t["n_passes"], 1), max(len(tree.get("cycles", ())), 1)
     split = {}
     if tree:
         split = dict(nodes=tree["mean_nodes"], cycle_ms=1e3 * tree["measured_cycle_s"],
@@ -154,7 +154,7 @@ def llama_run(c: Capped, *, name: str, cap_bytes: int, prompt: int, prompt_text:
     status, why = _status(c)
     base = dict(name=name, cap_bytes=cap_bytes, prompt=prompt, peak_bytes=c.peak_bytes)
     log = c.stderr + c.stdout
-    m = _DECODED.search(log) if name != LLAMA_COMPLETION else _EVAL.search(c.stderr)
+    m = DECODED_LINE.search(log) if name != LLAMA_COMPLETION else EVAL_LINE.search(c.stderr)
     if status == "ok" and not m:
         status, why = "error", "no timing line in its output"
     if status != "ok":
@@ -251,7 +251,9 @@ def bench_cap(*, config: str, prompts: list[str], caps: list[str], n: int, spec_
            "prompts": prompts, "sets": list(sets), "summary": summary,
            "runs": [attrs.asdict(r) for r in runs]}
     if json_path is not None:
-        atomic_write(json_path, json.dumps(doc, indent=1), "--json")
+        with atomic_write(json_path, "w", "--json") as f:
+            f.write(json.dumps(doc, indent=1))
+        out(f"wrote {json_path}")
     if plot_path is not None:
         plot(summary, plot_path)
     return doc

@@ -134,7 +134,7 @@ def find_tool(name: str, explicit: str | None, env: str, beside: str | None = No
     return near if near and os.access(near, os.X_OK) else shutil.which(name)
 
 
-_EVAL = re.compile(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
+EVAL_LINE = re.compile(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
 
 
 def llama_completion(binary: str, model_path: str, prompt: str, n: int, threads: int) -> float:
@@ -146,13 +146,13 @@ def llama_completion(binary: str, model_path: str, prompt: str, n: int, threads:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     except (subprocess.TimeoutExpired, OSError) as e:
         raise LeverError(f"llama-completion failed ({binary}): {e}") from None
-    m = _EVAL.search(proc.stderr)
+    m = EVAL_LINE.search(proc.stderr)
     if proc.returncode != 0 or not m:
         raise LeverError(f"llama-completion failed ({binary}): exit {proc.returncode}, no 'eval time' line")
     return float(m[2])
 
 
-_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
+DECODED_LINE = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
 
 
 def llama_speculative(binary: str, target: str, draft: str, prompt: str, n: int, n_draft: int) -> float:
@@ -163,7 +163,7 @@ def llama_speculative(binary: str, target: str, draft: str, prompt: str, n: int,
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     except (subprocess.TimeoutExpired, OSError) as e:
         raise LeverError(f"llama-speculative failed ({binary}): {e}") from None
-    m = _DECODED.search(proc.stderr + proc.stdout)
+    m = DECODED_LINE.search(proc.stderr + proc.stdout)
     if proc.returncode != 0 or not m:
         raise LeverError(f"llama-speculative failed ({binary}): exit {proc.returncode}, no 'decoded' line")
     return float(m[3])
