@@ -302,8 +302,10 @@ class FlashStore:
 
     def release_layer(self, layer: int) -> None:
         """Drop a streamed layer's pages from the mapping (mmap mode) and the page cache, so
-        the cache cannot quietly come to hold the model. The buffer goes back to the pool
-        separately."""
+        the cache cannot quietly come to hold the model (cached mode keeps them: there the
+        page cache is the block cache measured). The buffer goes back to the pool separately."""
+        if self.config.mode == "cached":
+            return
         for run in self.extents[self._layer_index(layer)].runs:
             self._drop_range(run.file_start, run.n_bytes)
 

@@ -15,7 +15,7 @@ from lever.backends.flash import FlashConfig, FlashStore
 from lever.gguf.convert import convert
 from lever.gguf.file import GGUFFile
 
-MODES = ("direct", "mmap")
+MODES = ("direct", "mmap", "cached")
 
 
 # -- files

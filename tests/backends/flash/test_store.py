@@ -124,6 +124,40 @@ def test_resident_layers_are_read_once(streaming_model):
             store.resident_layer(3)
 
 
+def cached_share(path, start: int, n_bytes: int) -> float:
+    """The share of a file range's pages in the page cache (mincore on a private mapping)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    lo, hi = start // page * page, -(-(start + n_bytes) // page) * page
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
+        vec = (ctypes.c_ubyte * ((hi - lo) // page))()
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m)) + lo
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        assert libc.mincore(ctypes.c_void_p(addr), hi - lo, vec) == 0, os.strerror(ctypes.get_errno())
+        share = sum(b & 1 for b in vec) / len(vec)
+        del vec
+    return share
+
+
+@pytest.mark.parametrize("mode, kept", [("direct", False), ("mmap", False), ("cached", True)])
+def test_only_cached_mode_leaves_a_released_layer_in_the_page_cache(streaming_model, mode, kept):
+    fd = os.open(streaming_model, os.O_RDONLY)
+    os.fsync(fd)  # just written: a dirty page cannot be evicted
+    os.close(fd)
+    with FlashStore(streaming_model, FlashConfig(mode=mode)) as store:
+        run = store.extents[3].runs[0]
+        assert cached_share(streaming_model, run.file_start, run.n_bytes) < 0.5  # evicted at open
+        buf = store.pool.acquire()
+        store.read_layer(3, buf)
+        store.release_layer(3)
+        store.pool.release(buf)
+        share = cached_share(streaming_model, run.file_start, run.n_bytes)
+        assert share > 0.9 if kept else share < 0.5
+
+
 def test_every_layer_resident_leaves_no_window(stories_copy):
     with FlashStore(stories_copy, FlashConfig(dram_budget=1.0)) as store:
         assert store.resident == frozenset(range(store.n_layer)) and store.streamed == ()
