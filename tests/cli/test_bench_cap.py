@@ -20,6 +20,7 @@ from lever.cli.bench.cap import (
     check_tokens,
     common_tokens,
     llama_run,
+    plot,
     print_summary,
     summarize,
 )
@@ -160,7 +161,7 @@ def test_llama_text_is_compared_in_the_reference_tokens():
     assert checked[1].same_tokens == len(ref) - 1 and checked[2].same_tokens == len(ref)
 
 
-def test_the_summary_pairs_lever_with_each_row_by_prompt(capsys):
+def test_the_summary_pairs_lever_with_each_row_by_prompt(tmp_path):
     runs = [CapRun(FLASH_AR, 1 << 30, p, "ok", tps=1.0, tokens_per_pass=1.0, tokens=(1, 2)) for p in range(2)]
     runs += [CapRun(LEVER, 1 << 30, p, "ok", tps=t, tokens_per_pass=5.0, tokens=(1, 2), plan_bytes=9, rss_bytes=8)
              for p, t in enumerate((4.0, 6.0))]
@@ -176,6 +177,8 @@ def test_the_summary_pairs_lever_with_each_row_by_prompt(capsys):
     lines: list[str] = []
     print_summary(s, lines.append, target="t.gguf")
     assert any("llama-completion: 1 of 2 runs killed, ok: killed at the cap" in x for x in lines)
+    plot(s, tmp_path / "caps.png")
+    assert (tmp_path / "caps.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -358,6 +358,7 @@ def plot(summary: dict, path) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         raise LeverError("--plot needs matplotlib (pip install matplotlib)") from None
     caps = sorted(summary["per_cap"].values(), key=lambda s: s["cap_bytes"])
@@ -369,6 +370,9 @@ def plot(summary: dict, path) -> None:
     ax.set_xlabel("memory cap (GiB, page cache counted)")
     ax.set_ylabel("decode tokens/s")
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 0.5, 2, 5: not 5x10^0
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
