@@ -122,9 +122,9 @@ def test_bench_cap_runs_each_row_in_its_own_capped_process(deep_pair, tmp_path):
 
 @needs_cgroup
 def test_a_cap_no_plan_fits_is_a_row_that_says_so_not_a_crash(tmp_path):
-    doc = bench_cap(config=str(shipped("default.toml")), prompts=["def f(x):\n"], caps=["160M"], n=4, spec_ks=(),
+    doc = bench_cap(config=str(shipped("default.toml")), prompts=["def f(x):\n"], caps=["100M"], n=4, spec_ks=(),
                     out=lambda _: None)
-    rows = doc["summary"]["per_cap"]["160M"]["rows"]
+    rows = doc["summary"]["per_cap"]["100M"]["rows"]
     for name in (FLASH_AR, LEVER):
         assert rows[name]["ok"] == 0 and rows[name]["status"] in (["error"], ["killed"])
         if rows[name]["status"] == ["error"]:  # refused before loading, naming the limit
