@@ -3,7 +3,8 @@
 What a user with a model larger than DRAM runs today is llama.cpp: its mmap lets the page cache
 evict and re-read the model every token, or its speculative decoding on top of that. This bench
 runs, on the same prompts and at each cap, Lever (`--mem CAP`: its plan places everything inside
-the cap before loading), Lever's Flash-AR (the target alone, streamed, same plan),
+the cap before loading), Lever's Flash-AR (the target alone, streamed, same plan), Lever with
+no layer pinned and the page cache as an LRU block cache over the layers (`lever-lru`),
 llama-completion and llama-speculative (draft lengths swept), each in its own process in a
 memory cgroup of that size, the model files evicted from the page cache before each
 (lever.cli.bench.cgroup). Per run: decode tokens/s, tokens per target pass, MB read from
