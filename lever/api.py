@@ -28,7 +28,7 @@ import attrs
 
 from lever.config import KNOBS, Config, load_config
 from lever.errors import LeverError
-from lever.gguf.chat_template import ChatTemplate, check_messages
+from lever.gguf.chat_template import ChatTemplate, Rendered, check_messages
 from lever.gguf.identity import ModelIdentity
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.stop import StopReason
@@ -239,6 +239,15 @@ class LLM:
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         return self.chat_template.render(messages, add_generation_prompt)
 
+    def encode_chat(self, messages: Sequence[dict], rendered: Rendered | None = None) -> list[int]:
+        """The prompt ids of a conversation: the template's special tokens as control tokens,
+        special-token text inside a message as the text it is (no user can forge a turn).
+        `rendered`: the conversation already rendered (a server renders in a child process)."""
+        if rendered is None:
+            rendered = self.chat_template.render_marked(messages, specials=tuple(self.engine.tok.specials))
+        # the template writes its own special tokens, a leading BOS among them
+        return self.engine.tok.encode_chat(rendered) or _empty()
+
     def generate(self, prompt: str, **sampling) -> Completion:
         """A completion of `prompt`; `sampling`: the generation knobs by their call names
         (lever.config.KNOBS: max_tokens, temperature, top_k, ...), `stop` strings, a `cancel` event."""
@@ -252,10 +261,10 @@ class LLM:
 
     def chat(self, messages: Sequence[dict], **sampling) -> Completion:
         """The assistant's reply to `messages`, through the chat template."""
-        return self.complete(self.encode_prompt(self.render(messages), chat=True), sampling)
+        return self.complete(self.encode_chat(messages), sampling)
 
     def stream_chat(self, messages: Sequence[dict], **sampling) -> Iterator[Chunk]:
-        return self.stream_ids(self.encode_prompt(self.render(messages), chat=True), sampling)
+        return self.stream_ids(self.encode_chat(messages), sampling)
 
     def close(self) -> None:
         with self._lock:
@@ -293,18 +302,23 @@ class LLM:
                 raise LeverError(f"{k.arg}: {problem}")
             changes[k.key] = int(v) if k.call.integer else float(v)
         gen = attrs.evolve(self.config.generate, **changes)
-        if n_prompt + gen.n_predict > self.engine.n_ctx:
+        n_ctx, where = self.engine.n_ctx, self.engine.n_ctx_source
+        if n_prompt >= n_ctx:  # the prompt alone: no max_tokens would help
+            raise LeverError(f"prompt: {n_prompt} tokens, over the context of {n_ctx} ({where})")
+        if n_prompt + gen.n_predict > n_ctx:
             raise LeverError(f"max_tokens: {gen.n_predict} tokens after a prompt of {n_prompt} pass the context of "
-                             f"{self.engine.n_ctx} ([model] n_ctx)")
+                             f"{n_ctx} ({where})")
         return gen, _stops(sampling.get("stop")), sampling.get("cancel")
 
     def session(self) -> Session:
         """A conversation whose text stays in both KV caches between calls (lever.api.Session)."""
         return Session(self)
 
-    def complete(self, ids: list[int], sampling: dict, on_text=None, session: Session | None = None) -> Completion:
+    def complete(self, ids: list[int], sampling: dict, on_text=None, session: Session | None = None,
+                 client: object = None) -> Completion:
         """A generation from prompt ids (`on_text(text, n_tokens)`: each piece as it is final);
-        in `session`, the prefix its caches already hold is not prefilled again."""
+        in `session`, the prefix its caches already hold is not prefilled again, when the
+        session's last call was `client`'s (a server's clients never share a prefix)."""
         gen, stops, cancel = self.check(sampling, len(ids))
         rule = StopStrings(self.engine.tok, stops, on_text, frozenset(self.engine.tok.eos_ids),
                            cancel if cancel is not None else threading.Event())
@@ -314,13 +328,17 @@ class LLM:
             if session is None:
                 res, cached = self.engine.run(Request(ids, gen, rule)), 0
             else:
+                if session.client != client:  # a session is one client's: another's text is never reused
+                    session.reset()
+                    session.client = client
                 res, cached = session.run(ids, gen, rule)
         rule.finish()
         reason = StopReason.STOP if rule.stopped_at >= 0 else res.stop_reason or StopReason.LENGTH
         tokens = tuple(rule.tokens)
         return Completion(rule.final_text, tokens, reason, Usage(len(ids), len(tokens), cached), res)
 
-    def stream_ids(self, ids: list[int], sampling: dict, session: Session | None = None) -> Iterator[Chunk]:
+    def stream_ids(self, ids: list[int], sampling: dict, session: Session | None = None,
+                   client: object = None) -> Iterator[Chunk]:
         self.check(sampling, len(ids))  # a bad argument fails here, at the call, not at the first next()
         out: queue.Queue = queue.Queue()
         cancel = sampling.get("cancel") or threading.Event()
@@ -329,7 +347,7 @@ class LLM:
         def work():
             try:
                 out.put(self.complete(ids, {**sampling, "cancel": cancel}, lambda text, n: out.put(Chunk(text, n)),
-                                      session))
+                                      session, client))
             except BaseException as e:  # handed to the consumer, raised there
                 out.put(e)
             finally:
@@ -366,6 +384,7 @@ class Session:
     ids: list[int] = attrs.field(factory=list)  # the text both caches hold, token by token
     kv: KVState | None = None
     last_cached: int = 0  # prompt tokens the last call took from the caches
+    client: object = None  # whose text the caches hold (a server's API key; None for every in-process call)
 
     @property
     def n_cached(self) -> int:
@@ -435,7 +454,7 @@ class Session:
 
     def _turn(self, messages: Sequence[dict]) -> list[int]:
         added = check_messages(messages) if messages else []
-        ids = self.llm.encode_prompt(self.llm.render(self.messages + added), chat=True)
+        ids = self.llm.encode_chat(self.messages + added)
         self.messages.extend(added)
         return ids
 

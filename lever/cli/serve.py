@@ -1,6 +1,8 @@
-"""`lever serve [-c CONFIG] [--host H] [--port P] [--queue N]`: the OpenAI-compatible server
-(lever.serve) over the configured pipeline, until SIGINT, SIGTERM or SIGHUP: then new requests get
-503 and the admitted ones GRACE_S to finish before they are cancelled; exit 128 + the signal."""
+"""`lever serve [-c CONFIG] [--host H] [--port P] [--queue N] [--api-key K]...`: the OpenAI-compatible
+server (lever.serve) over the configured pipeline, until SIGINT, SIGTERM or SIGHUP: then new requests
+get 503 and the admitted ones GRACE_S to finish before they are cancelled; exit 128 + the signal.
+Who may call it (keys, Host, Origin) is lever.serve.guard's; connections are bounded by
+lever.serve.protocol."""
 
 from __future__ import annotations
 
@@ -10,12 +12,17 @@ import sys
 from pathlib import Path
 
 from lever import signals
-from lever.cli.common import add_common, add_set, check_sets, input_text_file, int_in, port
+from lever.cli.common import add_common, add_set, check_sets, float_in, input_text_file, int_in, port
 from lever.errors import LeverError
+from lever.serve import TIMEOUT_S
+from lever.serve.guard import LOOPBACK_HOSTS, Access
 from lever.shipped import shipped
 
 MAX_QUEUE = 1024
 GRACE_S = 5.0  # on shutdown, how long the running generation may go on before it is cancelled
+MAX_CONNECTIONS = 64  # open at once; past it a connection gets 503 (a phone serves a few apps, not a crowd)
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long (uvicorn's default)
+MAX_KEY_FILE_BYTES = 1 << 20
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -25,6 +32,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--port", type=port, default=8080)
     s.add_argument("--queue", type=int_in(0, MAX_QUEUE), default=8,
                    help="requests that may wait beside the running one; then 429")
+    s.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a key clients must send as 'Authorization: Bearer KEY' (repeat for several)")
+    s.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                   help="keys, one per line (# comments), as --api-key")
+    s.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                   help="Host names clients may use beside loopback's and the bound address (comma-separated; * any)")
+    s.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                   help="web origins whose pages may call the server, e.g. http://localhost:3000 (comma-separated)")
+    s.add_argument("--max-connections", type=int_in(1, 65536), default=MAX_CONNECTIONS,
+                   help="connections open at once; past it, 503 and closed")
+    s.add_argument("--timeout", type=float_in(0.1, 3600), default=TIMEOUT_S, metavar="S",
+                   help="seconds a request's headers, its body, and a chat template's render may each take")
     add_set(s)
     add_common(s)
     s.set_defaults(func=main, check=check_args)
@@ -37,7 +56,36 @@ def check_args(args) -> None:
         raise LeverError(f"--host: not a host name or address: {args.host!r}")
     if args.config is not None:
         input_text_file(args.config, "-c", "config file")
+    for k in args.api_key:
+        _check_key(k, "--api-key")
+    if args.api_key_file is not None:
+        input_text_file(args.api_key_file, "--api-key-file", "key file", max_bytes=MAX_KEY_FILE_BYTES)
     check_sets(args)
+
+
+def _check_key(key: str, where: str) -> str:
+    if not key or any(c.isspace() or not c.isprintable() for c in key) or len(key) > 256:
+        raise LeverError(f"{where}: a key is 1-256 printable characters without spaces")
+    return key
+
+
+def access(args) -> Access:
+    """The access rules from the flags; keys from --api-key and --api-key-file."""
+    keys = list(args.api_key)
+    if args.api_key_file is not None:
+        text = args.api_key_file.read_text(encoding="utf-8", errors="replace")
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                keys.append(_check_key(line.strip(), f"{args.api_key_file}:{i}"))
+        if not keys:
+            raise LeverError(f"{args.api_key_file}: --api-key-file: no key in it")
+
+    def names(value: str) -> frozenset[str]:
+        return frozenset(n.strip().lower().rstrip("/") for n in value.split(",") if n.strip())
+
+    return Access(bound_host=args.host.lower(), api_keys=tuple(keys),
+                  allowed_hosts=names(args.allowed_hosts),
+                  allowed_origins=names(args.allowed_origins))
 
 
 def main(args) -> int:
@@ -46,27 +94,38 @@ def main(args) -> int:
         import uvicorn
 
         from lever.serve import app
+        from lever.serve.protocol import protocol_class
     except ImportError as e:
         raise LeverError(f"lever serve needs the serve extra: pip install 'lever[serve]' "
                          f"({e.name} is missing)") from None
     from lever.api import load
 
+    rules = access(args)
     llm = load(args.config or shipped("default.toml"), overrides=args.set)
+    server_state = None
     try:
         model_id = Path(llm.config.model.target).stem
-        asgi = app(llm, model_id=model_id, queue=args.queue)
+        asgi = app(llm, model_id=model_id, queue=args.queue, access=rules, timeout_s=args.timeout)
+        server_state = asgi.app.state.server
+        http = protocol_class(max_connections=args.max_connections, header_timeout_s=args.timeout)
         server = _server_class()(uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning",
-                                                access_log=False))
+                                                access_log=False, http=http, timeout_keep_alive=KEEP_ALIVE_S))
 
         def stop(signum: int) -> None:  # INT, TERM or HUP: stop listening, drain, then cancel
             server.should_exit = True
-            asgi.state.server.shutdown(GRACE_S)
+            server_state.shutdown(GRACE_S)
 
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
-              f"queue {args.queue}", file=sys.stderr, flush=True)
+              f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}",
+              file=sys.stderr, flush=True)
+        if not rules.api_keys and args.host.lower() not in LOOPBACK_HOSTS:
+            print(f"lever serve: warning: listening on {args.host} without --api-key: anyone who can reach "
+                  "this address can use the model", file=sys.stderr, flush=True)
         with signals.on_stop(stop):
             server.run()
     finally:
+        if server_state is not None:
+            server_state.renderer.close()
         llm.close()
     if (s := signals.pending()) is not None:
         raise signals.Interrupted(s)  # the command ends as every stopped command does: 128 + n

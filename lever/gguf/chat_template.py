@@ -5,13 +5,20 @@ Hugging Face keeps in tokenizer_config.json. It is rendered the way `apply_chat_
 does: in jinja2's sandboxed environment (a template is data from a file, not code), with
 trimmed blocks and stripped leading whitespace, given `messages`, `add_generation_prompt`, the
 special tokens as text (`bos_token`, `eos_token`) and `raise_exception`. The text it renders
-holds the special tokens as strings; the tokenizer maps them back to their ids.
+holds the special tokens as strings; the tokenizer maps them back to their ids, but only the
+template's own: special-token text inside a message's content is the user's text, never a
+control token (`render_marked` says which are which), or any chat user could forge turns.
+
+A template is bounded here by the length of what it writes; its time and memory are bounded by
+the process that renders it (lever.gguf.render_child, for a server).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import re
 from collections.abc import Sequence
 
 import attrs
@@ -23,6 +30,10 @@ from lever.gguf.file import GGUFFile
 
 TEMPLATE_KEY = "tokenizer.chat_template"
 ROLES = ("system", "user", "assistant", "tool")
+MAX_RENDER_CHARS = 16 << 20  # what any context a model has could hold, many times over
+# stands in for the first character of special-token text inside a message while the template
+# is rendered a second time (a private-use character: no vocabulary's special token holds it)
+DEFUSE = "\ue000"
 
 
 class TemplateError(LeverError):
@@ -48,17 +59,80 @@ class ChatTemplate:
             raise LeverError(f"{f.path}: {TEMPLATE_KEY} is not a non-empty string")
         return cls(text, str(f.path), bos_token, eos_token)
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt for `messages` (each a dict with a `role` and a string `content`)."""
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
+               max_chars: int = MAX_RENDER_CHARS) -> str:
+        """The prompt for `messages` (each a dict with a `role` and a string `content`); a
+        TemplateError when the template fails in any way or writes more than `max_chars`."""
+        return self._render(check_messages(messages), add_generation_prompt, max_chars)
+
+    def render_marked(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
+                      specials: Sequence[str], max_chars: int = MAX_RENDER_CHARS) -> Rendered:
+        """The prompt, and where special-token text came from the messages' content (`foreign`:
+        the offsets of those occurrences, to be tokenized as text). Found by rendering again
+        with each such occurrence defused (its first character replaced): what the template
+        wrote itself is the same in both; a template that changes length with the content's
+        characters cannot be told apart, and the conversation is refused."""
         checked = check_messages(messages)
+        text = self._render(checked, add_generation_prompt, max_chars)
+        pattern = special_pattern(specials)
+        if pattern is None or not any(pattern.search(m["content"]) for m in checked):
+            return Rendered(text, ())
+        defused = [{**m, "content": pattern.sub(lambda x: DEFUSE + x.group()[1:], m["content"])} for m in checked]
+        other = self._render(defused, add_generation_prompt, max_chars)
+        if len(other) != len(text):
+            raise TemplateError(f"{self.source}: chat template: a message holds special-token text the template "
+                                "rewrites; refused (it would be read as control tokens)")
+        foreign = []
+        for m in pattern.finditer(text):
+            i = m.start()
+            if other[i] == DEFUSE:
+                foreign.append(i)
+            elif other[i : m.end()] != m.group():
+                raise TemplateError(f"{self.source}: chat template: a message holds special-token text the "
+                                    "template rewrites; refused (it would be read as control tokens)")
+        return Rendered(text, tuple(foreign))
+
+    def _render(self, checked: list[dict], add_generation_prompt: bool, max_chars: int) -> str:
         try:
             template = _environment().from_string(self.text)
-            return template.render(messages=checked, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token, eos_token=self.eos_token)
+            parts, n = [], 0
+            for piece in template.generate(messages=checked, add_generation_prompt=add_generation_prompt,
+                                           bos_token=self.bos_token, eos_token=self.eos_token):
+                n += len(piece)
+                if n > max_chars:
+                    raise TemplateError(f"{self.source}: chat template: wrote more than {max_chars} characters")
+                parts.append(piece)
+            return "".join(parts)
         except TemplateError:
             raise
         except jinja2.TemplateError as e:
             raise TemplateError(f"{self.source}: chat template: {type(e).__name__}: {shown(str(e))}") from None
+        except MemoryError:
+            raise TemplateError(f"{self.source}: chat template: ran out of memory") from None
+        except RecursionError:
+            raise TemplateError(f"{self.source}: chat template: recursion too deep") from None
+        except Exception as e:  # noqa: BLE001 -- a template is data: whatever it raises is its failure, one line
+            raise TemplateError(f"{self.source}: chat template: {type(e).__name__}: {shown(str(e))}") from None
+
+
+@attrs.frozen
+class Rendered:
+    """A rendered conversation: its text, and the offsets of special-token text in it that came
+    from the messages (to be tokenized as text, lever.gguf.tokenizer.Tokenizer.encode_chat)."""
+
+    text: str
+    foreign: tuple[int, ...] = ()
+
+
+@functools.lru_cache(maxsize=8)
+def _pattern(specials: tuple[str, ...]) -> re.Pattern | None:
+    # longest first: at one position the longest special matches, as the tokenizer's split does
+    ordered = sorted({s for s in specials if s}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, ordered))) if ordered else None
+
+
+def special_pattern(specials: Sequence[str]) -> re.Pattern | None:
+    return _pattern(tuple(specials))
 
 
 def check_messages(messages) -> list[dict]:

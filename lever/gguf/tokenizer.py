@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import os
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,10 +25,12 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from lever.errors import LeverError, kind_of, shown
+from lever.gguf.chat_template import Rendered, special_pattern
 from lever.gguf.file import GGUFFile
 
 # GGUF token_type values (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPECIAL_TYPES = (CONTROL, USER_DEFINED, UNKNOWN)  # read as one token wherever their text stands
 
 SPACE_MARK = "\u2581"  # SentencePiece's "▁", which stands for a space inside tokens
 
@@ -275,7 +278,7 @@ def _vocab_dict(tokens: Sequence[str]) -> dict[str, int]:
 
 def _add_special_tokens(hf: HFTokenizer, v: _Vocab) -> None:
     # matched in the raw text before normalization, like llama.cpp's special-token partition
-    kinds = np.isin(v.types, (CONTROL, USER_DEFINED, UNKNOWN))
+    kinds = np.isin(v.types, SPECIAL_TYPES)
     specials = [AddedToken(v.tokens[i], special=True, normalized=False) for i in np.flatnonzero(kinds)]
     hf.add_special_tokens(specials)
 
@@ -325,6 +328,7 @@ class Tokenizer:
     def __init__(self, vocab: _Vocab, hf: HFTokenizer) -> None:
         self._vocab = vocab
         self._hf = hf
+        self._plain_lock = threading.Lock()  # encode_special_tokens is the HF tokenizer's state
         self.model = vocab.model
         self.vocab_size = len(vocab.tokens)
         self.bos_id = vocab.token_id("bos_token_id")
@@ -352,12 +356,45 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special-token text such as `<|im_start|>` becomes its one id."""
         # a lone surrogate (undecodable bytes in a command line) cannot be tokenized: it stands for U+FFFD
-        ids = self._hf.encode(_SURROGATES.sub("\ufffd", text), add_special_tokens=False).ids
+        with self._plain_lock:
+            ids = self._hf.encode(_SURROGATES.sub("\ufffd", text), add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if self.add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
+
+    @cached_property
+    def specials(self) -> dict[str, int]:
+        """Special-token text -> id: what `encode` reads as one control token wherever it stands."""
+        kinds = np.isin(self._vocab.types, SPECIAL_TYPES)
+        return {self._vocab.tokens[i]: int(i) for i in np.flatnonzero(kinds)}
+
+    def encode_chat(self, rendered: Rendered) -> list[int]:
+        """A rendered conversation's ids: the template's special tokens as control tokens, the
+        special-token text that came from the messages (`rendered.foreign`) as plain text."""
+        if not rendered.foreign:
+            return self.encode(rendered.text, add_bos=False)
+        text, foreign, ids, at = rendered.text, set(rendered.foreign), [], 0
+        for m in special_pattern(tuple(self.specials)).finditer(text):
+            if m.start() in foreign:
+                continue
+            ids += self._encode_plain(text[at : m.start()])
+            ids.append(self.specials[m.group()])
+            at = m.end()
+        return ids + self._encode_plain(text[at:])
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` with special-token text in it read as text (as the tokenizer splits a
+        text at its special tokens, so segments encoded apart equal the whole's)."""
+        if not text:
+            return []
+        with self._plain_lock:
+            self._hf.encode_special_tokens = True
+            try:
+                return self._hf.encode(_SURROGATES.sub("\ufffd", text), add_special_tokens=False).ids
+            finally:
+                self._hf.encode_special_tokens = False
 
     def token_text(self, token_id: int) -> str:
         """A token's string as the vocabulary holds it (a special token's name, "<|im_end|>"),
@@ -379,6 +416,11 @@ class Tokenizer:
         """The raw bytes one token stands for; a control token gives its own name."""
         self.check_id(token_id)
         return self._bytes[token_id]
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most text one token stands for: a prompt of n bytes is at least n / this tokens."""
+        return max(1, max(map(len, self._bytes)))
 
     def check_id(self, token_id: int) -> None:
         if not 0 <= token_id < self.vocab_size:

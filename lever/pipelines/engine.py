@@ -100,6 +100,14 @@ class Engine:
     def n_ctx(self) -> int:
         return self.plan.n_ctx
 
+    @property
+    def n_ctx_source(self) -> str:
+        """Which limit sets the context: the config's [model] n_ctx, or the target's own."""
+        p = self.plan
+        if p.n_ctx < p.spec.n_ctx_train:
+            return "[model] n_ctx"
+        return f"the target's context_length, {p.target_file.path.name}"
+
     def encode(self, prompt: str) -> list[int]:
         ids = self.tok.encode(prompt)
         if not ids:
@@ -111,7 +119,7 @@ class Engine:
         cached, checked against [memory] limit: made before the generation allocates anything."""
         p = self.plan
         if n_past + n_prompt >= p.n_ctx:
-            raise LeverError(f"prompt is {n_past + n_prompt} tokens, over the context of {p.n_ctx} ([model] n_ctx)")
+            raise LeverError(f"prompt: {n_past + n_prompt} tokens, over the context of {p.n_ctx} ({self.n_ctx_source})")
         mem = p.memory_plan(n_prompt, self.process_bytes)
         check_memory(mem, p.memory, p.where)
         return mem

@@ -1,0 +1,129 @@
+"""Who may talk to the server: API keys, Host and Origin, JSON bodies (ASGI middleware).
+
+Around lever.serve.server's routes. A server on loopback is still reachable by every web page the
+user visits: a page can POST to 127.0.0.1 (a "simple" cross-site request needs no preflight when
+its content type is a form's or text/plain), and through DNS rebinding a page's own host name
+can resolve to 127.0.0.1 and read the answers. So, before any route runs:
+- the Host header must name this server: a loopback name, the address it is bound to, an IP
+  literal when bound to every interface, or one of `allowed_hosts` (a rebound name is none of
+  these) -> 421 otherwise;
+- an Origin header, which browsers send on cross-site requests, must be this server's own or one
+  of `allowed_origins` -> 403;
+- a POST's body must be declared JSON (a form or text/plain is a cross-site request) -> 415;
+- with API keys (`--api-key`, `--api-key-file`), every route but /health needs
+  `Authorization: Bearer KEY` -> 401; the key also names the client whose prefix cache a request
+  may use (lever.serve.server: one client's prompts are never measured by another's).
+Refusals are OpenAI-style JSON errors, as the routes' own are.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+
+import attrs
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe needs no key
+
+
+@attrs.frozen
+class Access:
+    """The server's access rules, made once from the command line (lever.cli.serve)."""
+
+    bound_host: str = "127.0.0.1"
+    api_keys: tuple[str, ...] = ()
+    allowed_hosts: frozenset[str] = frozenset()
+    allowed_origins: frozenset[str] = frozenset()
+
+    def host_ok(self, host_header: str) -> bool:
+        name = _hostname(host_header)
+        if name in LOOPBACK_HOSTS or name in self.allowed_hosts or "*" in self.allowed_hosts:
+            return True
+        if self.bound_host in WILDCARD_HOSTS:
+            return _is_ip(name)  # reached by address: no name a page could rebind
+        return name == self.bound_host.strip("[]").lower()
+
+    def origin_ok(self, origin: str, host_header: str) -> bool:
+        origin = origin.rstrip("/").lower()
+        if origin in self.allowed_origins or "*" in self.allowed_origins:
+            return True
+        scheme, _, rest = origin.partition("://")
+        return scheme in ("http", "https") and rest == host_header.lower()  # same origin (the page at /)
+
+    def client_key(self, authorization: str) -> str | None:
+        """The key a request presents, if it is one of ours (compared in constant time)."""
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return None
+        token = token.strip()
+        found = None
+        for k in self.api_keys:  # every key compared, so the time says nothing of which matched
+            if hmac.compare_digest(k.encode(), token.encode()):
+                found = k
+        return found
+
+
+@attrs.define
+class Guard:
+    """The ASGI middleware: checks each HTTP request against `access` before `app` sees it; the
+    key it presented is left in scope["state"]["client"] (None without keys)."""
+
+    app: object
+    access: Access
+    refused: int = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host", "")
+        refusal = None
+        if not self.access.host_ok(host):
+            refusal = (421, "misdirected_request", f"Host: {host[:60]!r} is not this server's name "
+                                                   "(--allowed-hosts adds names)")
+        elif "origin" in headers and not self.access.origin_ok(headers["origin"], host):
+            refusal = (403, "forbidden", f"Origin: {headers['origin'][:60]!r} may not call this server "
+                                         "(--allowed-origins adds origins)")
+        elif scope["method"] == "POST" and not _is_json(headers.get("content-type", "")):
+            refusal = (415, "invalid_request_error", "Content-Type: must be application/json")
+        client = None
+        if refusal is None and self.access.api_keys and scope["path"] not in OPEN_PATHS:
+            client = self.access.client_key(headers.get("authorization", ""))
+            if client is None:
+                refusal = (401, "invalid_api_key", "Authorization: a valid 'Bearer KEY' is required")
+        if refusal is not None:
+            self.refused += 1
+            await _refuse(send, *refusal)
+            return
+        scope.setdefault("state", {})["client"] = client
+        await self.app(scope, receive, send)
+
+
+def _hostname(host_header: str) -> str:
+    h = host_header.strip().lower()
+    if h.startswith("["):  # [::1]:8080
+        return h[1 : h.find("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type.split(";")[0].strip().lower() == "application/json"
+
+
+async def _refuse(send, status: int, kind: str, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

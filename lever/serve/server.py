@@ -1,0 +1,324 @@
+"""An OpenAI-compatible HTTP server over one open pipeline (lever.api.LLM).
+
+    /health, /v1/models, /v1/completions, /v1/chat/completions (SSE with "stream": true)
+
+One model pair, one generation at a time, as on a phone: requests wait in a queue of at most
+`queue` beside the one running, and past it get 429 with an OpenAI-style error. A client that
+goes away cancels its generation at the end of the current pass and frees its place. Bad
+requests get 400 naming the field. On shutdown (SIGINT, SIGTERM or SIGHUP to `lever serve`) new
+requests get 503 and the admitted ones have `grace_s` to finish; then the running one is
+cancelled at its next pass (its client gets what was generated) and the waiting ones get 503.
+Starlette (on anyio, like the pipeline) serves it; the generation itself runs in a worker
+thread, so the event loop keeps answering.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import anyio
+import attrs
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from lever.api import LLM, Cancelled, Chunk, Completion, Session
+from lever.errors import LeverError
+from lever.gguf.chat_template import check_messages
+from lever.gguf.render_child import RenderProcess
+from lever.model.stop import StopReason
+from lever.serve import TIMEOUT_S
+from lever.serve.guard import Access, Guard
+from lever.serve.request import BadRequest, parse, read_body, sampling
+
+DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that its client is still there
+# OpenAI's finish_reason of each of Lever's (lever.model.stop); a generation cut by shutdown is
+# never reported as finished (lever.serve.server.Server: 503, or an error event in a stream)
+OPENAI_FINISH = {StopReason.STOP: "stop", StopReason.EOS: "stop", StopReason.LENGTH: "length",
+                 StopReason.CONTEXT: "length", StopReason.CANCELLED: "stop"}
+SHUTTING_DOWN = ("the server is shutting down", 503, "server_shutting_down")
+
+
+def error(message: str, status: int, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+@attrs.define
+class Server:
+    """The app's state: the model, the queue's count, the renderer, the ids."""
+
+    llm: LLM
+    model_id: str
+    queue: int = 8
+    timeout_s: float = TIMEOUT_S
+    admitted: int = 0  # running + waiting
+    created: int = attrs.field(factory=lambda: int(time.time()))
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    closing: bool = False
+    _cancels: set = attrs.field(factory=set)  # the admitted requests' cancel events
+    # the last conversation's KV caches: a request that continues it (the next chat turn, a
+    # retry) prefills only what is new, when it comes from the same client (API key). One pair,
+    # the memory plan's; one generation at a time
+    session: Session = attrs.field(init=False)
+    # a chat template runs in a child process, bounded in time and memory (lever.gguf.render_child)
+    renderer: RenderProcess = attrs.field(factory=RenderProcess)
+    # parsing, rendering and tokenizing run off the event loop, one request at a time
+    _prep: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
+    max_prompt_bytes: int = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        self.session = self.llm.session()
+        tok = self.llm.tokenizer
+        # a token stands for at most the longest token's bytes: a prompt of more bytes than the
+        # context's tokens could hold is over the context before it is counted (twice that, for
+        # normalizers that shorten text before the model sees it)
+        self.max_prompt_bytes = 2 * self.llm.engine.n_ctx * tok.max_token_bytes
+
+    def admit(self) -> None:
+        with self._lock:
+            if self.closing:
+                raise BadRequest(*SHUTTING_DOWN[:1], status=503, kind=SHUTTING_DOWN[2])
+            if self.admitted > self.queue:  # one running and `queue` waiting
+                raise BadRequest(f"the server is busy: {self.queue} requests already wait", status=429,
+                                 kind="rate_limit_exceeded")
+            self.admitted += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.admitted -= 1
+
+    def shutdown(self, grace_s: float) -> None:
+        """Refuse new requests; cancel the admitted ones after `grace_s`; a render in progress
+        fails at once. Safe from a signal handler: it sets flags, kills a child, starts a timer."""
+        with self._lock:
+            self.closing = True
+        self.renderer.close()
+        timer = threading.Timer(grace_s, self._cancel_all)
+        timer.daemon = True
+        timer.start()
+
+    def _cancel_all(self) -> None:
+        with self._lock:
+            for c in self._cancels:
+                c.set()
+
+    def _watch(self, cancel: threading.Event) -> None:
+        with self._lock:
+            self._cancels.add(cancel)
+            if self.closing:
+                cancel.set()
+
+    def _unwatch(self, cancel: threading.Event) -> None:
+        with self._lock:
+            self._cancels.discard(cancel)
+
+    # -- a request's work before it queues: plain functions, run in a worker thread
+
+    def prepare(self, body: bytes, endpoint: str) -> tuple[dict, list[int], dict]:
+        """The request's fields, prompt ids and call arguments, each bound checked before the
+        work it bounds: the prompt's bytes before it is tokenized, the template's time and
+        output while it renders. BadRequest or LeverError naming the field at fault."""
+        data = parse(body, endpoint)
+        args = sampling(data)
+        if endpoint == "chat":
+            messages = check_messages(data["messages"])
+            self._check_bytes(sum(len(m["content"].encode("utf-8", "replace")) for m in messages), "messages")
+            rendered = self.renderer.render(self.llm.chat_template, messages,
+                                            specials=tuple(self.llm.tokenizer.specials), timeout_s=self.timeout_s,
+                                            max_chars=self.max_prompt_bytes)
+            self._check_bytes(len(rendered.text.encode("utf-8", "replace")), "messages")
+            ids = self.llm.encode_chat(messages, rendered)
+        else:
+            self._check_bytes(len(data["prompt"].encode("utf-8", "replace")), "prompt")
+            ids = self.llm.encode_prompt(data["prompt"])
+        self.llm.check(args, len(ids))  # the context, max_tokens, the knobs' ranges
+        return data, ids, args
+
+    def _check_bytes(self, n_bytes: int, field: str) -> None:
+        if n_bytes > self.max_prompt_bytes:
+            n_ctx = self.llm.engine.n_ctx
+            raise BadRequest(f"{field}: {n_bytes} bytes of text is more than the context of {n_ctx} tokens can hold "
+                             f"({self.llm.engine.n_ctx_source})", field)
+
+    # -- endpoints
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "admitted": self.admitted, "queue": self.queue})
+
+    async def models(self, request: Request) -> Response:
+        model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "lever"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, "completions")
+
+    async def chat(self, request: Request) -> Response:
+        return await self._handle(request, "chat")
+
+    async def _handle(self, request: Request, endpoint: str) -> Response:
+        chat = endpoint == "chat"
+        try:
+            if self.closing:
+                raise BadRequest(*SHUTTING_DOWN[:1], status=503, kind=SHUTTING_DOWN[2])
+            body = await read_body(request, timeout_s=self.timeout_s)
+            # checked before queueing: a bad request never waits for its 400
+            data, ids, args = await anyio.to_thread.run_sync(self.prepare, body, endpoint, limiter=self._prep)
+            self.admit()
+        except BadRequest as e:
+            return error(e.message, e.status, e.kind, e.param)
+        except LeverError as e:
+            if self.closing:  # a render cut by shutdown
+                return error(*SHUTTING_DOWN)
+            msg = str(e)
+            return error(msg, 400, "invalid_request_error", _param(msg))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        client = request.scope.get("state", {}).get("client")
+        if data.get("stream"):
+            usage = bool((data.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(self._stream(request, ids, args, rid, chat, usage, client),
+                                     media_type="text/event-stream")
+        try:
+            c = await self._generate(request, ids, args, client)
+        except Cancelled as e:  # its client left while it waited (nobody reads this), or shutdown
+            if self.closing:
+                return error(*SHUTTING_DOWN)
+            return error(str(e), 499, "cancelled")
+        finally:
+            self.release()
+        if c.finish_reason is StopReason.CANCELLED and self.closing:  # cut: never reported as finished
+            return error(f"the server is shutting down: the generation was cut after {len(c.tokens)} tokens",
+                         503, SHUTTING_DOWN[2])
+        return JSONResponse(self._body(c, rid, chat))
+
+    async def _generate(self, request: Request, ids: list[int], args: dict, client) -> Completion:
+        cancel = threading.Event()
+        self._watch(cancel)
+        outcome: list = []  # the completion or the error, raised outside the task group (no ExceptionGroup)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_client, request, cancel)
+                try:
+                    outcome.append(await anyio.to_thread.run_sync(
+                        lambda: self.llm.complete(ids, {**args, "cancel": cancel}, session=self.session,
+                                                  client=client)))
+                except LeverError as e:
+                    outcome.append(e)
+                finally:
+                    cancel.set()
+                    tg.cancel_scope.cancel()
+        finally:
+            self._unwatch(cancel)
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
+
+    @staticmethod
+    async def _watch_client(request: Request, cancel: threading.Event) -> None:
+        while not cancel.is_set():
+            if await request.is_disconnected():
+                cancel.set()
+            await anyio.sleep(DISCONNECT_POLL_S)
+
+    async def _stream(self, request: Request, ids: list[int], args: dict, rid: str, chat: bool, usage: bool, client):
+        cancel = threading.Event()
+        self._watch(cancel)
+        it = self.llm.stream_ids(ids, {**args, "cancel": cancel}, session=self.session, client=client)
+        n_out = 0
+        try:
+            if chat:
+                yield self._event(rid, chat, {"role": "assistant", "content": ""}, None)
+            while True:
+                try:
+                    chunk = await anyio.to_thread.run_sync(next, it, None)
+                except Cancelled:
+                    chunk = None if not self.closing else Chunk("", 0, StopReason.CANCELLED)
+                    if chunk is None:
+                        return
+                if chunk is None:
+                    break
+                n_out += chunk.n_tokens
+                if chunk.text:
+                    yield self._event(rid, chat, {"content": chunk.text} if chat else chunk.text, None)
+                if chunk.finish_reason is StopReason.CANCELLED and self.closing:
+                    # cut by shutdown: an error event, as OpenAI's streams report a failure; no [DONE]
+                    yield _sse({"error": {"message": f"the server is shutting down: the generation was cut "
+                                                     f"after {n_out} tokens", "type": SHUTTING_DOWN[2],
+                                          "param": None, "code": None}})
+                    return
+                if chunk.finish_reason is not None:
+                    yield self._event(rid, chat, {} if chat else "", OPENAI_FINISH[chunk.finish_reason])
+            if usage:
+                yield _sse({"id": rid, "object": self._object(chat, True), "created": int(time.time()),
+                            "model": self.model_id, "choices": [],
+                            "usage": _usage(len(ids), n_out)})
+            yield "data: [DONE]\n\n"
+        finally:
+            cancel.set()  # a client gone mid-stream: the generation ends at its next pass
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(it.close)
+            self._unwatch(cancel)
+            self.release()
+
+    def _object(self, chat: bool, chunk: bool) -> str:
+        return ("chat.completion" + (".chunk" if chunk else "")) if chat else "text_completion"
+
+    def _event(self, rid: str, chat: bool, delta, finish: str | None) -> str:
+        choice = {"index": 0, "finish_reason": finish}
+        choice.update({"delta": delta} if chat else {"text": delta, "logprobs": None})
+        return _sse({"id": rid, "object": self._object(chat, True), "created": int(time.time()),
+                     "model": self.model_id, "choices": [choice]})
+
+    def _body(self, c: Completion, rid: str, chat: bool) -> dict:
+        choice = {"index": 0, "finish_reason": OPENAI_FINISH[c.finish_reason]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice.update(text=c.text, logprobs=None)
+        return {"id": rid, "object": self._object(chat, False), "created": int(time.time()), "model": self.model_id,
+                "choices": [choice], "usage": _usage(c.usage.prompt_tokens, c.usage.completion_tokens,
+                                                     c.usage.cached_tokens)}
+
+
+def _param(message: str) -> str | None:
+    """The field a LeverError's one line names first ("max_tokens: ..."), if any."""
+    head = message.split(":")[0] if ":" in message[:40] else None
+    return head if head and all(c.isalnum() or c in "_.[]" for c in head) else None
+
+
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None,
+        timeout_s: float = TIMEOUT_S) -> Guard:
+    """The ASGI app behind its Guard (lever.serve.guard); `.app.state.server` is its Server
+    (for `shutdown`)."""
+    s = Server(llm, model_id, queue, timeout_s)
+    handlers = {HTTPException: _http_error, Exception: _internal_error}
+    a = Starlette(routes=[Route("/health", s.health), Route("/v1/models", s.models),
+                          Route("/v1/completions", s.completions, methods=["POST"]),
+                          Route("/v1/chat/completions", s.chat, methods=["POST"])],
+                  exception_handlers=handlers)
+    a.state.server = s
+    return Guard(a, access or Access())
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+    message = {404: f"no such route: {request.url.path[:80]}",
+               405: f"{request.method} is not allowed on {request.url.path[:80]}"}.get(exc.status_code, str(exc.detail))
+    return error(message, exc.status_code, kind)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return error(f"internal error: {type(exc).__name__}", 500, "server_error")
