@@ -133,7 +133,7 @@ def test_chat_and_streamed_chat_equal_the_api(client, llm):
     (b'{"prompt": "x", "temperature": -1}', "temperature"),
 ])
 def test_bad_requests_get_400_naming_the_field(server, body, param):
-    r = httpx.post(server[1] + "/v1/completions", content=body)
+    r = httpx.post(server[1] + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and "\n" not in err["message"]

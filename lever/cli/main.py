@@ -8,7 +8,8 @@ stderr at most and an exit code that says how:
   `lever: interrupted (SIGTERM)`, exit 128 + n; a second signal during cleanup is a forced quit;
 - stdout closed before the start: refused before any work (what it would print would be lost);
 - a reader that goes away (`lever run | head -3`): quiet, exit 141 (128 + SIGPIPE), as a C tool
-  killed by SIGPIPE ends.
+  killed by SIGPIPE ends;
+- stdout is Lever's output alone: what a native library prints goes to stderr (`_own_stdout`).
 The heavy imports (numpy, the kernels, the commands) happen after the handlers are in place.
 """
 
@@ -18,6 +19,7 @@ import argparse
 import functools
 import gc
 import importlib
+import io
 import os
 import signal
 import sys
@@ -48,7 +50,27 @@ def entry() -> None:
     """The console script and `python -m lever`: the handlers stay for the interpreter's exit
     (a signal while it joins threads is remembered, a second one forces the quit)."""
     signals.install()
+    _own_stdout()
     sys.exit(main())
+
+
+def _own_stdout() -> None:
+    """Keep stdout for Lever's own output: `sys.stdout` moves to a copy of descriptor 1, and 1
+    itself to stderr's file, so whatever a native library prints (a QNN runtime's log line)
+    reaches stderr and `lever run --json` stays one JSON object. Children Lever starts have
+    their stdout piped, never inherited."""
+    try:
+        fd = sys.stdout.fileno()
+        os.fstat(fd)
+        os.fstat(2)
+    except (OSError, ValueError, AttributeError):  # closed or not a descriptor: _main reports it
+        return
+    old = sys.stdout
+    old.flush()
+    saved = os.dup(fd)  # not inherited by children (Python's descriptors are close-on-exec)
+    os.dup2(2, fd)
+    sys.stdout = io.TextIOWrapper(io.FileIO(saved, "w"), encoding=old.encoding, errors=old.errors,
+                                  line_buffering=old.line_buffering)
 
 
 def main(argv: list[str] | None = None) -> int:

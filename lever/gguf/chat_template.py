@@ -103,8 +103,10 @@ class ChatTemplate:
                     raise TemplateError(f"{self.source}: chat template: wrote more than {max_chars} characters")
                 parts.append(piece)
             return "".join(parts)
-        except TemplateError:
-            raise
+        except TemplateError as e:  # raise_exception's own words: say whose template
+            if str(e).startswith(self.source):
+                raise
+            raise TemplateError(f"{self.source}: {e}") from None
         except jinja2.TemplateError as e:
             raise TemplateError(f"{self.source}: chat template: {type(e).__name__}: {shown(str(e))}") from None
         except MemoryError:

@@ -18,12 +18,14 @@ import numpy as np
 from lever.errors import LeverError, shown
 from lever.gguf.chat_template import ROLES
 from lever.gguf.identity import ModelIdentity
+from lever.outputs import atomic_write
 from lever.pipelines.compose import KVState
 from lever.policy.fields import MAX_COUNT, Fields, read_msgpack
 
 FORMAT = "lever-session"
 VERSION = 1
 MAX_ROWS = 2**24  # past any model's context (`read` checks the engine's own)
+MAX_TEXT_BYTES_PER_TOKEN = 1024  # a conversation's text per cached token, generously (a token is <= ~128 bytes)
 
 
 def _rows(cache, n: int) -> dict:
@@ -39,14 +41,11 @@ def write(path: str | os.PathLike, *, messages: list[dict], ids: list[int], kv: 
            "messages": messages, "ids": list(ids[:n]), "n_rows": n,
            "target_kv": _rows(kv.target, n) if kv is not None else None,
            "draft_kv": _rows(kv.draft, n) if kv is not None and kv.draft is not None else None}
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_bytes(msgpack.packb(doc, use_bin_type=True))
-        os.replace(tmp, p)
+    try:  # a fresh temp name beside it (mkstemp: O_EXCL, so no planted link is followed), renamed
+        with atomic_write(p, "wb", "session") as f:
+            f.write(msgpack.packb(doc, use_bin_type=True))
     except OSError as e:
         raise LeverError(f"{p}: cannot write the session ({e.strerror or e})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 @attrs.frozen
@@ -62,11 +61,12 @@ class SavedSession:
     draft_kv: dict | None
 
 
-def load(path: str | os.PathLike) -> SavedSession:
+def load(path: str | os.PathLike, *, max_bytes: int | None = None, max_items: int | None = None) -> SavedSession:
     """The session file at path, every field checked for type, shape and range (what `read`
-    checks against an engine aside), or one line naming the file and the field."""
+    checks against an engine aside), or one line naming the file and the field. `max_bytes`
+    and `max_items` (an engine's bounds, from `read`) are checked before it is decoded."""
     p = Path(path)
-    doc = read_msgpack(p, "saved session")
+    doc = read_msgpack(p, "saved session", max_bytes=max_bytes, max_items=max_items)
     f = Fields(p, "saved session")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise LeverError(f"{p}: not a saved session (no format {FORMAT!r})")
@@ -112,14 +112,20 @@ def read(path: str | os.PathLike, *, kv: KVState, target: ModelIdentity, draft: 
     this engine's models and caches); the conversation and ids. On any error `kv` is left
     as it was: every check runs before the first row is copied."""
     p = Path(path)
-    s = load(p)
+    n_ctx = min(c.n_ctx for c in (kv.target, kv.draft) if c is not None)
+    caches = [c for c in (kv.target, kv.draft) if c is not None]
+    # the largest file this engine could have written: every cache row, the ids, and the text
+    # those tokens stand for with room to spare; nothing in it longer than the context or a model's layers
+    rows_bytes = sum(a.nbytes for c in caches for a in (*c.k, *c.v))
+    max_bytes = rows_bytes + n_ctx * (9 + MAX_TEXT_BYTES_PER_TOKEN) + (1 << 20)
+    max_items = n_ctx + max(len(c.k) for c in caches) + 64
+    s = load(p, max_bytes=max_bytes, max_items=max_items)
     f = Fields(p, "saved session")
     if s.target != [target.size_bytes, target.sha256_first_mib]:
         raise f.fail("target", f"saved with another target model than {target.path}")
     if s.draft != ([draft.size_bytes, draft.sha256_first_mib] if draft is not None else None):
         raise f.fail("draft", "saved with another draft model (or none)")
     n = s.n_rows
-    n_ctx = min(c.n_ctx for c in (kv.target, kv.draft) if c is not None)
     if n > n_ctx:
         raise f.fail("n_rows", f"must be an integer in [0, {n_ctx}], got {n}")
     if any(t >= n_vocab for t in s.ids):

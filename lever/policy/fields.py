@@ -34,21 +34,31 @@ MAX_TEXT_CHARS = 4096  # names, dates, paths and methods in these files are far 
 _HEX = re.compile(r"[0-9a-f]*")
 
 
-def read_msgpack(path: str | os.PathLike, what: str, missing_hint: str = "") -> object:
+def read_msgpack(path: str | os.PathLike, what: str, missing_hint: str = "", *, max_bytes: int | None = None,
+                 max_items: int | None = None) -> object:
     """The decoded contents of a msgpack file Lever wrote, or one line naming the file: not a
-    regular file, unreadable, or not msgpack at all (garbage, truncated, trailing bytes)."""
+    regular file, unreadable, or not msgpack at all (garbage, truncated, trailing bytes). With
+    `max_bytes`, a bigger file (a sparse one too) is refused before it is read; `max_items`
+    bounds every array and map in it, so a small file cannot decode into a huge structure."""
     p = Path(path)
     if not p.exists() and not p.is_symlink():
         raise LeverError(f"{p}: no such {what}{f' ({missing_hint})' if missing_hint else ''}")
     regular_file(p, what)  # not a FIFO: reading one would never end
     try:
-        raw = p.read_bytes()
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if max_bytes is not None and size > max_bytes:
+                raise LeverError(f"{p}: {size} bytes, more than any {what} of this model pair can be ({max_bytes})")
+            raw = f.read(size + 1 if max_bytes is not None else -1)
     except OSError as e:
         raise LeverError(f"{p}: cannot read {what}: {e.strerror or e}") from None
+    if max_bytes is not None and len(raw) > max_bytes:  # it grew while we looked
+        raise LeverError(f"{p}: more than any {what} of this model pair can be ({max_bytes} bytes)")
+    limits = {} if max_items is None else {"max_array_len": max_items, "max_map_len": max_items}
     try:
         # map keys must be strings (every file here is written with string keys), so nothing
         # unhashable or odd reaches the checks as a key
-        return msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, **limits)
     except Exception as e:  # noqa: BLE001 -- ValueError subclasses mostly, but any failure means "not msgpack"
         raise LeverError(f"{p}: not a {what} (corrupt msgpack: {shown(str(e) or type(e).__name__, 80)})") from None
 

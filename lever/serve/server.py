@@ -7,9 +7,11 @@ One model pair, one generation at a time, as on a phone: requests wait in a queu
 goes away cancels its generation at the end of the current pass and frees its place. Bad
 requests get 400 naming the field. On shutdown (SIGINT, SIGTERM or SIGHUP to `lever serve`) new
 requests get 503 and the admitted ones have `grace_s` to finish; then the running one is
-cancelled at its next pass (its client gets what was generated) and the waiting ones get 503.
-Starlette (on anyio, like the pipeline) serves it; the generation itself runs in a worker
-thread, so the event loop keeps answering.
+cancelled at its next pass and the waiting ones get 503; a cut generation is never reported as
+finished (503, or an `error` event ending its stream). Starlette (on anyio, like the pipeline)
+serves it. Nothing that scales with a request runs on the event loop: parsing, rendering (in a
+child process, lever.gguf.render_child) and tokenizing run in a worker thread, each bounded
+before it starts, and the generation in another, so /health answers whatever a request holds.
 """
 
 from __future__ import annotations
