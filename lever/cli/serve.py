@@ -1,6 +1,6 @@
 """`lever serve [-c CONFIG] [--host H] [--port P] [--queue N] [--api-key K]...`: the OpenAI-compatible
 server (lever.serve) over the configured pipeline, until SIGINT, SIGTERM or SIGHUP: then new requests
-get 503 and the admitted ones GRACE_S to finish before they are cancelled; exit 128 + the signal.
+get 503 and the admitted ones --grace seconds to finish before they are cancelled; exit 128 + the signal.
 Who may call it (keys, Host, Origin) is lever.serve.guard's; connections are bounded by
 lever.serve.protocol."""
 
@@ -42,6 +42,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="web origins whose pages may call the server, e.g. http://localhost:3000 (comma-separated)")
     s.add_argument("--max-connections", type=int_in(1, 65536), default=MAX_CONNECTIONS,
                    help="connections open at once; past it, 503 and closed")
+    s.add_argument("--grace", type=float_in(0, 3600), default=GRACE_S, metavar="S",
+                   help="on shutdown, seconds the admitted requests may go on before they are cut")
     s.add_argument("--timeout", type=float_in(0.1, 3600), default=TIMEOUT_S, metavar="S",
                    help="seconds a request's headers, its body, and a chat template's render may each take")
     add_set(s)
@@ -113,7 +115,7 @@ def main(args) -> int:
 
         def stop(signum: int) -> None:  # INT, TERM or HUP: stop listening, drain, then cancel
             server.should_exit = True
-            server_state.shutdown(GRACE_S)
+            server_state.shutdown(args.grace)
 
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
               f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}",

@@ -5,10 +5,6 @@ its length, and clients that leave freeing the server."""
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,48 +15,17 @@ import pytest
 
 import lever
 from lever.shipped import shipped
+from tests.serve.live import JSON, QUEUE, TEMPLATE, start_server, stop
 
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 PROMPT = "def parse_args(argv):"
 MESSAGES = [{"role": "user", "content": "import os"}]
-QUEUE = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(*extra: str, queue: int = QUEUE, template: str | None = TEMPLATE):
-    port = _free_port()
-    sets = ["--set", f"model.chat_template={json.dumps(template)}"] if template else []
-    proc = subprocess.Popen([sys.executable, "-m", "lever", "serve", "--port", str(port), "--queue", str(queue),
-                             *sets, *extra], stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            if proc.poll() is not None:
-                raise AssertionError(f"lever serve exited: {proc.stderr.read()}")
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("lever serve did not answer /health within 60 s")
 
 
 @pytest.fixture(scope="module")
 def server():
     proc, url = start_server()
     yield proc, url
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError("lever serve did not stop within 20 s of SIGINT")
+    stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +98,7 @@ def test_chat_and_streamed_chat_equal_the_api(client, llm):
     (b'{"prompt": "x", "temperature": -1}', "temperature"),
 ])
 def test_bad_requests_get_400_naming_the_field(server, body, param):
-    r = httpx.post(server[1] + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    r = httpx.post(server[1] + "/v1/completions", content=body, headers=JSON)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and "\n" not in err["message"]
@@ -208,5 +173,4 @@ def test_qwen_chat_over_the_server_equals_the_api(qwen_target, qwen_draft):
         r = c.chat.completions.create(model="x", messages=msgs, max_tokens=32, stop=["\n\n"])
         assert r.choices[0].message.content == want_stop.text
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        stop(proc, timeout_s=30)

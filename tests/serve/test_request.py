@@ -1,0 +1,81 @@
+"""lever.serve.request: a body bounded before it is read, fields Lever does not honour refused by
+name, nesting refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+from starlette.requests import Request
+
+from lever.serve.request import MAX_BODY_BYTES, BadRequest, parse, read_body
+
+
+def _request(headers: dict, chunks: list[bytes], delay_s: float = 0.0):
+    """A Request whose body arrives in `chunks` (each after `delay_s`); `.reads` counts receives."""
+    sent = {"n": 0}
+
+    async def receive():
+        sent["n"] += 1
+        if delay_s:
+            await anyio.sleep(delay_s)
+        i = sent["n"] - 1
+        more = i + 1 < len(chunks)
+        return {"type": "http.request", "body": chunks[i] if i < len(chunks) else b"", "more_body": more}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+    return Request(scope, receive), sent
+
+
+def test_a_declared_length_over_the_bound_is_refused_before_a_byte_is_read():
+    req, sent = _request({"content-length": str(500 << 20)}, [b"x" * 1024] * 4)
+    with pytest.raises(BadRequest, match="524288000 bytes, over the bound") as e:
+        anyio.run(lambda: read_body(req, timeout_s=5))
+    assert e.value.status == 413 and sent["n"] == 0
+
+
+def test_a_body_that_lies_about_its_length_is_cut_at_the_bound():
+    req, sent = _request({"content-length": "10"}, [b"x" * (1 << 20)] * 8)
+    with pytest.raises(BadRequest) as e:
+        anyio.run(lambda: read_body(req, timeout_s=5, max_bytes=2 << 20))
+    assert e.value.status == 413 and sent["n"] == 3  # stopped at the chunk that passed the bound
+
+
+def test_a_slow_body_times_out():
+    req, _ = _request({}, [b"{"] * 100, delay_s=0.05)
+    with pytest.raises(BadRequest, match="took over 0.3 s") as e:
+        anyio.run(lambda: read_body(req, timeout_s=0.3))
+    assert e.value.status == 408
+
+
+def test_a_body_within_its_bounds_is_read_whole():
+    req, _ = _request({"content-length": "6"}, [b"ab", b"cd", b"ef"])
+    assert anyio.run(lambda: read_body(req, timeout_s=5)) == b"abcdef"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logprobs", True), ("logprobs", 3), ("echo", True), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("logit_bias", {"1": 5}), ("suffix", "x"), ("frequency_penalty", 0.5),
+])
+def test_a_field_lever_does_not_honour_is_refused_by_name(field, value):
+    with pytest.raises(BadRequest, match=f"^{field}: not supported") as e:
+        parse(json.dumps({"prompt": "x", field: value}).encode(), "completions")
+    assert e.value.param == field and e.value.status == 400
+
+
+@pytest.mark.parametrize("extra", [
+    {"logprobs": False}, {"logprobs": None}, {"echo": False}, {"tools": []}, {"n": None}, {"n": 1},
+    {"tool_choice": "none"}, {"frequency_penalty": 0}, {"user": "me"},
+])
+def test_defaults_of_unhonoured_fields_pass(extra):
+    assert parse(json.dumps({"prompt": "x", **extra}).encode(), "completions")["prompt"] == "x"
+
+
+def test_deep_nesting_is_one_line():
+    body = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert len(body) < MAX_BODY_BYTES
+    with pytest.raises(BadRequest, match="nests too deep"):
+        parse(body, "completions")
