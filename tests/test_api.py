@@ -272,6 +272,40 @@ def test_a_saved_session_is_checked_field_by_field(llm, tmp_path):
         s3.load(tmp_path / "junk")
 
 
+def test_saving_a_session_never_follows_a_planted_link(llm, tmp_path):
+    """The old temp name was predictable (.NAME.tmpPID): a link planted there was written through."""
+    import os
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    path = tmp_path / "s.msgpack"
+    for name in (f".{path.name}.tmp{os.getpid()}", f".{path.name}.{os.getpid()}.tmp"):
+        (tmp_path / name).symlink_to(victim)
+    with llm.session() as s:
+        s.chat([{"role": "user", "content": "import os"}], max_tokens=4)
+        s.save(path)
+    assert victim.read_text() == "keep me" and path.is_file() and not path.is_symlink()
+
+
+def test_a_huge_or_sparse_session_file_is_refused_before_it_is_read(llm, tmp_path):
+    import resource
+
+    import msgpack
+
+    sparse = tmp_path / "sparse.msgpack"
+    with open(sparse, "wb") as f:  # 8 GiB of holes: reading it whole would take minutes and the memory
+        f.truncate(8 << 30)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with llm.session() as s, pytest.raises(LeverError, match="more than any saved session"):
+        s.load(sparse)
+    # a small file whose arrays claim more items than any session of this pair holds
+    nils = tmp_path / "nils.msgpack"
+    nils.write_bytes(msgpack.packb({"format": "lever-session", "ids": [None] * 2_000_000}))
+    with llm.session() as s, pytest.raises(LeverError, match="corrupt msgpack"):
+        s.load(nils)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 200_000  # KiB: nothing decoded whole
+
+
 def test_min_p_of_one_keeps_only_the_likeliest_token_so_sampling_is_greedy(llm, full):
     # under speculation too: the target's distribution after the cut is what Accept samples from
     assert llm.generate(PROMPT, max_tokens=N, temperature=0.9, seed=5, min_p=1.0).tokens == full.tokens

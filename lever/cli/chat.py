@@ -83,6 +83,7 @@ def main(args) -> int:
                     else:
                         print(f"(unknown command {cmd!r}; {HELP})", file=err)
                     continue
+                n_before = len(s.messages)
                 try:
                     for chunk in s.stream_chat([{"role": "user", "content": text}], **sampling):
                         out.write(chunk.text)
@@ -90,7 +91,7 @@ def main(args) -> int:
                         if chunk.finish_reason is not None:
                             out.write("\n")
                             out.flush()
-                except LeverError as e:  # one bad turn (too long for the context) does not end the chat
-                    s.rewind(max(len(s.messages) - 1, 0))
+                except LeverError as e:  # one bad turn (too long, a template that fails) does not end the chat
+                    s.rewind(n_before)
                     print(f"lever: error: {e}", file=err)
     return 0

@@ -128,6 +128,10 @@ class Server:
         data = parse(body, endpoint)
         args = sampling(data)
         if endpoint == "chat":
+            n_ctx = self.llm.engine.n_ctx
+            if isinstance(data["messages"], list) and len(data["messages"]) > n_ctx:  # each is a token at least
+                raise BadRequest(f"messages: {len(data['messages'])} messages cannot fit a context of {n_ctx} tokens",
+                                 "messages")
             messages = check_messages(data["messages"])
             self._check_bytes(sum(len(m["content"].encode("utf-8", "replace")) for m in messages), "messages")
             rendered = self.renderer.render(self.llm.chat_template, messages,

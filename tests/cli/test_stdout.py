@@ -35,3 +35,28 @@ def test_a_reader_that_leaves_ends_the_run_quietly_with_141():
         err = proc.stderr.read().decode()
         assert rc == 141, (argv, rc, err)
         assert err == "", (argv, err)
+
+
+NOISY = """
+import ctypes, sys
+import lever.cli.run as run
+from lever.cli.main import entry
+real = run.main
+def noisy(args):  # what a backend's native library does (the QNN runtime logs to stdout)
+    libc = ctypes.CDLL(None)
+    libc.puts(b"native library noise")
+    libc.fflush(None)
+    return real(args)
+run.main = noisy
+sys.argv = ["lever", "run", "-n", "4", "--json"]
+entry()
+"""
+
+
+def test_what_a_native_library_prints_goes_to_stderr_and_stdout_stays_one_json_object():
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", NOISY], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)  # one object, nothing else
+    assert len(out["tokens"]) == 4 and "native library noise" in proc.stderr
