@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from lever.api import LLM, Cancelled, Chunk, Completion, Session
 from lever.errors import LeverError
-from lever.gguf.chat_template import check_messages
+from lever.gguf.chat_template import Rendered, check_messages
 from lever.gguf.render_child import RenderProcess
 from lever.model.stop import StopReason
 from lever.serve import TIMEOUT_S
@@ -44,6 +44,7 @@ DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that it
 OPENAI_FINISH = {StopReason.STOP: "stop", StopReason.EOS: "stop", StopReason.LENGTH: "length",
                  StopReason.CONTEXT: "length", StopReason.CANCELLED: "stop"}
 SHUTTING_DOWN = ("the server is shutting down", 503, "server_shutting_down")
+PREP_THREADS = 2
 
 
 def error(message: str, status: int, kind: str, param: str | None = None) -> JSONResponse:
@@ -69,8 +70,10 @@ class Server:
     session: Session = attrs.field(init=False)
     # a chat template runs in a child process, bounded in time and memory (lever.gguf.render_child)
     renderer: RenderProcess = attrs.field(factory=RenderProcess)
-    # parsing, rendering and tokenizing run off the event loop, one request at a time
-    _prep: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
+    # parsing and tokenizing run off the event loop, PREP_THREADS requests at a time (each holds
+    # at most a body's bound of memory); renders one at a time, the renderer's child being one
+    _prep: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(PREP_THREADS))
+    _renders: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
     max_prompt_bytes: int = attrs.field(init=False)
 
     def __attrs_post_init__(self):
@@ -121,29 +124,35 @@ class Server:
 
     # -- a request's work before it queues: plain functions, run in a worker thread
 
-    def prepare(self, body: bytes, endpoint: str) -> tuple[dict, list[int], dict]:
-        """The request's fields, prompt ids and call arguments, each bound checked before the
-        work it bounds: the prompt's bytes before it is tokenized, the template's time and
-        output while it renders. BadRequest or LeverError naming the field at fault."""
+    def parse(self, body: bytes, endpoint: str) -> tuple[dict, dict, list[dict] | None]:
+        """The request's fields and call arguments; a chat's messages checked and bounded (their
+        count, their bytes) before any template sees them."""
         data = parse(body, endpoint)
         args = sampling(data)
-        if endpoint == "chat":
-            n_ctx = self.llm.engine.n_ctx
-            if isinstance(data["messages"], list) and len(data["messages"]) > n_ctx:  # each is a token at least
-                raise BadRequest(f"messages: {len(data['messages'])} messages cannot fit a context of {n_ctx} tokens",
-                                 "messages")
-            messages = check_messages(data["messages"])
-            self._check_bytes(sum(len(m["content"].encode("utf-8", "replace")) for m in messages), "messages")
-            rendered = self.renderer.render(self.llm.chat_template, messages,
-                                            specials=tuple(self.llm.tokenizer.specials), timeout_s=self.timeout_s,
-                                            max_chars=self.max_prompt_bytes)
-            self._check_bytes(len(rendered.text.encode("utf-8", "replace")), "messages")
-            ids = self.llm.encode_chat(messages, rendered)
-        else:
+        if endpoint != "chat":
             self._check_bytes(len(data["prompt"].encode("utf-8", "replace")), "prompt")
-            ids = self.llm.encode_prompt(data["prompt"])
-        self.llm.check(args, len(ids))  # the context, max_tokens, the knobs' ranges
-        return data, ids, args
+            return data, args, None
+        n_ctx = self.llm.engine.n_ctx
+        if isinstance(data["messages"], list) and len(data["messages"]) > n_ctx:  # each is a token at least
+            raise BadRequest(f"messages: {len(data['messages'])} messages cannot fit a context of {n_ctx} tokens",
+                             "messages")
+        messages = check_messages(data["messages"])
+        self._check_bytes(sum(len(m["content"].encode("utf-8", "replace")) for m in messages), "messages")
+        return data, args, messages
+
+    def render(self, messages: list[dict]) -> Rendered:
+        """The conversation through the template, in the child process, bounded in time and output."""
+        rendered = self.renderer.render(self.llm.chat_template, messages, specials=tuple(self.llm.tokenizer.specials),
+                                        timeout_s=self.timeout_s, max_chars=self.max_prompt_bytes)
+        self._check_bytes(len(rendered.text.encode("utf-8", "replace")), "messages")
+        return rendered
+
+    def encode(self, data: dict, args: dict, messages: list[dict] | None, rendered: Rendered | None) -> list[int]:
+        """The prompt ids, checked against the context and the knobs' ranges."""
+        ids = self.llm.encode_chat(messages, rendered) if messages is not None else self.llm.encode_prompt(
+            data["prompt"])
+        self.llm.check(args, len(ids))
+        return ids
 
     def _check_bytes(self, n_bytes: int, field: str) -> None:
         if n_bytes > self.max_prompt_bytes:
@@ -172,8 +181,12 @@ class Server:
             if self.closing:
                 raise BadRequest(*SHUTTING_DOWN[:1], status=503, kind=SHUTTING_DOWN[2])
             body = await read_body(request, timeout_s=self.timeout_s)
-            # checked before queueing: a bad request never waits for its 400
-            data, ids, args = await anyio.to_thread.run_sync(self.prepare, body, endpoint, limiter=self._prep)
+            # checked before queueing: a bad request never waits for its 400. Off the event loop,
+            # a render apart from the rest: a slow template holds up chats, never completions
+            data, args, messages = await anyio.to_thread.run_sync(self.parse, body, endpoint, limiter=self._prep)
+            rendered = None if messages is None else \
+                await anyio.to_thread.run_sync(self.render, messages, limiter=self._renders)
+            ids = await anyio.to_thread.run_sync(self.encode, data, args, messages, rendered, limiter=self._prep)
             self.admit()
         except BadRequest as e:
             return error(e.message, e.status, e.kind, e.param)

@@ -109,30 +109,43 @@ def test_one_clients_prefix_is_never_reused_for_another(server):
     assert other["choices"][0]["text"] == first["choices"][0]["text"]
 
 
-def test_half_open_connections_are_closed_and_the_cap_holds(server):
+def test_idle_connections_give_way_and_half_open_ones_are_closed(server):
     url = server[1]
     host, port = url.removeprefix("http://").split(":")
     idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(30)]  # cap 24
     try:
-        idle[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers never finished
-        time.sleep(0.5)
-        busy = [s for s in idle[24:] if s.recv(4096).startswith(b"HTTP/1.1 503")]
-        assert len(busy) >= 5  # past the cap: 503 and closed
-        assert httpx.get(url + "/health", timeout=5).status_code == 503  # the cap holds
-        deadline, code = time.monotonic() + 6, None
-        while time.monotonic() < deadline and code != 200:
-            try:
-                code = httpx.get(url + "/health", timeout=1).status_code
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        assert code == 200  # the header timeout (2 s) freed the slots
-        for s in idle[:24]:
+        idle[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers never finished
+        t0 = time.monotonic()
+        assert httpx.get(url + "/health", timeout=5).status_code == 200  # an idle one made room at once
+        assert time.monotonic() - t0 < 1
+        for s in idle[:6]:  # the oldest idle ones were closed to make room
             s.settimeout(5)
-            assert s.recv(4096) == b""  # closed by the server
+            assert s.recv(4096) == b""
+        time.sleep(2.5)  # the header timeout (2 s) closes the rest, half-open or silent
+        for s in idle[6:]:
+            s.settimeout(5)
+            assert s.recv(4096) == b""
     finally:
         for s in idle:
             s.close()
+
+
+def test_a_new_connection_gets_503_only_when_every_one_is_serving():
+    proc, url = start_server("--max-connections", "2", "--set", "flash.dram_budget=0")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 480, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)  # one connection serving
+            queued = threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                                      kwargs={"json": {"prompt": PROMPT, "max_tokens": 4}, "timeout": 30})
+            queued.start()  # the other waiting for the engine: serving too
+            time.sleep(0.5)
+            r2 = httpx.get(url + "/health", timeout=5)
+            assert r2.status_code == 503 and r2.json()["error"]["message"] == "too many connections"
+        queued.join(30)
+    finally:
+        stop(proc)
 
 
 def test_queued_clients_that_leave_free_their_places_quietly(server):

@@ -1,0 +1,26 @@
+"""`lever bench serve`: its phases run against real servers, and what it reports holds: the good
+client is answered in every phase, each attack gets its refusal, the servers stop with 143."""
+
+from __future__ import annotations
+
+import json
+
+from lever.cli.bench.serve import bench_serve
+
+
+def test_bench_serve_reports_a_good_client_answered_through_every_attack(tmp_path):
+    lines = []
+    r = bench_serve(None, [], 2.0, out=lines.append, json_path=tmp_path / "serve.json")
+    phases = r["phases"]
+    assert set(phases) == {"calm", "hostile", "template"}
+    for name, p in phases.items():
+        assert p["good"] > 0 and p["failed"] == 0, (name, p["status"])
+    seen = phases["hostile"]["hostile"]
+    for kind in ("bodies 400", "bodies 413", "no key 401", "rebound host 421", "cross-site 403", "form body 415",
+                 "forged turn 200"):
+        assert seen.get(kind, 0) > 0, (kind, seen)
+    assert any(k.startswith("crowd") for k in seen) and any(k.startswith("slow headers") for k in seen)
+    assert phases["template"]["hostile"].get("endless template 400", 0) > 0
+    assert r["summary"] == {"exit_codes": [143, 143], "tracebacks": 0, "within_plan": True}
+    assert json.loads((tmp_path / "serve.json").read_text())["summary"]["tracebacks"] == 0
+    assert any("server exits 143 and 143" in ln for ln in lines)
