@@ -45,6 +45,7 @@ from lever.gguf.file import GGUFFile
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model import finite
 from lever.model.transformer import Model
+from lever.outputs import atomic_write
 
 TARGETS = ("loader", "tokenizer", "nonfinite", "config", "artifact", "cli")
 # How often each family comes up: GGUF headers (loader and tokenizer) stay half of the inputs
@@ -313,8 +314,10 @@ def save_finding(corpus: Path, blob: Blob | files.Case, outcome: Outcome) -> Pat
     else:
         data = blob.materialize()
         path = corpus / corpus_name(data)
-    path.write_bytes(gzip.compress(data, mtime=0))
-    with open(corpus / "findings.tsv", "a") as log:
+    with atomic_write(path, "wb", "finding") as f:  # a fresh temp name, renamed: no planted link is followed
+        f.write(gzip.compress(data, mtime=0))
+    log_fd = os.open(corpus / "findings.tsv", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    with open(log_fd, "a") as log:
         log.write(f"{path.name}\t{outcome.signature}\t{outcome.detail.replace(chr(9), ' ').replace(chr(10), ' ')}\n")
     return path
 

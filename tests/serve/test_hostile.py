@@ -260,3 +260,28 @@ def test_sigterm_with_a_queue_waiting_cuts_the_running_one_and_turns_the_waiting
     assert [c for c, _ in by_kind["plain"]] == [503] * 3
     assert all(b["error"]["type"] == "server_shutting_down" for _, b in by_kind["plain"])
     assert "Traceback" not in stderr_text(proc), stderr_text(proc)
+
+
+def test_sigterm_while_big_prompts_arrive_stops_within_a_second():
+    proc, url = start_server()
+    body = json.dumps({"prompt": "x = 1\n" * 500_000, "max_tokens": 4}).encode()
+    got = []
+
+    def big():
+        try:
+            got.append(httpx.post(url + "/v1/completions", content=body, headers=JSON, timeout=30).status_code)
+        except httpx.HTTPError as e:  # the listener closed before it was sent
+            got.append(type(e).__name__)
+
+    threads = [threading.Thread(target=big) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    rc = stop(proc, signal.SIGTERM, timeout_s=10)
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(30)
+    assert rc == 143 and took < 1.5, took
+    assert all(g in (400, 503) or isinstance(g, str) for g in got), got
+    assert stderr_text(proc).strip().splitlines()[-1] == "lever: interrupted (SIGTERM)"

@@ -289,10 +289,10 @@ def bench_serve(config: str | None, sets: list[str], seconds: float, out=print, 
                  p99_over_calm=p99 / calm_p99 if calm_p99 else float("nan"))
         hostile = sum(r["hostile"].values())
         rows.append([name, good, failed, f"{p50:.0f}", f"{p99:.0f}", f"{r['p99_over_calm']:.2f}x",
-                     f"{r['health_p99_ms']:.0f}", hostile, f"{r['rss']:.0f} / {r['plan_mib']}",
+                     f"{r['health_p99_ms']:.0f}", hostile, f"{r['rss']:.0f}/{r['plan_mib']}",
                      f"{r['child_rss']:.0f}"])
-    show(["phase", "good answers", "good failed", "p50 ms", "p99 ms", "p99 / calm", "/health p99 ms",
-          "hostile requests", "peak RSS / plan MiB", "renderer MiB"], rows, out,
+    show(["phase", "good", "failed", "p50 ms", "p99 ms", "p99/calm", "health p99", "hostile", "RSS/plan MiB",
+          "child MiB"], rows, out,
          title=f"serve: {seconds:g} s a phase ({config or 'the shipped pair'}), --timeout {TIMEOUT_S:g} s, "
                f"--max-connections {MAX_CONNECTIONS}")
     for name in ("hostile", "template"):
