@@ -13,7 +13,7 @@ def test_every_case_gets_the_answer_it_should():
     p = subprocess.run([sys.executable, "examples/serve_cases.py", sys.executable, "-m", "lever"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
-    got = dict(line.split(": ", 1) for line in p.stdout.strip().splitlines())
+    got = dict(line.rsplit(": ", 1) for line in p.stdout.strip().splitlines())
     assert got["3.5 MB prompt: status, time; worst /health"].startswith("400 after 0.")
     assert got["declared 500 MB body"] == "HTTP/1.1 413 Request Entity Too Large"
     for case, want in (("JSON nested 50,000 deep", "400"), ("404", "404"), ("logprobs: 3", "400"),
