@@ -187,6 +187,7 @@ def test_the_summary_pairs_lever_with_each_row_by_prompt(tmp_path):
     (["--spec-ks", "8,0"], "--spec-ks"),
     (["--mem", "2G"], "--mem: bench cap sets each run's --mem from --caps"),
     (["--llama-cpp", "/nonexistent"], "--llama-cpp: /nonexistent is not a directory"),
+    (["--llama-cpp", "/"], "--llama-cpp: / holds no executable llama-completion"),
     (["--rows", "lever,llama"], "--rows: 'llama' is no row; the rows: flash-ar, lever, lever-lru"),
 ])
 def test_bad_arguments_are_one_line(capsys, args, needle):

@@ -24,6 +24,7 @@ import datetime
 import importlib.util
 import json
 import math
+import os
 import platform
 import re
 import sys
@@ -263,9 +264,15 @@ def bench_cap(*, config: str, prompts: list[str], caps: list[str], n: int, spec_
 def _llama_tools(llama_dir: str | None) -> tuple[str, str] | None:
     """llama-completion and llama-speculative: in `llama_dir`, else beside llama-bench as
     `lever bench model` finds it ($LLAMA_BENCH or PATH), else none (Lever's rows only)."""
-    beside = str(Path(llama_dir) / "llama-bench") if llama_dir else find_llama_bench(None)
-    found = tuple(find_tool(t, str(Path(llama_dir) / t) if llama_dir else None, env, beside)
-                  for t, env in (("llama-completion", "LLAMA_COMPLETION"), ("llama-speculative", "LLAMA_SPECULATIVE")))
+    tools = (("llama-completion", "LLAMA_COMPLETION"), ("llama-speculative", "LLAMA_SPECULATIVE"))
+    if llama_dir:  # the folder named: both tools must be in it (named by this command's flag)
+        for t, _ in tools:
+            p = Path(llama_dir) / t
+            if not (p.is_file() and os.access(p, os.X_OK)):
+                raise LeverError(f"--llama-cpp: {llama_dir} holds no executable {t}")
+        return tuple(str(Path(llama_dir) / t) for t, _ in tools)
+    beside = find_llama_bench(None)
+    found = tuple(find_tool(t, None, env, beside) for t, env in tools)
     return found if all(found) else None
 
 

@@ -72,8 +72,8 @@ def run_capped(cmd: list[str], cap_bytes: int, *, evict_paths=(), timeout_s: flo
     try:
         group.mkdir()
         (group / limit_file).write_text(str(cap_bytes))
-        swap = group / ("memory.swap.max" if limit_file == "memory.max" else "memory.memsw.limit_in_bytes")
-        if swap.exists() and limit_file == "memory.max":
+        swap = group / "memory.swap.max"  # v2; v1's memsw counts swap inside the limit already
+        if limit_file == "memory.max" and swap.exists():
             swap.write_text("0")  # swap would hide the cap
     except OSError as e:
         raise LeverError(f"bench cap: cannot make a memory cgroup in {parent}: {e.strerror} (it needs root)") from None
