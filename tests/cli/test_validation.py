@@ -150,7 +150,8 @@ def toml(v) -> str:
 
 
 def _api_check(value_name: str, value):
-    fake = types.SimpleNamespace(config=load_config(None), engine=types.SimpleNamespace(n_ctx=4096, n_ctx_source="[model] n_ctx"))
+    fake = types.SimpleNamespace(config=load_config(None),
+                                 engine=types.SimpleNamespace(n_ctx=4096, n_ctx_source="[model] n_ctx"))
     return LLM.check(fake, {value_name: value}, 1)
 
 
