@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ GRACE_S = 5.0  # on shutdown, how long the running generation may go on before i
 MAX_CONNECTIONS = 64  # open at once; past it a connection gets 503 (a phone serves a few apps, not a crowd)
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long (uvicorn's default)
 MAX_KEY_FILE_BYTES = 1 << 20
+KEY_ENV = "LEVER_API_KEY"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,7 +37,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="a key clients must send as 'Authorization: Bearer KEY' (repeat for several)")
     s.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
-                   help="keys, one per line (# comments), as --api-key")
+                   help="keys, one per line (# comments), as --api-key; $LEVER_API_KEY adds one more")
     s.add_argument("--allowed-hosts", default="", metavar="NAMES",
                    help="Host names clients may use beside loopback's and the bound address (comma-separated; * any)")
     s.add_argument("--allowed-origins", default="", metavar="ORIGINS",
@@ -72,8 +74,11 @@ def _check_key(key: str, where: str) -> str:
 
 
 def access(args) -> Access:
-    """The access rules from the flags; keys from --api-key and --api-key-file."""
+    """The access rules from the flags; keys from --api-key, --api-key-file and $LEVER_API_KEY
+    (a key on the command line shows in `ps`; the file and the variable do not)."""
     keys = list(args.api_key)
+    if os.environ.get(KEY_ENV):
+        keys.append(_check_key(os.environ[KEY_ENV].strip(), f"${KEY_ENV}"))
     if args.api_key_file is not None:
         text = args.api_key_file.read_text(encoding="utf-8", errors="replace")
         for i, line in enumerate(text.splitlines(), 1):

@@ -8,7 +8,8 @@ can resolve to 127.0.0.1 and read the answers. So, before any route runs:
   literal when bound to every interface, or one of `allowed_hosts` (a rebound name is none of
   these) -> 421 otherwise;
 - an Origin header, which browsers send on cross-site requests, must be this server's own or one
-  of `allowed_origins` -> 403;
+  of `allowed_origins` -> 403; an allowed origin's page gets CORS headers (and its preflight a
+  204), so it can read the answers;
 - a POST's body must be declared JSON (a form or text/plain is a cross-site request) -> 415;
 - with API keys (`--api-key`, `--api-key-file`), every route but /health needs
   `Authorization: Bearer KEY` -> 401; the key also names the client whose prefix cache a request
@@ -53,6 +54,11 @@ class Access:
         scheme, _, rest = origin.partition("://")
         return scheme in ("http", "https") and rest == host_header.lower()  # same origin (the page at /)
 
+    def cross_origin_ok(self, origin: str) -> bool:
+        """An origin named by --allowed-origins: its pages may read the answers (CORS)."""
+        origin = origin.rstrip("/").lower()
+        return origin in self.allowed_origins or "*" in self.allowed_origins
+
     def client_key(self, authorization: str) -> str | None:
         """The key a request presents, if it is one of ours (compared in constant time)."""
         scheme, _, token = authorization.partition(" ")
@@ -91,15 +97,28 @@ class Guard:
         elif scope["method"] == "POST" and not _is_json(headers.get("content-type", "")):
             refusal = (415, "invalid_request_error", "Content-Type: must be application/json")
         client = None
-        if refusal is None and self.access.api_keys and scope["path"] not in OPEN_PATHS:
+        preflight = scope["method"] == "OPTIONS" and "origin" in headers
+        if refusal is None and self.access.api_keys and scope["path"] not in OPEN_PATHS and not preflight:
             client = self.access.client_key(headers.get("authorization", ""))
             if client is None:
                 refusal = (401, "invalid_api_key", "Authorization: a valid 'Bearer KEY' is required")
+        origin = headers.get("origin")
+        cors = origin is not None and refusal is None and self.access.cross_origin_ok(origin)
+        if cors and scope["method"] == "OPTIONS":  # a page of an allowed origin asks first (CORS preflight)
+            await _preflight(send, origin)
+            return
         if refusal is not None:
             self.refused += 1
             await _refuse(send, *refusal)
             return
         scope.setdefault("state", {})["client"] = client
+        if cors:  # let the allowed page read the answer
+            inner = send
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), *_cors_headers(origin)]}
+                await inner(message)
         await self.app(scope, receive, send)
 
 
@@ -127,3 +146,14 @@ async def _refuse(send, status: int, kind: str, message: str) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
+    return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+
+
+async def _preflight(send, origin: str) -> None:
+    await send({"type": "http.response.start", "status": 204, "headers": [
+        *_cors_headers(origin), (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+        (b"access-control-allow-headers", b"Authorization, Content-Type"), (b"access-control-max-age", b"600")]})
+    await send({"type": "http.response.body", "body": b""})

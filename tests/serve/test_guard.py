@@ -57,7 +57,16 @@ def test_keys_guard_every_route_but_health_and_name_the_client():
     assert client(Access()).get("/v1/x").json() == {"client": None}
 
 
-def test_allowed_origins_admit_a_named_page():
-    c = client(Access(allowed_origins=frozenset({"http://localhost:3000"})))
-    assert c.post("/v1/x", headers={"Origin": "http://localhost:3000"}, json={}).status_code == 200
-    assert c.post("/v1/x", headers={"Origin": "http://localhost:3001"}, json={}).status_code == 403
+def test_allowed_origins_admit_a_named_page_and_let_it_read_the_answer():
+    c = client(Access(allowed_origins=frozenset({"http://localhost:3000"}), api_keys=("k",)))
+    page = {"Origin": "http://localhost:3000"}
+    pre = c.options("/v1/x", headers={**page, "Access-Control-Request-Method": "POST",
+                                      "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    r = c.post("/v1/x", headers={**page, "Authorization": "Bearer k"}, json={})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert c.post("/v1/x", headers={**page}, json={}).status_code == 401  # the key is still needed
+    r = c.post("/v1/x", headers={"Origin": "http://localhost:3001", "Authorization": "Bearer k"}, json={})
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    assert c.options("/v1/x", headers={"Origin": "http://localhost:3001"}).status_code == 403
