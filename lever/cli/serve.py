@@ -122,11 +122,12 @@ def main(args) -> int:
             server.should_exit = True
             server_state.shutdown(args.grace)
 
-        # the largest request's plan (a prompt filling the context): what the server's RSS stays within
-        plan = llm.engine.memory_plan(llm.engine.n_ctx - 1)
+        # the largest request's plan (a prompt filling the context) and the bodies being read at
+        # once (lever.serve.request.BodyPool): what the server's RSS stays within
+        plan_bytes = llm.engine.memory_plan(llm.engine.n_ctx - 1).rss_bound_bytes + server_state.bodies.capacity_bytes
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
               f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}, "
-              f"memory plan {plan.rss_bound_bytes >> 20} MiB", file=sys.stderr, flush=True)
+              f"memory plan {plan_bytes >> 20} MiB", file=sys.stderr, flush=True)
         if not rules.api_keys and args.host.lower() not in LOOPBACK_HOSTS:
             print(f"lever serve: warning: listening on {args.host} without --api-key: anyone who can reach "
                   "this address can use the model", file=sys.stderr, flush=True)

@@ -9,15 +9,19 @@ naming it, never silently ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
 
 import anyio
+import attrs
 from starlette.requests import ClientDisconnect, Request
 
 from lever.config import KNOBS
 
 MAX_BODY_BYTES = 4 << 20
+BODY_POOL_BYTES = 4 * MAX_BODY_BYTES  # bodies held at once, read and not yet parsed (in the server's plan)
 
 
 class BadRequest(Exception):
@@ -39,6 +43,33 @@ UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "respons
                "functions", "function_call", "logit_bias", "parallel_tool_calls", "presence_penalty",
                "frequency_penalty", "grammar", "json_schema")
 DEFAULTS = (None, False, 0, [], {}, "none", "auto")
+
+
+@attrs.define
+class BodyPool:
+    """The bytes of request bodies held at once (read, not yet parsed): a request reserves its
+    declared length (the bound, when it declares none) before a byte is read and gives it back
+    once parsed; past the pool it gets 503 at once, so many clients' bodies cannot add up past
+    the server's memory plan."""
+
+    capacity_bytes: int = BODY_POOL_BYTES
+    used_bytes: int = 0
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    @contextlib.contextmanager
+    def reserve(self, declared: str | None, max_bytes: int = MAX_BODY_BYTES):
+        n = int(declared) if declared is not None and declared.isdigit() and int(declared) <= max_bytes \
+            else max_bytes
+        with self._lock:
+            if self.used_bytes + n > self.capacity_bytes:
+                raise BadRequest("the server is busy reading other requests' bodies; try again", status=503,
+                                 kind="server_busy")
+            self.used_bytes += n
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.used_bytes -= n
 
 
 async def read_body(request: Request, *, timeout_s: float, max_bytes: int = MAX_BODY_BYTES) -> bytes:

@@ -36,7 +36,7 @@ from lever.gguf.render_child import RenderProcess
 from lever.model.stop import StopReason
 from lever.serve import TIMEOUT_S
 from lever.serve.guard import Access, Guard
-from lever.serve.request import BadRequest, parse, read_body, sampling
+from lever.serve.request import BadRequest, BodyPool, parse, read_body, sampling
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that its client is still there
 # OpenAI's finish_reason of each of Lever's (lever.model.stop); a generation cut by shutdown is
@@ -75,6 +75,7 @@ class Server:
     _prep: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(PREP_THREADS))
     _renders: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
     max_prompt_bytes: int = attrs.field(init=False)
+    bodies: BodyPool = attrs.field(factory=BodyPool)  # bodies being read and parsed, bounded together
 
     def __attrs_post_init__(self):
         self.session = self.llm.session()
@@ -180,10 +181,12 @@ class Server:
         try:
             if self.closing:
                 raise BadRequest(*SHUTTING_DOWN[:1], status=503, kind=SHUTTING_DOWN[2])
-            body = await read_body(request, timeout_s=self.timeout_s)
             # checked before queueing: a bad request never waits for its 400. Off the event loop,
             # a render apart from the rest: a slow template holds up chats, never completions
-            data, args, messages = await anyio.to_thread.run_sync(self.parse, body, endpoint, limiter=self._prep)
+            with self.bodies.reserve(request.headers.get("content-length")):
+                body = await read_body(request, timeout_s=self.timeout_s)
+                data, args, messages = await anyio.to_thread.run_sync(self.parse, body, endpoint, limiter=self._prep)
+                del body
             rendered = None if messages is None else \
                 await anyio.to_thread.run_sync(self.render, messages, limiter=self._renders)
             ids = await anyio.to_thread.run_sync(self.encode, data, args, messages, rendered, limiter=self._prep)

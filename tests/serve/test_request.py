@@ -79,3 +79,17 @@ def test_deep_nesting_is_one_line():
     assert len(body) < MAX_BODY_BYTES
     with pytest.raises(BadRequest, match="nests too deep"):
         parse(body, "completions")
+
+
+def test_the_body_pool_refuses_past_its_bytes_and_gives_them_back():
+    from lever.serve.request import BodyPool
+
+    pool = BodyPool(capacity_bytes=10 << 20)
+    with pool.reserve(str(4 << 20)), pool.reserve(None, max_bytes=4 << 20):  # no length: the bound is reserved
+        assert pool.used_bytes == 8 << 20
+        with pytest.raises(BadRequest, match="busy reading") as e, pool.reserve(str(3 << 20)):
+            pass
+        assert e.value.status == 503 and pool.used_bytes == 8 << 20
+        with pool.reserve("100"):  # small ones still fit
+            assert pool.used_bytes == (8 << 20) + 100
+    assert pool.used_bytes == 0
