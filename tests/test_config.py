@@ -130,16 +130,18 @@ def test_every_generation_knob_reaches_every_surface_from_one_list():
 
     import attrs
 
-    from lever import api, serve
+    from lever import api
     from lever.cli.common import knob_values
     from lever.cli.main import build_parser
     from lever.config import KNOBS, GenerateConfig
     from lever.model.sampling import SamplingParams
+    from lever.serve import request as serve
 
     fields = [f.name for f in attrs.fields(GenerateConfig) if f.name != "prompt"]
     assert list(KNOBS) == fields
     assert {f.name for f in attrs.fields(SamplingParams)} <= set(fields)
-    llm = types.SimpleNamespace(config=load_config(None), engine=types.SimpleNamespace(n_ctx=1 << 20))
+    engine = types.SimpleNamespace(n_ctx=1 << 20, n_ctx_source="test")
+    llm = types.SimpleNamespace(config=load_config(None), engine=engine)
     for key in fields:
         k = KNOBS[key]
         value = k.call.lo + 1 if k.call.integer else (k.call.lo + k.call.hi) / 2  # in range, not the default
