@@ -134,7 +134,7 @@ def health_poller(live: Live, stop: threading.Event, out: dict) -> None:
 
 # -- hostile workers: each one kind of attack, in a loop until `stop`; outcomes counted by status
 
-def _post(live: Live, path: str, body: bytes | dict, headers: dict | None = None, timeout: float = 30) -> int:
+def _post(live: Live, path: str, body: bytes | dict, headers: dict | None = None, timeout: float = 30) -> int | str:
     import httpx
 
     h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
@@ -143,9 +143,9 @@ def _post(live: Live, path: str, body: bytes | dict, headers: dict | None = None
             return httpx.post(live.url + path, content=json.dumps(body), headers=h, timeout=timeout).status_code
         return httpx.post(live.url + path, content=body, headers=h, timeout=timeout).status_code
     except httpx.TimeoutException:
-        return -1  # the client gave up (as it meant to)
+        return "gave up"  # the client's own timeout (as it meant to)
     except httpx.HTTPError:
-        return 0
+        return "connection closed"  # e.g. made room for under the connection cap before it sent
 
 
 def bodies(live: Live, stop: threading.Event, seen: Counter) -> None:
@@ -161,7 +161,7 @@ def bodies(live: Live, stop: threading.Event, seen: Counter) -> None:
             try:
                 seen[f"bodies {s.recv(64).split(b' ')[1].decode()}"] += 1
             except (OSError, IndexError):
-                seen["bodies 0"] += 1
+                seen["bodies connection closed"] += 1
 
 
 def slow_headers(live: Live, stop: threading.Event, seen: Counter) -> None:
@@ -291,10 +291,9 @@ def bench_serve(config: str | None, sets: list[str], seconds: float, out=print, 
         rows.append([name, good, failed, f"{p50:.0f}", f"{p99:.0f}", f"{r['p99_over_calm']:.2f}x",
                      f"{r['health_p99_ms']:.0f}", hostile, f"{r['rss']:.0f}/{r['plan_mib']}",
                      f"{r['child_rss']:.0f}"])
-    show(["phase", "good", "failed", "p50 ms", "p99 ms", "p99/calm", "health p99", "hostile", "RSS/plan MiB",
-          "child MiB"], rows, out,
-         title=f"serve: {seconds:g} s a phase ({config or 'the shipped pair'}), --timeout {TIMEOUT_S:g} s, "
-               f"--max-connections {MAX_CONNECTIONS}")
+    show(["phase", "good", "failed", "p50", "p99", "p99/calm", "health p99", "hostile", "RSS/plan", "child"],
+         rows, out, title=f"{seconds:g} s a phase ({config or 'shipped pair'}), --timeout {TIMEOUT_S:g} s, "
+                          f"--max-connections {MAX_CONNECTIONS} (ms, MiB)")
     for name in ("hostile", "template"):
         out(f"{name}: " + ", ".join(f"{k}: {v}" for k, v in sorted(results[name]["hostile"].items())))
     out(f"server exits {rc} and {rc2} on SIGTERM; {tracebacks} tracebacks in their stderr")
