@@ -27,6 +27,7 @@ from pathlib import Path
 import attrs
 
 from lever.config import KNOBS, Config, load_config
+from lever.dataflow.messages import TokenLogprob
 from lever.errors import LeverError
 from lever.gguf.chat_template import ChatTemplate, Rendered, check_messages
 from lever.gguf.identity import ModelIdentity
@@ -40,6 +41,7 @@ from lever.policy.memory import mem_overrides
 
 MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
 MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs bounds them
 
 # load()'s keywords: each is one config key (the rest go through `overrides`, as --set does); the
 # generation knobs by their call names (lever.config.KNOBS), as the [generate] defaults
@@ -47,7 +49,7 @@ ALIASES = {"target": "model.target", "draft": "model.draft", "n_ctx": "model.n_c
            "dram_budget": "flash.dram_budget", "policy": "tree_expand.policy", "threads": "runtime.threads",
            **{k.arg: f"generate.{k.key}" for k in KNOBS.values()}}
 PATH_ALIASES = ("target", "draft")
-CALL_ARGS = (*(k.arg for k in KNOBS.values()), "stop", "cancel")  # a call's keywords
+CALL_ARGS = (*(k.arg for k in KNOBS.values()), "stop", "logprobs", "cancel")  # a call's keywords
 
 class Cancelled(LeverError):
     """A generation whose cancel event was set before it could start."""
@@ -73,6 +75,7 @@ class Completion:
     finish_reason: StopReason
     usage: Usage
     stats: RunResult  # the run's figures, as `lever run --json` prints them
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the call asked for `logprobs`
 
 
 @attrs.frozen
@@ -82,13 +85,15 @@ class Chunk:
     text: str
     n_tokens: int
     finish_reason: StopReason | None = None  # set on the last chunk only
+    logprobs: tuple[TokenLogprob, ...] = ()  # of this chunk's tokens, when the call asked for `logprobs`
 
 
 @attrs.define
 class StopStrings:
     """The stop rule of one generation (lever.stages.accept.StopRule): decodes the tokens each
     pass emits, ends the generation when the text holds a stop string or the caller cancelled,
-    and hands on the text that no stop string can still claim (`on_text`)."""
+    and hands on the text that no stop string can still claim (`on_text(text, n_tokens,
+    logprobs)`), with the logprobs of the tokens it covers when the generation computes them."""
 
     tok: Tokenizer
     stops: tuple[str, ...] = ()
@@ -98,6 +103,7 @@ class StopStrings:
     text: str = ""  # everything decoded, stop string included
     sent: int = 0  # chars of `text` handed on
     tokens: list[int] = attrs.field(factory=list)  # ids kept: past a stop string, none
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)  # of `tokens`, when the run computes them
     unsent_tokens: int = 0
     stopped_at: int = -1  # where the first stop string starts in `text`
     _decoder: StreamDecoder = attrs.field(init=False)
@@ -105,11 +111,13 @@ class StopStrings:
     def __attrs_post_init__(self):
         self._decoder = StreamDecoder(self.tok, at_start=False)
 
-    def __call__(self, tokens: tuple[int, ...]) -> StopReason | None:
-        for t in tokens:
+    def __call__(self, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> StopReason | None:
+        for i, t in enumerate(tokens):
             if self.stopped_at >= 0:
                 break
             self.tokens.append(t)
+            if logprobs:
+                self.logprobs.append(logprobs[i])
             self.unsent_tokens += 1
             before = len(self.text)
             if t not in self.eos_ids:  # the end-of-turn token is not text
@@ -152,7 +160,8 @@ class StopStrings:
     def _hand_on(self, upto: int) -> None:
         if upto > self.sent or (self.unsent_tokens and self.stopped_at >= 0):
             if self.on_text is not None:
-                self.on_text(self.text[self.sent : max(upto, self.sent)], self.unsent_tokens)
+                lps = tuple(self.logprobs[len(self.tokens) - self.unsent_tokens :]) if self.logprobs else ()
+                self.on_text(self.text[self.sent : max(upto, self.sent)], self.unsent_tokens, lps)
             self.sent, self.unsent_tokens = max(upto, self.sent), 0
 
 
@@ -302,6 +311,11 @@ class LLM:
                 raise LeverError(f"{k.arg}: {problem}")
             changes[k.key] = int(v) if k.call.integer else float(v)
         gen = attrs.evolve(self.config.generate, **changes)
+        logprobs = sampling.get("logprobs")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise LeverError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
+                             f"got {logprobs!r}")
         n_ctx, where = self.engine.n_ctx, self.engine.n_ctx_source
         if n_prompt >= n_ctx:  # the prompt alone: no max_tokens would help
             raise LeverError(f"prompt: {n_prompt} tokens, over the context of {n_ctx} ({where})")
@@ -316,26 +330,28 @@ class LLM:
 
     def complete(self, ids: list[int], sampling: dict, on_text=None, session: Session | None = None,
                  client: object = None) -> Completion:
-        """A generation from prompt ids (`on_text(text, n_tokens)`: each piece as it is final);
+        """A generation from prompt ids (`on_text(text, n_tokens, logprobs)`: each piece as it is final);
         in `session`, the prefix its caches already hold is not prefilled again, when the
         session's last call was `client`'s (a server's clients never share a prefix)."""
         gen, stops, cancel = self.check(sampling, len(ids))
+        logprobs = sampling.get("logprobs")
         rule = StopStrings(self.engine.tok, stops, on_text, frozenset(self.engine.tok.eos_ids),
                            cancel if cancel is not None else threading.Event())
         with self._lock:
             if rule.cancel.is_set():  # its caller left while it waited
                 raise Cancelled("the generation was cancelled before it started")
             if session is None:
-                res, cached = self.engine.run(Request(ids, gen, rule)), 0
+                res, cached = self.engine.run(Request(ids, gen, rule, logprobs=logprobs)), 0
             else:
                 if session.client != client:  # a session is one client's: another's text is never reused
                     session.reset()
                     session.client = client
-                res, cached = session.run(ids, gen, rule)
+                res, cached = session.run(ids, gen, rule, logprobs)
         rule.finish()
         reason = StopReason.STOP if rule.stopped_at >= 0 else res.stop_reason or StopReason.LENGTH
         tokens = tuple(rule.tokens)
-        return Completion(rule.final_text, tokens, reason, Usage(len(ids), len(tokens), cached), res)
+        return Completion(rule.final_text, tokens, reason, Usage(len(ids), len(tokens), cached), res,
+                          tuple(rule.logprobs) if logprobs is not None else None)
 
     def stream_ids(self, ids: list[int], sampling: dict, session: Session | None = None,
                    client: object = None) -> Iterator[Chunk]:
@@ -344,10 +360,12 @@ class LLM:
         cancel = sampling.get("cancel") or threading.Event()
         done = object()
 
+        def piece(text: str, n_tokens: int, logprobs: tuple[TokenLogprob, ...]) -> None:
+            out.put(Chunk(text, n_tokens, logprobs=logprobs))
+
         def work():
             try:
-                out.put(self.complete(ids, {**sampling, "cancel": cancel}, lambda text, n: out.put(Chunk(text, n)),
-                                      session, client))
+                out.put(self.complete(ids, {**sampling, "cancel": cancel}, piece, session, client))
             except BaseException as e:  # handed to the consumer, raised there
                 out.put(e)
             finally:
@@ -458,7 +476,7 @@ class Session:
         self.messages.extend(added)
         return ids
 
-    def run(self, ids: list[int], gen, rule) -> tuple[RunResult, int]:
+    def run(self, ids: list[int], gen, rule, logprobs: int | None = None) -> tuple[RunResult, int]:
         """The engine's run of `ids` from what the caches share with it (called under the
         LLM's lock). Returns the run and how many prompt tokens came from the caches."""
         common = 0
@@ -469,7 +487,8 @@ class Session:
         if kv is not None:
             kv.truncate(common)
         self.ids, self.kv = [], None  # until the run ends well, the caches are in flux
-        res = self.llm.engine.run(Request(ids[common:], gen, rule, kv=kv, history=ids[:common]), on_kv=kept.append)
+        res = self.llm.engine.run(Request(ids[common:], gen, rule, kv=kv, history=ids[:common], logprobs=logprobs),
+                                  on_kv=kept.append)
         self.kv = kept[0]
         self.ids = (ids + res.tokens)[: self.kv.n_rows]
         self.last_cached = common

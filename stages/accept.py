@@ -13,6 +13,7 @@ position (one max over each batch of rows, which the projection has just compute
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -22,7 +23,7 @@ import attrs
 import numpy as np
 
 from lever.dataflow.graph import Stage
-from lever.dataflow.messages import Accepted, Proposals, TokenTree, Verified, children_of, likely_path
+from lever.dataflow.messages import Accepted, Proposals, TokenLogprob, TokenTree, Verified, children_of, likely_path
 from lever.dataflow.trace import Tracer
 from lever.model.finite import NonFiniteError, finite, first_bad_row
 from lever.model.sampling import SamplingParams, distribution, rejection_sample, sample
@@ -33,7 +34,7 @@ class StopRule(Protocol):
     """A caller's reason to end a generation early, asked after every pass with the tokens it
     emitted: a stop string completed (StopReason.STOP), a request cancelled (CANCELLED); None goes on."""
 
-    def __call__(self, tokens: tuple[int, ...]) -> StopReason | None: ...
+    def __call__(self, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> StopReason | None: ...
 
 
 @attrs.frozen
@@ -45,6 +46,7 @@ class AcceptConfig:
     n_ctx: int = 4096  # the target's context: stop before it is full
     full_lm_head: bool = False  # run the output projection on every node (EdgeLLM-like), not only the path
     stop: StopRule | None = None  # the caller's own stopping rule (stop strings, cancellation)
+    logprobs: int | None = None  # each emitted token's logprob and this many alternatives'; None: not computed
 
 
 def choose(logits: np.ndarray, drafted: Proposals | None, params: SamplingParams, rng: np.random.Generator,
@@ -56,9 +58,25 @@ def choose(logits: np.ndarray, drafted: Proposals | None, params: SamplingParams
     return rejection_sample(distribution(logits, params, history), drafted.tokens, drafted.q, rng)[0]
 
 
+def logprob_of(logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
+    """`token`'s log-probability under the softmax of `logits` (n_vocab,), and the `n_top`
+    likeliest tokens' (ties to the lower id), in float64."""
+    x = logits.astype(np.float64)
+    m = float(x.max())
+    lse = m + math.log(float(np.exp(x - m).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if n_top > 0:
+        k = min(n_top, len(x))
+        idx = np.sort(np.argpartition(-x, k - 1)[:k])
+        idx = idx[np.argsort(-x[idx], kind="stable")]
+        top = tuple((int(i), float(x[i] - lse)) for i in idx)
+    return TokenLogprob(int(token), float(x[token] - lse), top)
+
+
 def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], params: SamplingParams,
                 rng: np.random.Generator, budget: int, eos_ids: frozenset[int],
-                alive: np.ndarray | None = None, history: Sequence[int] = ()) -> tuple[list[int], list[int], int]:
+                alive: np.ndarray | None = None, history: Sequence[int] = (), *,
+                on_choice: Callable[[np.ndarray, int], None] | None = None) -> tuple[list[int], list[int], int]:
     """Walks the tree along the target's choices. Returns (emitted tokens, kept nodes, lm_head rows).
 
     `logits_at(nodes)` gives the target's logits, (len(nodes), n_vocab), at those tree nodes.
@@ -75,7 +93,8 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
     of the tree is accepted as often as the two distributions allow.
 
     Nodes not `alive` (pruned in verification) are not descended into: chosen there, their
-    token is the bonus token, as for a drawn token that was never a node.
+    token is the bonus token, as for a drawn token that was never a node. `on_choice(logits,
+    token)` hears each emitted token with the target's logits it was chosen from.
     """
     kids = children_of(tree)
     if alive is not None:
@@ -92,6 +111,8 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
             # the text before this node: what came before the tree, then the walk's own tokens
             before = [*history, *out] if params.penalizes else ()
             tok = choose(logits[j], tree.drafts.get(at), params, rng, before)
+            if on_choice is not None:
+                on_choice(logits[j], tok)
             out.append(tok)
             nxt = next((c for c in kids[at] if int(tree.tokens[c]) == tok), None)
             if nxt is None or tok in eos_ids or len(out) >= budget:
@@ -127,17 +148,20 @@ class Accept(Stage):
     def step(self, v: Verified) -> Accepted:
         tree = v.tree
         budget = self.config.n_predict - self.n_emitted
+        n_top = self.config.logprobs
+        logprobs: list[TokenLogprob] = []
+        on_choice = None if n_top is None else lambda row, tok: logprobs.append(logprob_of(row, tok, n_top))
         if self.config.full_lm_head and tree.n_nodes > 1:  # EdgeLLM-like: every row, in one batch
             every = self.logits_fn(v.hidden)
             self.lm_head_rows += tree.n_nodes
             logits_at = self._checked(v, lambda nodes: every[nodes])
             tokens, keep, _ = accept_tree(tree, logits_at, self.params, self._rng, budget,
-                                          self.config.eos_ids, v.alive, self._recent(tree))
+                                          self.config.eos_ids, v.alive, self._recent(tree), on_choice=on_choice)
             rows = 0
         else:
             logits_at = self._checked(v, lambda nodes: self.logits_fn(v.hidden[nodes]))
-            tokens, keep, rows = accept_tree(tree, logits_at, self.params,
-                                             self._rng, budget, self.config.eos_ids, v.alive, self._recent(tree))
+            tokens, keep, rows = accept_tree(tree, logits_at, self.params, self._rng, budget, self.config.eos_ids,
+                                             v.alive, self._recent(tree), on_choice=on_choice)
         self.lm_head_rows += rows
         self.n_emitted += len(tokens)
         if self.params.penalizes:
@@ -148,9 +172,10 @@ class Accept(Stage):
         stop = stop_reason(tokens[-1], n_emitted=self.n_emitted, n_predict=c.n_predict, n_rows=self.n_ctx_used,
                            n_ctx=c.n_ctx, eos_ids=c.eos_ids)
         if c.stop is not None:  # the caller's reason comes first: its text ends where it says
-            stop = c.stop(tuple(tokens)) or stop
+            stop = c.stop(tuple(tokens), tuple(logprobs)) or stop
         pruned = () if v.alive is None else tuple(int(n) for n in np.flatnonzero(~v.alive))
-        return Accepted(tree.pass_id, tuple(tokens), tuple(keep), stop is not None, stop, pruned)
+        return Accepted(tree.pass_id, tuple(tokens), tuple(keep), stop is not None, stop, pruned,
+                        drafted_kept=len(keep) - tree.n_given, logprobs=tuple(logprobs))
 
     def _checked(self, v: Verified, logits_at: Callable[[list[int]], np.ndarray]) -> Callable[[list[int]], np.ndarray]:
         """logits_at, refusing rows that hold a NaN or an Inf, or come from hidden states that do

@@ -155,7 +155,7 @@ def test_load_from_settings_alone_and_unknown_settings(full):
 
 def test_stop_strings_hold_back_only_what_could_still_match(llm):
     got = []
-    rule = StopStrings(llm.tokenizer, ("abc", "xyz"), lambda text, n: got.append(text))
+    rule = StopStrings(llm.tokenizer, ("abc", "xyz"), lambda text, n, lps: got.append(text))
     ids = llm.tokenizer.encode("hello ab", add_bos=False)
     assert llm.tokenizer.decode(ids) == "hello ab"
     assert rule(tuple(ids)) is None
@@ -333,3 +333,45 @@ def test_the_repeat_penalty_is_lossless_under_speculation(llm, full):
         b = s.generate(text, max_tokens=16, repeat_penalty=1.5, repeat_last_n=16)
         assert b.usage.cached_tokens > 0
         assert b.tokens == llm.generate(text, max_tokens=16, repeat_penalty=1.5, repeat_last_n=16).tokens
+
+
+def test_logprobs_are_the_targets_own_at_every_emitted_token(llm):
+    """Each token's logprob is the target's (never the draft's): the same under speculation as
+    in the plain DRAM loop, whose logits at every position are computed here one at a time."""
+    import numpy as np
+
+    from lever.model.generate import prefill
+    from lever.model.transformer import Model
+
+    n, k = 12, 3
+    c = llm.generate(PROMPT, max_tokens=n, logprobs=k)
+    assert len(c.logprobs) == len(c.tokens) == n
+    ids = llm.tokenizer.encode(PROMPT)
+    model = Model(load_config(shipped("default.toml")).model.target)
+    cache = model.new_cache(256)
+    hidden = prefill(model, cache, ids)
+    for tok, lp in zip(c.tokens, c.logprobs):
+        logits = model.logits(hidden[None])[0].astype(np.float64)
+        ref = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+        assert lp.token == tok and lp.logprob == pytest.approx(ref[tok], abs=1e-9)
+        assert [t for t, _ in lp.top] == list(np.argsort(-ref, kind="stable")[:k])
+        assert lp.top[0] == (tok, lp.logprob)  # greedy: the token is the likeliest
+        hidden = prefill(model, cache, [tok])
+    flash_ar = lever.load(shipped("default.toml"), kind="flash-ar", overrides=['pipeline.baseline=""'])
+    with flash_ar:
+        assert flash_ar.generate(PROMPT, max_tokens=n, logprobs=k).logprobs == c.logprobs
+    assert llm.generate(PROMPT, max_tokens=n).logprobs is None  # not asked for: not computed
+
+
+def test_streamed_logprobs_cover_the_streamed_tokens(llm):
+    c = llm.generate(PROMPT, max_tokens=N, logprobs=0, stop=[")\n"])
+    chunks = list(llm.stream(PROMPT, max_tokens=N, logprobs=0, stop=[")\n"]))
+    assert all(len(ch.logprobs) == ch.n_tokens for ch in chunks)
+    assert tuple(lp for ch in chunks for lp in ch.logprobs) == c.logprobs
+    assert all(lp.top == () for lp in c.logprobs)
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 2.5, True, "3"])
+def test_logprobs_out_of_range_is_one_line_naming_it(llm, bad):
+    with pytest.raises(LeverError, match=r"^logprobs: must be an integer in \[0, 20\]"):
+        llm.generate(PROMPT, max_tokens=2, logprobs=bad)

@@ -128,6 +128,17 @@ class Verified:
 
 
 @attrs.frozen
+class TokenLogprob:
+    """The target's log-probability of one emitted token, and of its likeliest alternatives:
+    from the raw logits at that position (before temperature, penalties or cuts), as OpenAI's
+    `logprobs` report them; never the draft's."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), likeliest first
+
+
+@attrs.frozen
 class Accepted:
     """What one cycle produced."""
 
@@ -138,6 +149,8 @@ class Accepted:
     stop_reason: StopReason | None = None  # why, when done
     pruned: tuple[int, ...] = ()  # tree nodes the predictor pruned: whether the target took them is unknown
     timing: PassTiming | None = None  # the pass's and Accept's measured times
+    drafted_kept: int = 0  # of `tokens`, those that were tree nodes (accepted drafts, not the target's own)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the generation asked for them
 
 
 @attrs.frozen

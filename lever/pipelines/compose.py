@@ -92,6 +92,7 @@ class Request:
     kv: KVState | None = None  # a session's caches, holding the text before `ids`; None: fresh ones
     history: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # the text `kv` holds, for the repeat penalty
     on_tokens: Callable[[tuple[int, ...]], None] | None = None  # each pass's emitted tokens
+    logprobs: int | None = None  # each token's logprob and this many alternatives' (lever.stages.accept)
     observer: Callable | None = None  # PrunedVerify's per-layer observer (`lever calibrate` records through it)
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))  # the stages' spans (Engine.run: its own)
 
@@ -120,7 +121,7 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
                           compute, predictor, tracer, request.observer, plan.runtime.emulate_layer_ms_per_token / 1e3,
                           plan.placement.verify_fn)
     stops = AcceptConfig(gen.n_predict, plan.eos_ids, plan.n_ctx, full_lm_head=tree.growth.full_lm_head,
-                         stop=request.stop)
+                         stop=request.stop, logprobs=request.logprobs)
     accept = Accept("accept", stops, params, target.model.logits, tracer, diagnose=target.model.nonfinite_logits,
                     n_ctx_used=n_past,
                     history=list(request.history[-params.repeat_last_n :]) if params.penalizes else [])
