@@ -96,7 +96,7 @@ def main(launcher: list[str]) -> None:
     rows["JSON nested 50,000 deep"] = kind(s.post("/v1/completions", b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000
                                                   + b"}"))
     rows["404"] = kind(httpx.get(s.url + "/nope"))
-    rows["logprobs: 3"] = kind(s.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "logprobs": 3}))
+    rows["echo: true"] = kind(s.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "echo": True}))
     rows["text/plain POST (a cross-site form)"] = kind(s.post("/v1/completions", {"prompt": "x", "max_tokens": 2},
                                                               {"Content-Type": "text/plain"}))
     rows["a rebound Host"] = kind(s.post("/v1/completions", {"prompt": "x", "max_tokens": 2},

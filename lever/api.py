@@ -86,6 +86,8 @@ class Chunk:
     n_tokens: int
     finish_reason: StopReason | None = None  # set on the last chunk only
     logprobs: tuple[TokenLogprob, ...] = ()  # of this chunk's tokens, when the call asked for `logprobs`
+    usage: Usage | None = None  # the last chunk only, as the completion's
+    stats: RunResult | None = None  # the last chunk only: the run's figures
 
 
 @attrs.define
@@ -379,7 +381,7 @@ class LLM:
                     if isinstance(item, BaseException):
                         raise item
                     if isinstance(item, Completion):
-                        yield Chunk("", 0, item.finish_reason)
+                        yield Chunk("", 0, item.finish_reason, usage=item.usage, stats=item.stats)
                     elif item.text or item.n_tokens:
                         yield item
             finally:

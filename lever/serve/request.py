@@ -37,9 +37,13 @@ class BadRequest(Exception):
 COMMON = {**{k.arg: (int,) if k.call.integer else (int, float) for k in KNOBS.values()},
           "model": (str,), "max_completion_tokens": (int,), "stop": (str, list), "stream": (bool,), "n": (int,),
           "stream_options": (dict,), "user": (str,)}
-FIELDS = {"completions": {**COMMON, "prompt": (str, list)}, "chat": {**COMMON, "messages": (list,)}}
+FIELDS = {"completions": {**COMMON, "prompt": (str, list), "logprobs": (int, bool)},
+          "chat": {**COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,)},
+          # llama.cpp's own endpoints, by its field names
+          "tokenize": {"content": (str,), "add_special": (bool,), "with_pieces": (bool,)},
+          "detokenize": {"tokens": (list,)}}
 # fields OpenAI's API has and Lever does not honour yet: refused unless absent or at their default
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "response_format", "tools", "tool_choice",
+UNSUPPORTED = ("echo", "suffix", "best_of", "response_format", "tools", "tool_choice",
                "functions", "function_call", "logit_bias", "parallel_tool_calls", "presence_penalty",
                "frequency_penalty", "grammar", "json_schema")
 DEFAULTS = (None, False, 0, [], {}, "none", "auto")
@@ -123,7 +127,14 @@ def parse(body: bytes, endpoint: str) -> dict:
             raise BadRequest(f"{name}: must be a finite number", name)
     if data.get("n") not in (None, 1):
         raise BadRequest("n: only 1 completion per request", "n")
-    if endpoint == "completions":
+    if endpoint == "tokenize":
+        if not isinstance(data.get("content"), str):
+            raise BadRequest("content: required, a string", "content")
+    elif endpoint == "detokenize":
+        ids = data.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise BadRequest("tokens: required, a list of token ids", "tokens")
+    elif endpoint == "completions":
         p = data.get("prompt")
         if isinstance(p, list):
             if len(p) != 1 or not isinstance(p[0], str):
@@ -133,13 +144,22 @@ def parse(body: bytes, endpoint: str) -> dict:
             raise BadRequest("prompt: required, a string", "prompt")
     elif "messages" not in data:
         raise BadRequest("messages: required, a list of {role, content}", "messages")
+    elif data.get("top_logprobs") is not None and not data.get("logprobs"):
+        raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
     return data
 
 
-def sampling(data: dict) -> dict:
+def sampling(data: dict, endpoint: str = "completions") -> dict:
     """The call's arguments (lever.api.LLM.check) from a request: its knobs and stop strings;
-    OpenAI's newer max_completion_tokens, when given, for max_tokens."""
+    OpenAI's newer max_completion_tokens, when given, for max_tokens; `logprobs` as the count of
+    alternatives per token (completions: the number given; chat: `top_logprobs` once
+    `logprobs` is true)."""
     out = {k: data[k] for k in (*(k.arg for k in KNOBS.values()), "stop") if data.get(k) is not None}
     if data.get("max_completion_tokens") is not None:
         out[KNOBS["n_predict"].arg] = data["max_completion_tokens"]
+    if endpoint == "chat":
+        if data.get("logprobs"):
+            out["logprobs"] = data.get("top_logprobs") or 0
+    elif data.get("logprobs") is not None and data["logprobs"] is not False:
+        out["logprobs"] = 0 if data["logprobs"] is True else data["logprobs"]  # true: the tokens' own, no alternatives
     return out

@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server over one open pipeline (lever.api.LLM).
 
-    /health, /v1/models, /v1/completions, /v1/chat/completions (SSE with "stream": true)
+    /health, /v1/models, /v1/completions, /v1/chat/completions (SSE with "stream": true),
+    /tokenize, /detokenize (llama.cpp's)
 
 One model pair, one generation at a time, as on a phone: requests wait in a queue of at most
 `queue` beside the one running, and past it get 429 with an OpenAI-style error. A client that
@@ -36,6 +37,7 @@ from lever.gguf.render_child import RenderProcess
 from lever.model.stop import StopReason
 from lever.serve import TIMEOUT_S
 from lever.serve.guard import Access, Guard
+from lever.serve.render import chat_logprobs, completion_logprobs, timings
 from lever.serve.request import BadRequest, BodyPool, parse, read_body, sampling
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that its client is still there
@@ -129,7 +131,7 @@ class Server:
         """The request's fields and call arguments; a chat's messages checked and bounded (their
         count, their bytes) before any template sees them."""
         data = parse(body, endpoint)
-        args = sampling(data)
+        args = sampling(data, endpoint)
         if endpoint != "chat":
             self._check_bytes(len(data["prompt"].encode("utf-8", "replace")), "prompt")
             return data, args, None
@@ -161,6 +163,32 @@ class Server:
             raise BadRequest(f"{field}: {n_bytes} bytes of text is more than the context of {n_ctx} tokens can hold "
                              f"({self.llm.engine.n_ctx_source})", field)
 
+    def tokenize(self, data: dict) -> dict:
+        """llama.cpp's /tokenize: the ids of `content` (special-token text read as its token, as a
+        completion's prompt is), a BOS first with `add_special`; `with_pieces`: each id's text
+        (its bytes, when they are not UTF-8 on their own)."""
+        self._check_bytes(len(data["content"].encode("utf-8", "replace")), "content")
+        tok = self.llm.tokenizer
+        ids = tok.encode(data["content"], add_bos=bool(data.get("add_special")))
+        if not data.get("with_pieces"):
+            return {"tokens": ids}
+
+        def piece(i: int):
+            b = tok.token_bytes(i)
+            try:
+                return b.decode("utf-8")
+            except UnicodeDecodeError:
+                return list(b)
+        return {"tokens": [{"id": i, "piece": piece(i)} for i in ids]}
+
+    def detokenize(self, data: dict) -> dict:
+        """llama.cpp's /detokenize: the text of `tokens` (control tokens give no text)."""
+        n_vocab = self.llm.tokenizer.vocab_size
+        bad = next((i for i in data["tokens"] if not 0 <= i < n_vocab), None)
+        if bad is not None:
+            raise BadRequest(f"tokens: id {bad} is out of range [0, {n_vocab})", "tokens")
+        return {"content": self.llm.tokenizer.decode(data["tokens"])}
+
     # -- endpoints
 
     async def health(self, request: Request) -> Response:
@@ -169,6 +197,20 @@ class Server:
     async def models(self, request: Request) -> Response:
         model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "lever"}
         return JSONResponse({"object": "list", "data": [model]})
+
+    async def tokens(self, request: Request) -> Response:
+        """/tokenize and /detokenize: bounded and off the event loop as a generation's prompt is,
+        never queued behind a generation."""
+        endpoint = request.url.path.strip("/")
+        try:
+            with self.bodies.reserve(request.headers.get("content-length")):
+                body = await read_body(request, timeout_s=self.timeout_s)
+                data = await anyio.to_thread.run_sync(parse, body, endpoint, limiter=self._prep)
+                del body
+            work = self.tokenize if endpoint == "tokenize" else self.detokenize
+            return JSONResponse(await anyio.to_thread.run_sync(work, data, limiter=self._prep))
+        except BadRequest as e:
+            return error(e.message, e.status, e.kind, e.param)
 
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, "completions")
@@ -250,7 +292,7 @@ class Server:
         cancel = threading.Event()
         self._watch(cancel)
         it = self.llm.stream_ids(ids, {**args, "cancel": cancel}, session=self.session, client=client)
-        n_out = 0
+        n_out, n_chars = 0, 0
         try:
             if chat:
                 yield self._event(rid, chat, {"role": "assistant", "content": ""}, None)
@@ -264,16 +306,19 @@ class Server:
                 if chunk is None:
                     break
                 n_out += chunk.n_tokens
-                if chunk.text:
-                    yield self._event(rid, chat, {"content": chunk.text} if chat else chunk.text, None)
+                if chunk.text or chunk.logprobs:
+                    lps = self._logprobs(chunk.logprobs, chat, n_chars) if "logprobs" in args else None
+                    yield self._event(rid, chat, {"content": chunk.text} if chat else chunk.text, None, lps)
+                    n_chars += len(chunk.text)
                 if chunk.finish_reason is StopReason.CANCELLED and self.closing:
                     # cut by shutdown: an error event, as OpenAI's streams report a failure; no [DONE]
                     yield _sse({"error": {"message": f"the server is shutting down: the generation was cut "
                                                      f"after {n_out} tokens", "type": SHUTTING_DOWN[2],
                                           "param": None, "code": None}})
                     return
-                if chunk.finish_reason is not None:
-                    yield self._event(rid, chat, {} if chat else "", OPENAI_FINISH[chunk.finish_reason])
+                if chunk.finish_reason is not None:  # llama.cpp's timings ride on the last chunk
+                    extra = {"timings": timings(chunk.stats, chunk.usage.cached_tokens)} if chunk.stats else {}
+                    yield self._event(rid, chat, {} if chat else "", OPENAI_FINISH[chunk.finish_reason], extra=extra)
             if usage:
                 yield _sse({"id": rid, "object": self._object(chat, True), "created": int(time.time()),
                             "model": self.model_id, "choices": [],
@@ -289,21 +334,28 @@ class Server:
     def _object(self, chat: bool, chunk: bool) -> str:
         return ("chat.completion" + (".chunk" if chunk else "")) if chat else "text_completion"
 
-    def _event(self, rid: str, chat: bool, delta, finish: str | None) -> str:
-        choice = {"index": 0, "finish_reason": finish}
-        choice.update({"delta": delta} if chat else {"text": delta, "logprobs": None})
+    def _event(self, rid: str, chat: bool, delta, finish: str | None, logprobs: dict | None = None,
+               extra: dict | None = None) -> str:
+        choice = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+        choice.update({"delta": delta} if chat else {"text": delta})
         return _sse({"id": rid, "object": self._object(chat, True), "created": int(time.time()),
-                     "model": self.model_id, "choices": [choice]})
+                     "model": self.model_id, "choices": [choice], **(extra or {})})
+
+    def _logprobs(self, logprobs, chat: bool, text_offset: int = 0) -> dict:
+        tok = self.llm.tokenizer
+        return chat_logprobs(tok, logprobs) if chat else completion_logprobs(tok, logprobs, text_offset)
 
     def _body(self, c: Completion, rid: str, chat: bool) -> dict:
-        choice = {"index": 0, "finish_reason": OPENAI_FINISH[c.finish_reason]}
+        lps = self._logprobs(c.logprobs, chat) if c.logprobs is not None else None
+        choice = {"index": 0, "finish_reason": OPENAI_FINISH[c.finish_reason], "logprobs": lps}
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
-            choice.update(text=c.text, logprobs=None)
+            choice["text"] = c.text
         return {"id": rid, "object": self._object(chat, False), "created": int(time.time()), "model": self.model_id,
                 "choices": [choice], "usage": _usage(c.usage.prompt_tokens, c.usage.completion_tokens,
-                                                     c.usage.cached_tokens)}
+                                                     c.usage.cached_tokens),
+                "timings": timings(c.stats, c.usage.cached_tokens)}
 
 
 def _param(message: str) -> str | None:
@@ -329,7 +381,9 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
     handlers = {HTTPException: _http_error, Exception: _internal_error}
     a = Starlette(routes=[Route("/health", s.health), Route("/v1/models", s.models),
                           Route("/v1/completions", s.completions, methods=["POST"]),
-                          Route("/v1/chat/completions", s.chat, methods=["POST"])],
+                          Route("/v1/chat/completions", s.chat, methods=["POST"]),
+                          Route("/tokenize", s.tokens, methods=["POST"]),
+                          Route("/detokenize", s.tokens, methods=["POST"])],
                   exception_handlers=handlers)
     a.state.server = s
     return Guard(a, access or Access())

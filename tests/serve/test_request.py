@@ -9,7 +9,7 @@ import anyio
 import pytest
 from starlette.requests import Request
 
-from lever.serve.request import MAX_BODY_BYTES, BadRequest, parse, read_body
+from lever.serve.request import MAX_BODY_BYTES, BadRequest, parse, read_body, sampling
 
 
 def _request(headers: dict, chunks: list[bytes], delay_s: float = 0.0):
@@ -56,7 +56,7 @@ def test_a_body_within_its_bounds_is_read_whole():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logprobs", True), ("logprobs", 3), ("echo", True), ("response_format", {"type": "json_object"}),
+    ("echo", True), ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("logit_bias", {"1": 5}), ("suffix", "x"), ("frequency_penalty", 0.5),
 ])
@@ -67,11 +67,32 @@ def test_a_field_lever_does_not_honour_is_refused_by_name(field, value):
 
 
 @pytest.mark.parametrize("extra", [
-    {"logprobs": False}, {"logprobs": None}, {"echo": False}, {"tools": []}, {"n": None}, {"n": 1},
+    {"echo": False}, {"tools": []}, {"n": None}, {"n": 1},
     {"tool_choice": "none"}, {"frequency_penalty": 0}, {"user": "me"},
 ])
 def test_defaults_of_unhonoured_fields_pass(extra):
     assert parse(json.dumps({"prompt": "x", **extra}).encode(), "completions")["prompt"] == "x"
+
+
+@pytest.mark.parametrize("endpoint, extra, args", [
+    ("completions", {"logprobs": 3}, {"logprobs": 3}), ("completions", {"logprobs": True}, {"logprobs": 0}),
+    ("completions", {"logprobs": False}, {}), ("completions", {"logprobs": None}, {}),
+    ("chat", {"logprobs": True, "top_logprobs": 5}, {"logprobs": 5}), ("chat", {"logprobs": True}, {"logprobs": 0}),
+    ("chat", {"logprobs": False}, {}),
+])
+def test_logprobs_reach_the_call_as_a_count_of_alternatives(endpoint, extra, args):
+    body = {"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    assert sampling(parse(json.dumps({**body, **extra}).encode(), endpoint), endpoint) == args
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"logprobs": 3}, "logprobs: must be a boolean"), ({"top_logprobs": 2}, "top_logprobs: needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": "2"}, "top_logprobs: must be an integer"),
+])
+def test_chat_logprobs_are_checked_by_name(extra, words):
+    body = {"messages": [{"role": "user", "content": "x"}], **extra}
+    with pytest.raises(BadRequest, match=words):
+        parse(json.dumps(body).encode(), "chat")
 
 
 def test_deep_nesting_is_one_line():
