@@ -232,6 +232,11 @@ class LLM:
         return self.engine.tok
 
     @property
+    def busy(self) -> bool:
+        """A generation is running (the others wait on the lock)."""
+        return self._lock.locked()
+
+    @property
     def chat_template(self) -> ChatTemplate:
         """The code's template, else the target GGUF's; a clear error when there is neither."""
         if self._template is None:

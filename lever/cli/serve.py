@@ -44,6 +44,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="web origins whose pages may call the server, e.g. http://localhost:3000 (comma-separated)")
     s.add_argument("--max-connections", type=int_in(1, 65536), default=MAX_CONNECTIONS,
                    help="connections open at once; past it, 503 and closed")
+    s.add_argument("--metrics", action="store_true",
+                   help="serve /metrics in Prometheus's format (llama-server's names, prefixed lever:)")
     s.add_argument("--grace", type=float_in(0, 3600), default=GRACE_S, metavar="S",
                    help="on shutdown, seconds the admitted requests may go on before they are cut")
     s.add_argument("--timeout", type=float_in(0.1, 3600), default=TIMEOUT_S, metavar="S",
@@ -112,7 +114,8 @@ def main(args) -> int:
     server_state = None
     try:
         model_id = Path(llm.config.model.target).stem
-        asgi = app(llm, model_id=model_id, queue=args.queue, access=rules, timeout_s=args.timeout)
+        asgi = app(llm, model_id=model_id, queue=args.queue, access=rules, timeout_s=args.timeout,
+                   metrics=args.metrics)
         server_state = asgi.app.state.server
         http = protocol_class(max_connections=args.max_connections, header_timeout_s=args.timeout)
         server = _server_class()(uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning",

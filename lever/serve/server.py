@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over one open pipeline (lever.api.LLM).
 
     /health, /v1/models, /v1/completions, /v1/chat/completions (SSE with "stream": true),
-    /tokenize, /detokenize (llama.cpp's)
+    /tokenize, /detokenize (llama.cpp's), /metrics (Prometheus's, when asked for)
 
 One model pair, one generation at a time, as on a phone: requests wait in a queue of at most
 `queue` beside the one running, and past it get 429 with an OpenAI-style error. A client that
@@ -37,6 +37,7 @@ from lever.gguf.render_child import RenderProcess
 from lever.model.stop import StopReason
 from lever.serve import TIMEOUT_S
 from lever.serve.guard import Access, Guard
+from lever.serve.metrics import Metrics
 from lever.serve.render import chat_logprobs, completion_logprobs, timings
 from lever.serve.request import BadRequest, BodyPool, parse, read_body, sampling
 
@@ -78,6 +79,7 @@ class Server:
     _renders: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
     max_prompt_bytes: int = attrs.field(init=False)
     bodies: BodyPool = attrs.field(factory=BodyPool)  # bodies being read and parsed, bounded together
+    metrics: Metrics | None = None  # running totals for /metrics; None: not served
 
     def __attrs_post_init__(self):
         self.session = self.llm.session()
@@ -212,11 +214,28 @@ class Server:
         except BadRequest as e:
             return error(e.message, e.status, e.kind, e.param)
 
+    async def prometheus(self, request: Request) -> Response:
+        if self.metrics is None:  # as llama-server answers it
+            return error("this server does not serve /metrics: start it with --metrics", 501, "not_supported")
+        running = int(self.llm.busy)
+        return Response(self.metrics.text(processing=running, deferred=max(self.admitted - running, 0)),
+                        media_type="text/plain; version=0.0.4")
+
     async def completions(self, request: Request) -> Response:
-        return await self._handle(request, "completions")
+        return await self._counted(request, "completions")
 
     async def chat(self, request: Request) -> Response:
-        return await self._handle(request, "chat")
+        return await self._counted(request, "chat")
+
+    async def _counted(self, request: Request, endpoint: str) -> Response:
+        response = await self._handle(request, endpoint)
+        if self.metrics is not None:
+            self.metrics.add_status(response.status_code)
+        return response
+
+    def _finished(self, stats) -> None:
+        if self.metrics is not None and stats is not None:
+            self.metrics.add_run(stats)
 
     async def _handle(self, request: Request, endpoint: str) -> Response:
         chat = endpoint == "chat"
@@ -254,6 +273,7 @@ class Server:
             return error(str(e), 499, "cancelled")
         finally:
             self.release()
+        self._finished(c.stats)
         if c.finish_reason is StopReason.CANCELLED and self.closing:  # cut: never reported as finished
             return error(f"the server is shutting down: the generation was cut after {len(c.tokens)} tokens",
                          503, SHUTTING_DOWN[2])
@@ -306,6 +326,7 @@ class Server:
                 if chunk is None:
                     break
                 n_out += chunk.n_tokens
+                self._finished(chunk.stats)
                 if chunk.text or chunk.logprobs:
                     lps = self._logprobs(chunk.logprobs, chat, n_chars) if "logprobs" in args else None
                     yield self._event(rid, chat, {"content": chunk.text} if chat else chunk.text, None, lps)
@@ -374,16 +395,16 @@ def _sse(obj: dict) -> str:
 
 
 def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None,
-        timeout_s: float = TIMEOUT_S) -> Guard:
+        timeout_s: float = TIMEOUT_S, metrics: bool = False) -> Guard:
     """The ASGI app behind its Guard (lever.serve.guard); `.app.state.server` is its Server
     (for `shutdown`)."""
-    s = Server(llm, model_id, queue, timeout_s)
+    s = Server(llm, model_id, queue, timeout_s, metrics=Metrics() if metrics else None)
     handlers = {HTTPException: _http_error, Exception: _internal_error}
     a = Starlette(routes=[Route("/health", s.health), Route("/v1/models", s.models),
                           Route("/v1/completions", s.completions, methods=["POST"]),
                           Route("/v1/chat/completions", s.chat, methods=["POST"]),
                           Route("/tokenize", s.tokens, methods=["POST"]),
-                          Route("/detokenize", s.tokens, methods=["POST"])],
+                          Route("/detokenize", s.tokens, methods=["POST"]), Route("/metrics", s.prometheus)],
                   exception_handlers=handlers)
     a.state.server = s
     return Guard(a, access or Access())
