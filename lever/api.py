@@ -17,6 +17,7 @@ phone's whole compute); calls from several threads queue on a lock.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import queue
@@ -32,6 +33,7 @@ from lever.errors import LeverError
 from lever.gguf.chat_template import ChatTemplate, Rendered, check_messages
 from lever.gguf.identity import ModelIdentity
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.model.grammar import Grammar
 from lever.model.stop import StopReason
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState, Request
@@ -42,6 +44,7 @@ from lever.policy.memory import mem_overrides
 MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs bounds them
+MAX_GRAMMARS = 32  # compiled grammars an LLM keeps
 
 # load()'s keywords: each is one config key (the rest go through `overrides`, as --set does); the
 # generation knobs by their call names (lever.config.KNOBS), as the [generate] defaults
@@ -49,7 +52,8 @@ ALIASES = {"target": "model.target", "draft": "model.draft", "n_ctx": "model.n_c
            "dram_budget": "flash.dram_budget", "policy": "tree_expand.policy", "threads": "runtime.threads",
            **{k.arg: f"generate.{k.key}" for k in KNOBS.values()}}
 PATH_ALIASES = ("target", "draft")
-CALL_ARGS = (*(k.arg for k in KNOBS.values()), "stop", "logprobs", "cancel")  # a call's keywords
+# a call's keywords
+CALL_ARGS = (*(k.arg for k in KNOBS.values()), "stop", "logprobs", "grammar", "json_schema", "cancel")
 
 class Cancelled(LeverError):
     """A generation whose cancel event was set before it could start."""
@@ -226,6 +230,7 @@ class LLM:
     chat_template_text: str | None = None
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
     _template: ChatTemplate | None = None
+    _grammars: dict = attrs.field(factory=dict)  # compiled grammars by their text, oldest first
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -266,7 +271,9 @@ class LLM:
 
     def generate(self, prompt: str, **sampling) -> Completion:
         """A completion of `prompt`; `sampling`: the generation knobs by their call names
-        (lever.config.KNOBS: max_tokens, temperature, top_k, ...), `stop` strings, a `cancel` event."""
+        (lever.config.KNOBS: max_tokens, temperature, top_k, ...), `stop` strings, `logprobs`
+        (alternatives per token), a `grammar` (Lark or llama.cpp's GBNF text, or a
+        lever.model.grammar.Grammar) or a `json_schema` (a dict) the text must follow, a `cancel` event."""
         return self.complete(self.encode_prompt(prompt), sampling)
 
     def stream(self, prompt: str, **sampling) -> Iterator[Chunk]:
@@ -301,6 +308,28 @@ class LLM:
         if chat:  # the template writes its own special tokens, a leading BOS among them
             return tok.encode(text, add_bos=False) or _empty()
         return self.engine.encode(text)
+
+    def grammar(self, sampling: dict) -> Grammar | None:
+        """The call's `grammar` or `json_schema`, compiled for this tokenizer (one line naming
+        the argument when it is not one); compiled grammars are kept, so a server's repeated
+        schema is checked once."""
+        g, schema = sampling.get("grammar"), sampling.get("json_schema")
+        if g is not None and schema is not None:
+            raise LeverError("grammar: give a grammar or a json_schema, not both")
+        if g is None and schema is None:
+            return None
+        if isinstance(g, Grammar):
+            return g
+        key = ("grammar", g) if g is not None else ("json_schema", json.dumps(schema, sort_keys=True)
+                                                     if not isinstance(schema, str) else schema)
+        got = self._grammars.get(key)
+        if got is None:
+            tok = self.engine.tok
+            got = Grammar.lark(tok, g) if g is not None else Grammar.json_schema(tok, schema)
+            self._grammars[key] = got
+            while len(self._grammars) > MAX_GRAMMARS:
+                self._grammars.pop(next(iter(self._grammars)))
+        return got
 
     def check(self, sampling: dict, n_prompt: int):
         """A call's arguments as this call's [generate], stop strings and cancel event; one line
@@ -341,19 +370,19 @@ class LLM:
         in `session`, the prefix its caches already hold is not prefilled again, when the
         session's last call was `client`'s (a server's clients never share a prefix)."""
         gen, stops, cancel = self.check(sampling, len(ids))
-        logprobs = sampling.get("logprobs")
+        logprobs, grammar = sampling.get("logprobs"), self.grammar(sampling)
         rule = StopStrings(self.engine.tok, stops, on_text, frozenset(self.engine.tok.eos_ids),
                            cancel if cancel is not None else threading.Event())
         with self._lock:
             if rule.cancel.is_set():  # its caller left while it waited
                 raise Cancelled("the generation was cancelled before it started")
             if session is None:
-                res, cached = self.engine.run(Request(ids, gen, rule, logprobs=logprobs)), 0
+                res, cached = self.engine.run(Request(ids, gen, rule, logprobs=logprobs, grammar=grammar)), 0
             else:
                 if session.client != client:  # a session is one client's: another's text is never reused
                     session.reset()
                     session.client = client
-                res, cached = session.run(ids, gen, rule, logprobs)
+                res, cached = session.run(ids, gen, rule, logprobs, grammar)
         rule.finish()
         reason = StopReason.STOP if rule.stopped_at >= 0 else res.stop_reason or StopReason.LENGTH
         tokens = tuple(rule.tokens)
@@ -363,6 +392,7 @@ class LLM:
     def stream_ids(self, ids: list[int], sampling: dict, session: Session | None = None,
                    client: object = None) -> Iterator[Chunk]:
         self.check(sampling, len(ids))  # a bad argument fails here, at the call, not at the first next()
+        self.grammar(sampling)
         out: queue.Queue = queue.Queue()
         cancel = sampling.get("cancel") or threading.Event()
         done = object()
@@ -483,7 +513,8 @@ class Session:
         self.messages.extend(added)
         return ids
 
-    def run(self, ids: list[int], gen, rule, logprobs: int | None = None) -> tuple[RunResult, int]:
+    def run(self, ids: list[int], gen, rule, logprobs: int | None = None,
+            grammar: Grammar | None = None) -> tuple[RunResult, int]:
         """The engine's run of `ids` from what the caches share with it (called under the
         LLM's lock). Returns the run and how many prompt tokens came from the caches."""
         common = 0
@@ -494,8 +525,8 @@ class Session:
         if kv is not None:
             kv.truncate(common)
         self.ids, self.kv = [], None  # until the run ends well, the caches are in flux
-        res = self.llm.engine.run(Request(ids[common:], gen, rule, kv=kv, history=ids[:common], logprobs=logprobs),
-                                  on_kv=kept.append)
+        res = self.llm.engine.run(Request(ids[common:], gen, rule, kv=kv, history=ids[:common], logprobs=logprobs,
+                                          grammar=grammar), on_kv=kept.append)
         self.kv = kept[0]
         self.ids = (ids + res.tokens)[: self.kv.n_rows]
         self.last_cached = common

@@ -26,6 +26,7 @@ from lever.dataflow.graph import Stage
 from lever.dataflow.messages import Accepted, Proposals, TokenLogprob, TokenTree, Verified, children_of, likely_path
 from lever.dataflow.trace import Tracer
 from lever.model.finite import NonFiniteError, finite, first_bad_row
+from lever.model.grammar import Constraint
 from lever.model.sampling import SamplingParams, distribution, rejection_sample, sample
 from lever.model.stop import StopReason, stop_reason
 
@@ -47,6 +48,17 @@ class AcceptConfig:
     full_lm_head: bool = False  # run the output projection on every node (EdgeLLM-like), not only the path
     stop: StopRule | None = None  # the caller's own stopping rule (stop strings, cancellation)
     logprobs: int | None = None  # each emitted token's logprob and this many alternatives'; None: not computed
+    constraint: Constraint | None = None  # a grammar the text must follow (lever.model.grammar); None: free text
+
+
+# Below any logit a model computes, and finite (the sampling functions refuse an Inf): a token the
+# grammar forbids gets it, and exp() of it minus the row's max underflows to 0
+FORBIDDEN_LOGIT = np.float32(-1e30)
+
+
+def constrained(logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """The logits with every token `allowed` does not hold pushed to FORBIDDEN_LOGIT (a copy)."""
+    return logits if allowed is None else np.where(allowed, logits, FORBIDDEN_LOGIT).astype(logits.dtype)
 
 
 def choose(logits: np.ndarray, drafted: Proposals | None, params: SamplingParams, rng: np.random.Generator,
@@ -76,7 +88,8 @@ def logprob_of(logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
 def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], params: SamplingParams,
                 rng: np.random.Generator, budget: int, eos_ids: frozenset[int],
                 alive: np.ndarray | None = None, history: Sequence[int] = (), *,
-                on_choice: Callable[[np.ndarray, int], None] | None = None) -> tuple[list[int], list[int], int]:
+                on_choice: Callable[[np.ndarray, int], None] | None = None,
+                allowed: Callable[[list[int]], np.ndarray] | None = None) -> tuple[list[int], list[int], int]:
     """Walks the tree along the target's choices. Returns (emitted tokens, kept nodes, lm_head rows).
 
     `logits_at(nodes)` gives the target's logits, (len(nodes), n_vocab), at those tree nodes.
@@ -95,6 +108,10 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
     Nodes not `alive` (pruned in verification) are not descended into: chosen there, their
     token is the bonus token, as for a drawn token that was never a node. `on_choice(logits,
     token)` hears each emitted token with the target's logits it was chosen from.
+
+    `allowed(tokens)` (a grammar: lever.model.grammar) gives the tokens that may follow the
+    walk's own `tokens`; the target chooses among those alone, greedy or sampled, exactly as a
+    constrained autoregressive decoder does, so a node the grammar forbids is never taken.
     """
     kids = children_of(tree)
     if alive is not None:
@@ -110,7 +127,8 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
         for j, at in enumerate(path):
             # the text before this node: what came before the tree, then the walk's own tokens
             before = [*history, *out] if params.penalizes else ()
-            tok = choose(logits[j], tree.drafts.get(at), params, rng, before)
+            row = logits[j] if allowed is None else constrained(logits[j], allowed(out))
+            tok = choose(row, tree.drafts.get(at), params, rng, before)
             if on_choice is not None:
                 on_choice(logits[j], tok)
             out.append(tok)
@@ -141,6 +159,7 @@ class Accept(Stage):
     n_ctx_used: int = 0
     lm_head_rows: int = 0
     history: list[int] = attrs.field(factory=list)  # the text so far (its tail), for the repeat penalty
+    generated: list[int] = attrs.field(factory=list)  # the tokens emitted so far, when a grammar constrains them
 
     def __attrs_post_init__(self):
         self._rng = self.params.rng()
@@ -151,19 +170,23 @@ class Accept(Stage):
         n_top = self.config.logprobs
         logprobs: list[TokenLogprob] = []
         on_choice = None if n_top is None else lambda row, tok: logprobs.append(logprob_of(row, tok, n_top))
+        grammar = self.config.constraint
+        allowed = None if grammar is None else lambda walked: grammar.mask([*self.generated, *walked])
         if self.config.full_lm_head and tree.n_nodes > 1:  # EdgeLLM-like: every row, in one batch
             every = self.logits_fn(v.hidden)
             self.lm_head_rows += tree.n_nodes
             logits_at = self._checked(v, lambda nodes: every[nodes])
-            tokens, keep, _ = accept_tree(tree, logits_at, self.params, self._rng, budget,
-                                          self.config.eos_ids, v.alive, self._recent(tree), on_choice=on_choice)
+            tokens, keep, _ = accept_tree(tree, logits_at, self.params, self._rng, budget, self.config.eos_ids,
+                                          v.alive, self._recent(tree), on_choice=on_choice, allowed=allowed)
             rows = 0
         else:
             logits_at = self._checked(v, lambda nodes: self.logits_fn(v.hidden[nodes]))
             tokens, keep, rows = accept_tree(tree, logits_at, self.params, self._rng, budget, self.config.eos_ids,
-                                             v.alive, self._recent(tree), on_choice=on_choice)
+                                             v.alive, self._recent(tree), on_choice=on_choice, allowed=allowed)
         self.lm_head_rows += rows
         self.n_emitted += len(tokens)
+        if grammar is not None:
+            self.generated += tokens
         if self.params.penalizes:
             self.history = [*self._recent(tree), *tokens][-self.params.repeat_last_n :]
         self.n_ctx_used += len(keep)

@@ -14,6 +14,10 @@ When the draft's token table is not the target's (lever.gguf.vocab_map), message
 ids: tokens fed in go through the map to draft ids, draft tokens with no target counterpart are
 masked before the top-k or the draw, and what comes out goes back to target ids, with the drawn-from
 distribution q over the target's vocabulary. With the same table there is no map and none of it runs.
+Under a grammar (lever.model.grammar), each expanded node's logits are masked by what the grammar
+allows after that node's own path before the top-k or the draw: no child it forbids is proposed,
+and the probabilities are the draft's over the allowed tokens (a node the grammar already refused
+gets no children).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.vocab_map import VocabMap
 from lever.model.finite import NonFiniteError, finite
+from lever.model.grammar import Constraint
 from lever.model.sampling import SamplingParams, distribution, draw_without_replacement
 from lever.model.transformer import Model
 
@@ -92,6 +97,10 @@ class Drafter:
     sampling: SamplingParams | None = None  # when the run samples: children are drawn from the draft's distribution
     rng: np.random.Generator = attrs.field(factory=np.random.default_rng)
     vocab: VocabMap | None = None  # the draft's ids are not the target's (lever.gguf.vocab_map); None: the same table
+    constraint: Constraint | None = None  # a grammar on the generated text; None: free text
+    constraint_start: int = 0  # the row of the first generated token (the prompt's rows are not constrained)
+    pending_tokens: list[int] = attrs.field(factory=list)  # the token of each pending row (target ids)
+    generated: list[int] = attrs.field(factory=list)  # committed tokens from constraint_start on, under a grammar
 
     def keep(self, rows: tuple[int, ...], carry: tuple[int, ...] = ()) -> None:
         """A new cycle: of the pending rows, `rows` (ascending: the accepted path) join the
@@ -103,8 +112,12 @@ class Drafter:
         new_index = {old: i for i, old in enumerate(carry)}
         parents = [new_index.get(self.pending_parents[old], -1) for old in carry]
         self.cache.keep_after(self.n_committed, np.asarray([*rows, *carry], np.int64))
+        if self.constraint is not None:
+            self.generated += [self.pending_tokens[r] for i, r in enumerate(rows)
+                               if self.n_committed + i >= self.constraint_start]
         self.n_committed += len(rows)
         self.pending_parents = parents
+        self.pending_tokens = [self.pending_tokens[old] for old in carry]
 
     def _ancestors(self, i: int) -> list[int]:
         out = []
@@ -130,6 +143,7 @@ class Drafter:
         for j in range(n):
             parent = int(req.parents[j])
             self.pending_parents.append(parent)
+            self.pending_tokens.append(int(req.tokens[j]))
             row = first + j
             depth[row] = depth[parent] + 1
             pos[j] = self.n_committed + depth[row]
@@ -149,23 +163,49 @@ class Drafter:
             empty = np.zeros((0, req.top_k))
             return Expansion(req.cycle, expand.astype(np.int32), empty.astype(np.int64), empty.astype(np.float32))
         logits = self.model.logits(hidden[expand])
+        dead = self._constrain(logits, first + expand, depth) if self.constraint is not None else None
         try:
             if greedy:
                 if self.vocab is None:
                     tokens, probs = softmax_top_k(logits, req.top_k)
                 else:
                     tokens, probs = mapped_top_k(logits, req.top_k, self.vocab)
+                if dead is not None:  # a refused path: children of no weight, never grown
+                    probs[dead] = 0.0
                 rows = (first + expand[n_seen:]).astype(np.int32)
                 given = (tokens[:n_seen], probs[:n_seen]) if n_seen else None
                 return Expansion(req.cycle, rows, tokens[n_seen:], probs[n_seen:], given=given)
-            return Expansion(req.cycle, (first + expand).astype(np.int32), *self.draw(logits, req.top_k))
+            return Expansion(req.cycle, (first + expand).astype(np.int32), *self.draw(logits, req.top_k, dead))
         except NonFiniteError:  # the failure path: which row, and which tensor of the head
             raise self.model.nonfinite_logits(logits, pos[expand], "draft") from None
 
-    def draw(self, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _constrain(self, logits: np.ndarray, rows: np.ndarray, depth: dict[int, int]) -> np.ndarray:
+        """Masks each row's logits (in place) by what the grammar allows after that pending
+        row's path: the generated tokens committed, then its ancestors' and its own. Rows inside
+        the prompt are left alone. Returns which rows' paths the grammar refused (no children)."""
+        dead = np.zeros(len(rows), bool)
+        for i, r in enumerate(rows):
+            r = int(r)
+            if self.n_committed + depth[r] < self.constraint_start - 1:
+                continue  # a prompt position: what follows it is the prompt, not generated text
+            path = [a for a in reversed(self._ancestors(r)) if self.n_committed + depth[a] >= self.constraint_start]
+            allowed = self.constraint.mask([*self.generated, *(self.pending_tokens[a] for a in path)])
+            if self.vocab is not None:  # the mask is over target ids; the logits over the draft's
+                mapped = np.zeros(logits.shape[1], bool)
+                mapped[self.vocab.mapped_draft] = allowed[self.vocab.mapped_target]
+                allowed = mapped
+            dead[i] = not allowed.any()
+            logits[i, ~allowed[: logits.shape[1]]] = MASKED_LOGIT
+        return dead
+
+    def draw(self, logits: np.ndarray, k: int, dead: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray,
+                                                                                         np.ndarray]:
         """Children drawn without replacement from the draft's distribution under the run's
-        sampling parameters (so close to the target's): tokens (-1 pads), their probabilities, q."""
+        sampling parameters (so close to the target's): tokens (-1 pads), their probabilities, q.
+        `dead` rows (a path a grammar refused) draw nothing."""
         q = np.stack([distribution(row, self.sampling) for row in logits]).astype(np.float32)
+        if dead is not None:
+            q[dead] = 0.0
         vocab = self.vocab
         if vocab is not None:
             # drawn from the draft's distribution restricted to the tokens that map, renormalized

@@ -260,6 +260,9 @@ class TreeExpand(Stage):
     cycles: list[CycleRecord] = attrs.field(factory=list)
     greedy: bool = True  # free sources propose only under greedy verification (sampling needs a draft distribution)
     lookup: Lookup | None = None  # the free sources over the text so far ([tree_expand] sources)
+    # False under a grammar (lever.model.grammar): the draft model's children are masked by it as
+    # they are drafted, the free sources' would not be, so only the draft's grow
+    free_sources: bool = True
     lookup_tables: dict = attrs.field(factory=dict)  # a free source -> its acceptance table, learned from the text
     fallback: Fallback | None = None  # gain-cost's check against the shapes it contains ([tree_expand] fallback)
     _shape: Shape = TREE  # what the last tree sent was grown as
@@ -279,7 +282,7 @@ class TreeExpand(Stage):
             self.fallback = Fallback(self.config.max_depth, greedy=self.greedy)
         if self.online is None and self.config.adapt and isinstance(self.cost, CostModel):
             self.online = OnlineCost(self.cost)
-        if self.lookup is None and self.greedy and self.config.lookup_sources:
+        if self.lookup is None and self.greedy and self.free_sources and self.config.lookup_sources:
             self.lookup = Lookup(self.config.lookup_sources)
             self.lookup.extend(self.prompt)
             if self.config.growth.learns_acceptance:

@@ -26,6 +26,7 @@ from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import read_spec
+from lever.model.grammar import Constraint, Grammar
 from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
 from lever.pipelines.plan import RunPlan
@@ -69,6 +70,7 @@ class Composition:
     expand: TreeExpand
     draft: Draft | None
     tracer: Tracer
+    constraint: Constraint | None = None  # the request's grammar state, for its figures
 
     def kv_after(self) -> KVState:
         """The caches after the run, cut to the rows both hold as text: the target's before its
@@ -93,6 +95,7 @@ class Request:
     history: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # the text `kv` holds, for the repeat penalty
     on_tokens: Callable[[tuple[int, ...]], None] | None = None  # each pass's emitted tokens
     logprobs: int | None = None  # each token's logprob and this many alternatives' (lever.stages.accept)
+    grammar: Grammar | None = None  # a grammar the generated text must follow (lever.model.grammar)
     observer: Callable | None = None  # PrunedVerify's per-layer observer (`lever calibrate` records through it)
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))  # the stages' spans (Engine.run: its own)
 
@@ -109,10 +112,11 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
         # the trees would follow the machine's timing, and the draws with them: a seed must
         # give the same text every time, so a seeded sampled run prices trees by the profile
         tree = attrs.evolve(tree, adapt=False)
+    constraint = request.grammar.constraint(spec.n_vocab) if request.grammar is not None else None
     compute = ComputeSlot(plan.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
     expand = TreeExpand("tree_expand", tree, list(request.ids), plan.cost or FlatCost(), plan.n_ctx, tracer,
                         gen.n_predict, acceptance=plan.new_acceptance(), ahead_beside=bool(compute.ahead_cores),
-                        committed=n_past, greedy=params.greedy)
+                        committed=n_past, greedy=params.greedy, free_sources=constraint is None)
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(plan.flash.queue_depth), tracer)
     predictor = predictor_for(plan.pruning, target.model, plan.cost) if plan.pruning is not None else None
@@ -121,7 +125,7 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
                           compute, predictor, tracer, request.observer, plan.runtime.emulate_layer_ms_per_token / 1e3,
                           plan.placement.verify_fn)
     stops = AcceptConfig(gen.n_predict, plan.eos_ids, plan.n_ctx, full_lm_head=tree.growth.full_lm_head,
-                         stop=request.stop, logprobs=request.logprobs)
+                         stop=request.stop, logprobs=request.logprobs, constraint=constraint)
     accept = Accept("accept", stops, params, target.model.logits, tracer, diagnose=target.model.nonfinite_logits,
                     n_ctx_used=n_past,
                     history=list(request.history[-params.repeat_last_n :]) if params.penalizes else [])
@@ -137,11 +141,12 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
     stage = None
     if plan.drafts:  # else no draft model runs: trees grow from the free sources alone, or not at all
         cache = kv.draft if kv is not None and kv.draft is not None else None
-        stage = Draft("draft", _drafter(draft, plan, spec=spec, cache=cache, n_past=n_past, params=params), compute,
-                      tracer)
+        core = _drafter(draft, plan, spec=spec, cache=cache, n_past=n_past, params=params)
+        core.constraint, core.constraint_start = constraint, n_past + len(request.ids)
+        stage = Draft("draft", core, compute, tracer)
         p.connect(expand, "expand", stage, "expand", 1)
         p.connect(stage, "expansion", expand, "expansion", 1)
-    return Composition(p.build(), output, verify, accept, expand, stage, tracer)
+    return Composition(p.build(), output, verify, accept, expand, stage, tracer, constraint)
 
 
 def _drafter(draft: Model | None, plan: RunPlan, *, spec, cache: KVCache | None, n_past: int,

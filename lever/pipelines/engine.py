@@ -237,7 +237,8 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
         timing=timing, flash=flash, memory=memory,
         placement=place.where | {f"qnn {i}": _qnn_figures(r) for i, r in enumerate(place.runners)},
         channels={k: attrs.asdict(v) for k, v in h.pipeline.channel_stats.items()}, temperature=gen.temperature,
-        vocab=plan.vocab.figures if plan.vocab is not None and h.draft is not None else None)
+        vocab=plan.vocab.figures if plan.vocab is not None and h.draft is not None else None,
+        grammar=h.constraint.stats if h.constraint is not None else None)
 
 
 def _give_back() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 
 from lever.gguf.vocab_map import VocabFigures
+from lever.model.grammar import ConstraintStats
 from lever.model.stop import StopReason
 from lever.policy.memory import MemoryPlan
 from lever.stages.draft import DraftStats
@@ -95,6 +96,7 @@ class RunResult:
     temperature: float = 0.0  # 0: greedy, so the tokens must equal the target's own greedy decoding
     baseline: RunResult | None = None  # [pipeline] baseline run on the same prompt, when configured
     vocab: VocabFigures | None = None  # the draft's token table mapped to the target's; None: the same one, or no draft
+    grammar: ConstraintStats | None = None  # the masks a grammar computed; None: free text
 
     @property
     def tokens(self) -> list[int]:
@@ -169,6 +171,7 @@ class RunResult:
                       "fallback_switches": tr.fallback_switches},
              "placement": self.placement, "channels": self.channels, "temperature": self.temperature,
              "vocab": attrs.asdict(self.vocab) if self.vocab is not None else None,
+             "grammar": attrs.asdict(self.grammar) if self.grammar is not None else None,
              "decode_tps": self.decode_tps, "ms_per_token": self.ms_per_token, "prefill_tps": self.prefill_tps,
              "flash_mb_per_token": self.flash_mb_per_token, "cpu_ms_per_token": self.cpu_ms_per_token}
         if self.baseline is not None:

@@ -1,0 +1,178 @@
+"""Structured output (lever.model.grammar): masks for any path of a tree, equal to a fresh
+matcher's; speculative output under a grammar equal to constrained autoregressive output (an
+independent loop here, the target's logits one position at a time), greedy on the shipped pair
+and JSON-schema on the Qwen pair; no draft child the grammar forbids; bad grammars one line."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import numpy as np
+import pytest
+
+import lever
+from lever.config import load_config
+from lever.errors import LeverError
+from lever.model.generate import prefill
+from lever.model.grammar import Grammar, _ll_tokenizer
+from lever.model.transformer import Model
+from lever.shipped import shipped
+
+PROMPT = "def parse_args(argv):"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "n"], "additionalProperties": False}
+DIGITS = 'start: "x = " /[0-9]{1,3}/ ("+" /[0-9]{1,3}/)*'
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with lever.load(shipped("default.toml")) as m:
+        yield m
+
+
+def fresh_mask(g: Grammar, path: list[int], n_vocab: int) -> np.ndarray:
+    m = llguidance.LLMatcher(_ll_tokenizer(g.tok), g.text)
+    for t in path:
+        assert m.consume_token(t)
+    bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little").view(bool)
+    out = np.zeros(n_vocab, bool)
+    out[: g.tok.vocab_size] = bits[: g.tok.vocab_size]
+    return out
+
+
+def test_masks_along_any_path_equal_a_fresh_matchers(llm):
+    tok = llm.tokenizer
+    g = Grammar.lark(tok, DIGITS)
+    c = g.constraint(tok.vocab_size + 3)  # rows past the vocabulary (padding) are never allowed
+    a = tok.encode("x = 12+7", add_bos=False)
+    b = tok.encode("x = 3+45+6", add_bos=False)
+    for path in ([], a, b[:2], a[:3], b, a[:1], []):  # back and forth, as a tree's nodes come
+        got = c.mask(path)
+        assert np.array_equal(got, fresh_mask(g, path, tok.vocab_size + 3)), path
+        assert not got[tok.vocab_size :].any()
+    assert c.stats.lookups == 7 and c.stats.masks < sum(len(p) + 1 for p in ([], a, b[:2], a[:3], b, a[:1], []))
+    bad = tok.encode("x = a", add_bos=False)  # refused on the way: a dead path allows nothing
+    assert not c.mask(bad).any() and not c.mask([*bad, *a]).any()
+    assert np.array_equal(c.mask(a), fresh_mask(g, a, tok.vocab_size + 3))  # the matcher was never broken
+
+
+def test_a_random_tree_of_paths_gets_a_fresh_matchers_masks(llm):
+    """Paths grown at random from allowed tokens, visited in random order (end tokens included:
+    nothing follows one), as Draft and Accept ask for them."""
+    import random
+
+    tok = llm.tokenizer
+    g = Grammar.lark(tok, DIGITS)
+    c = g.constraint(tok.vocab_size)
+    eos = set(tok.eos_ids)
+    rng = random.Random(7)
+    paths: list[list[int]] = [[]]
+    for _ in range(300):
+        p = rng.choice(paths)
+        got = c.mask(p)
+        ended = any(t in eos for t in p)
+        assert np.array_equal(got, np.zeros_like(got) if ended else fresh_mask(g, p, tok.vocab_size)), p
+        if got.any():
+            paths.append([*p, int(rng.choice(np.flatnonzero(got)))])
+    assert any(p and p[-1] in eos for p in paths) and max(map(len, paths)) > 6
+
+
+def constrained_ar(model: Model, ids: list[int], grammar: Grammar, n: int, eos: frozenset[int]) -> list[int]:
+    """Constrained autoregressive greedy decoding, written out: mask, argmax, consume."""
+    m = llguidance.LLMatcher(_ll_tokenizer(grammar.tok), grammar.text)
+    cache = model.new_cache(len(ids) + n + 1)
+    hidden = prefill(model, cache, ids)
+    out = []
+    for _ in range(n):
+        logits = model.logits(hidden[None])[0]
+        allowed = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little").view(bool)
+        logits = np.where(allowed[: logits.size], logits, -np.inf)
+        tok = int(np.argmax(logits))
+        out.append(tok)
+        if tok in eos:
+            break
+        assert m.consume_token(tok)
+        hidden = prefill(model, cache, [tok])
+    return out
+
+
+@pytest.mark.parametrize("which", ["lark", "json_schema"])
+def test_speculative_output_under_a_grammar_is_constrained_autoregressive_output(llm, which):
+    kw = {"grammar": DIGITS} if which == "lark" else {"json_schema": SCHEMA}
+    spec = llm.generate(PROMPT, max_tokens=40, **kw)
+    grammar = llm.grammar(kw)
+    model = Model(load_config(shipped("default.toml")).model.target)
+    ref = constrained_ar(model, llm.tokenizer.encode(PROMPT), grammar, 40, frozenset(llm.tokenizer.eos_ids))
+    assert list(spec.tokens) == ref
+    assert spec.stats.output.tokens_per_pass > 1  # it speculated
+    flash_ar = lever.load(shipped("default.toml"), kind="flash-ar", overrides=['pipeline.baseline=""'])
+    with flash_ar:
+        assert flash_ar.generate(PROMPT, max_tokens=40, **kw).tokens == spec.tokens
+    free = llm.generate(PROMPT, max_tokens=40)
+    assert free.tokens != spec.tokens  # the grammar changed the text
+
+
+def test_sampled_output_follows_the_grammar(llm):
+    for seed in range(4):
+        c = llm.generate(PROMPT, max_tokens=24, grammar=DIGITS, temperature=1.0, seed=seed)
+        text = c.text
+        assert text.startswith("x = ") and all(ch.isdigit() or ch == "+" for ch in text[4:]), text
+
+
+def test_draft_children_are_only_tokens_the_grammar_allows(llm):
+    from lever.stages.draft import Drafter
+
+    calls = []
+    grammar = Grammar.lark(llm.tokenizer, DIGITS)
+    original = Drafter.expand
+
+    def spy(self, req):
+        exp = original(self, req)
+        if self.constraint is not None:
+            calls.append((self, exp))
+        return exp
+
+    Drafter.expand = spy
+    try:
+        llm.generate(PROMPT, max_tokens=20, grammar=grammar)
+    finally:
+        Drafter.expand = original
+    assert calls
+    digits_or_plus = {i for i in range(llm.tokenizer.vocab_size)
+                      if llm.tokenizer.token_bytes(i) and all(ch in b"0123456789+x =" for ch in
+                                                               llm.tokenizer.token_bytes(i))}
+    for _, exp in calls:
+        proposed = exp.child_tokens[exp.child_probs > 0]
+        assert set(proposed.tolist()) <= digits_or_plus | set(llm.tokenizer.eos_ids)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"grammar": "start: (("}, "^grammar: "), ({"grammar": ""}, "^grammar: must be a non-empty string"),
+    ({"json_schema": "{not json"}, "^json_schema: not valid JSON"),
+    ({"json_schema": [1]}, "^json_schema: a JSON Schema is an object"),
+    ({"grammar": DIGITS, "json_schema": SCHEMA}, "^grammar: give a grammar or a json_schema, not both"),
+])
+def test_a_bad_grammar_is_one_line_naming_it(llm, kw, words):
+    with pytest.raises(LeverError, match=words) as e:
+        llm.generate(PROMPT, max_tokens=4, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_a_gbnf_grammar_is_read_too(llm):
+    c = llm.generate(PROMPT, max_tokens=12, grammar='root ::= "x = " [0-9]+')
+    assert c.text.startswith("x = ") and c.text[4:].isdigit()
+
+
+@pytest.mark.parametrize("n_gen", [64])
+def test_qwen_json_schema_is_valid_json_and_constrained_greedy(qwen_target, qwen_draft, n_gen):
+    with lever.load(target=qwen_target, draft=qwen_draft, n_ctx=512) as q:
+        messages = [{"role": "user", "content": "Give a name and a number as JSON."}]
+        c = q.chat(messages, max_tokens=n_gen, json_schema=SCHEMA)
+        data = json.loads(c.text)
+        assert set(data) == {"name", "n"} and isinstance(data["n"], int)
+        model = Model(qwen_target)
+        ids = q.encode_chat(messages)
+        ref = constrained_ar(model, ids, q.grammar({"json_schema": SCHEMA}), n_gen, frozenset(q.tokenizer.eos_ids))
+        assert list(c.tokens) == ref
