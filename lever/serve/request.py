@@ -36,16 +36,17 @@ class BadRequest(Exception):
 # send more): the generation knobs by their call names (lever.config.KNOBS), and the request's own
 COMMON = {**{k.arg: (int,) if k.call.integer else (int, float) for k in KNOBS.values()},
           "model": (str,), "max_completion_tokens": (int,), "stop": (str, list), "stream": (bool,), "n": (int,),
-          "stream_options": (dict,), "user": (str,)}
+          "stream_options": (dict,), "user": (str,),
+          # structured output: OpenAI's response_format, and llama-server's grammar (GBNF or Lark) and json_schema
+          "response_format": (dict,), "grammar": (str,), "json_schema": (dict,)}
 FIELDS = {"completions": {**COMMON, "prompt": (str, list), "logprobs": (int, bool)},
           "chat": {**COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,)},
           # llama.cpp's own endpoints, by its field names
           "tokenize": {"content": (str,), "add_special": (bool,), "with_pieces": (bool,)},
           "detokenize": {"tokens": (list,)}}
 # fields OpenAI's API has and Lever does not honour yet: refused unless absent or at their default
-UNSUPPORTED = ("echo", "suffix", "best_of", "response_format", "tools", "tool_choice",
-               "functions", "function_call", "logit_bias", "parallel_tool_calls", "presence_penalty",
-               "frequency_penalty", "grammar", "json_schema")
+UNSUPPORTED = ("echo", "suffix", "best_of", "tools", "tool_choice", "functions", "function_call", "logit_bias",
+               "parallel_tool_calls", "presence_penalty", "frequency_penalty")
 DEFAULTS = (None, False, 0, [], {}, "none", "auto")
 
 
@@ -146,7 +147,35 @@ def parse(body: bytes, endpoint: str) -> dict:
         raise BadRequest("messages: required, a list of {role, content}", "messages")
     elif data.get("top_logprobs") is not None and not data.get("logprobs"):
         raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
+    if endpoint in ("completions", "chat"):
+        data["json_schema"] = _schema(data)
+        if data["json_schema"] is not None and data.get("grammar") is not None:
+            raise BadRequest("grammar: give a grammar or a JSON schema (response_format), not both", "grammar")
     return data
+
+
+def _schema(data: dict) -> dict | None:
+    """The JSON schema a request asks its output to follow: OpenAI's response_format (a
+    json_object is any object), else llama-server's json_schema field."""
+    rf = data.get("response_format")
+    if rf is None:
+        return data.get("json_schema")
+    kind = rf.get("type")
+    if kind == "text":
+        return data.get("json_schema")
+    if data.get("json_schema") is not None:
+        raise BadRequest("json_schema: give it or response_format, not both", "json_schema")
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest("response_format.json_schema.schema: required, a JSON Schema object",
+                             "response_format.json_schema.schema")
+        return schema
+    raise BadRequest(f"response_format.type: must be text, json_object or json_schema, got {json.dumps(kind)[:40]}",
+                     "response_format.type")
 
 
 def sampling(data: dict, endpoint: str = "completions") -> dict:
@@ -154,7 +183,8 @@ def sampling(data: dict, endpoint: str = "completions") -> dict:
     OpenAI's newer max_completion_tokens, when given, for max_tokens; `logprobs` as the count of
     alternatives per token (completions: the number given; chat: `top_logprobs` once
     `logprobs` is true)."""
-    out = {k: data[k] for k in (*(k.arg for k in KNOBS.values()), "stop") if data.get(k) is not None}
+    out = {k: data[k] for k in (*(k.arg for k in KNOBS.values()), "stop", "grammar", "json_schema")
+           if data.get(k) is not None}
     if data.get("max_completion_tokens") is not None:
         out[KNOBS["n_predict"].arg] = data["max_completion_tokens"]
     if endpoint == "chat":

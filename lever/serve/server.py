@@ -157,6 +157,7 @@ class Server:
         ids = self.llm.encode_chat(messages, rendered) if messages is not None else self.llm.encode_prompt(
             data["prompt"])
         self.llm.check(args, len(ids))
+        self.llm.grammar(args)  # compiled (and kept) here, so a bad one is a 400 before the queue
         return ids
 
     def _check_bytes(self, n_bytes: int, field: str) -> None:

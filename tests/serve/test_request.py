@@ -56,7 +56,7 @@ def test_a_body_within_its_bounds_is_read_whole():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("echo", True), ("response_format", {"type": "json_object"}),
+    ("echo", True), ("best_of", 2),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("logit_bias", {"1": 5}), ("suffix", "x"), ("frequency_penalty", 0.5),
 ])
@@ -93,6 +93,34 @@ def test_chat_logprobs_are_checked_by_name(extra, words):
     body = {"messages": [{"role": "user", "content": "x"}], **extra}
     with pytest.raises(BadRequest, match=words):
         parse(json.dumps(body).encode(), "chat")
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("extra, want", [
+    ({"response_format": {"type": "json_object"}}, {"json_schema": {"type": "object"}}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     {"json_schema": SCHEMA}),
+    ({"response_format": {"type": "text"}}, {}), ({"json_schema": SCHEMA}, {"json_schema": SCHEMA}),
+    ({"grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+])
+def test_structured_output_fields_reach_the_call(extra, want):
+    body = {"messages": [{"role": "user", "content": "x"}], **extra}
+    assert sampling(parse(json.dumps(body).encode(), "chat"), "chat") == want
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "json_schema": SCHEMA}, "json_schema"),
+    ({"response_format": {"type": "json_object"}, "grammar": "start: /a/"}, "grammar"),
+    ({"response_format": "json"}, "response_format"),
+])
+def test_structured_output_fields_are_checked_by_name(extra, param):
+    with pytest.raises(BadRequest) as e:
+        parse(json.dumps({"prompt": "x", **extra}).encode(), "completions")
+    assert e.value.param == param and e.value.status == 400
 
 
 def test_deep_nesting_is_one_line():

@@ -174,3 +174,29 @@ def test_qwen_chat_over_the_server_equals_the_api(qwen_target, qwen_draft):
         assert r.choices[0].message.content == want_stop.text
     finally:
         stop(proc, timeout_s=30)
+
+
+def test_response_format_json_schema_is_followed_and_equals_the_api(client, llm):
+    schema = {"type": "object", "properties": {"x": {"type": "integer", "maximum": 99}}, "required": ["x"],
+              "additionalProperties": False}
+    want = llm.generate(PROMPT, max_tokens=24, json_schema=schema)
+    r = client.completions.create(model="x", prompt=PROMPT, max_tokens=24,
+                                  extra_body={"response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "x", "schema": schema}}})
+    assert r.choices[0].text == want.text
+    r = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=24, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    assert r.choices[0].message.content == llm.chat(MESSAGES, max_tokens=24, json_schema=schema).text
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="x", messages=MESSAGES, max_tokens=24, stream=True, response_format={"type": "json_object"})
+        if c.choices)
+    assert streamed == llm.chat(MESSAGES, max_tokens=24, json_schema={"type": "object"}).text
+    assert streamed.startswith("{")
+
+
+def test_a_bad_schema_or_grammar_is_a_400_naming_it(server):
+    r = httpx.post(server[1] + "/v1/completions", json={"prompt": PROMPT, "grammar": "root ::= ((("})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
+    r = httpx.post(server[1] + "/v1/completions", json={"prompt": PROMPT, "json_schema": {"type": "integer",
+                                                                                            "minimum": "a"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "json_schema", r.text
