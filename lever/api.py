@@ -33,7 +33,7 @@ from lever.errors import LeverError
 from lever.gguf.chat_template import ChatTemplate, Rendered, check_messages
 from lever.gguf.identity import ModelIdentity
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
-from lever.model.grammar import Grammar
+from lever.model.grammar import Grammar, compile_args
 from lever.model.stop import StopReason
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState, Request
@@ -314,18 +314,13 @@ class LLM:
         the argument when it is not one); compiled grammars are kept, so a server's repeated
         schema is checked once."""
         g, schema = sampling.get("grammar"), sampling.get("json_schema")
-        if g is not None and schema is not None:
-            raise LeverError("grammar: give a grammar or a json_schema, not both")
-        if g is None and schema is None:
-            return None
-        if isinstance(g, Grammar):
-            return g
+        if (g is None) == (schema is None) or isinstance(g, Grammar):
+            return compile_args(self.engine.tok, g, schema)  # none, both (refused), or already compiled
         key = ("grammar", g) if g is not None else ("json_schema", json.dumps(schema, sort_keys=True)
                                                      if not isinstance(schema, str) else schema)
         got = self._grammars.get(key)
         if got is None:
-            tok = self.engine.tok
-            got = Grammar.lark(tok, g) if g is not None else Grammar.json_schema(tok, schema)
+            got = compile_args(self.engine.tok, g, schema)
             self._grammars[key] = got
             while len(self._grammars) > MAX_GRAMMARS:
                 self._grammars.pop(next(iter(self._grammars)))

@@ -29,6 +29,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("-md", "--model-draft", default=None, help="the draft GGUF (overrides [model] draft)")
     add_knobs(r, "n_predict", "temperature", "seed")  # each overrides its [generate] key
     add_set(r)
+    r.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                   help="the text must be JSON this JSON Schema accepts (structured output)")
+    r.add_argument("--grammar", type=Path, default=None, metavar="FILE",
+                   help="the text must follow this grammar (Lark, or llama.cpp's GBNF)")
     r.add_argument("--json", action="store_true", help="print one JSON object with the run's figures")
     r.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace here")
     add_common(r)
@@ -45,7 +49,21 @@ def check_args(args) -> None:
     if args.config is not None:
         input_text_file(args.config, "-c", "config file")
     check_sets(args)
+    if args.json_schema is not None and args.grammar is not None:
+        raise LeverError("--json-schema and --grammar: give one")
+    for flag, path in (("--json-schema", args.json_schema), ("--grammar", args.grammar)):
+        if path is not None:
+            input_text_file(path, flag, "file")
     output_file(args.trace, "--trace")  # a missing folder fails now, not after the whole run
+
+
+def constraint_args(args) -> dict | None:
+    """--json-schema FILE or --grammar FILE as lever.model.grammar.compile_args's arguments."""
+    if args.json_schema is not None:
+        return {"json_schema": read_text(args.json_schema, "--json-schema")}
+    if args.grammar is not None:
+        return {"grammar": read_text(args.grammar, "--grammar")}
+    return None
 
 
 def _quoted(path: str) -> str:
@@ -66,13 +84,15 @@ def main(args) -> int:
     if not prompt:
         raise LeverError(f"{cfg.path}: no prompt: give -p PROMPT or [generate] prompt")
 
+    started = []
+
     def on_text(text: str) -> None:
+        if not started:  # the prompt once the generation runs: a run refused before it prints nothing
+            started.append(sys.stdout.write(prompt))
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    if not args.json:
-        sys.stdout.write(prompt)
-    res = run_pipeline(cfg, prompt, None if args.json else on_text, args.trace)
+    res = run_pipeline(cfg, prompt, None if args.json else on_text, args.trace, constrain=constraint_args(args))
     if args.json:
         print(json.dumps(res.as_json()))
     else:

@@ -133,6 +133,18 @@ class Grammar:
         return Constraint(self, n_vocab)
 
 
+def compile_args(tok: Tokenizer, grammar=None, json_schema=None) -> Grammar | None:
+    """A call's `grammar` (Lark or GBNF text, or a Grammar) or `json_schema` (a dict, or its
+    JSON text), compiled; None when neither is given."""
+    if grammar is not None and json_schema is not None:
+        raise LeverError("grammar: give a grammar or a json_schema, not both")
+    if isinstance(grammar, Grammar):
+        return grammar
+    if grammar is not None:
+        return Grammar.lark(tok, grammar)
+    return Grammar.json_schema(tok, json_schema) if json_schema is not None else None
+
+
 def _one_line(e) -> str:
     return " ".join(str(e).split())[:300]
 

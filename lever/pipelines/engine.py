@@ -28,6 +28,7 @@ from lever.config import Config
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.model.grammar import compile_args
 from lever.model.transformer import Model
 from lever.pipelines.compose import KVState, Request, compose
 from lever.pipelines.plan import RunPlan
@@ -38,19 +39,25 @@ from lever.policy.memory import check as check_memory
 from lever.signals import run_async
 
 
-def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None, observer=None) -> RunResult:
+def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None, observer=None,
+                 constrain: dict | None = None) -> RunResult:
     """One generation through the configured pipeline; then its [pipeline] baseline, if any,
-    on the same prompt (not streamed to on_text), attached to the result."""
-    res = _run_kind(cfg, cfg.pipeline.kind, prompt, on_text=on_text, trace_path=trace_path, observer=observer)
+    on the same prompt (not streamed to on_text), attached to the result. `constrain`: a
+    `grammar` or `json_schema` the text must follow (lever.model.grammar.compile_args)."""
+    res = _run_kind(cfg, cfg.pipeline.kind, prompt, on_text=on_text, trace_path=trace_path, observer=observer,
+                    constrain=constrain)
     if not cfg.pipeline.baseline:
         return res
-    base = _run_kind(cfg, cfg.pipeline.baseline, prompt)
+    base = _run_kind(cfg, cfg.pipeline.baseline, prompt, constrain=constrain)
     return attrs.evolve(res, baseline=base)
 
 
-def _run_kind(cfg: Config, name: str, prompt: str, *, on_text=None, trace_path=None, observer=None) -> RunResult:
+def _run_kind(cfg: Config, name: str, prompt: str, *, on_text=None, trace_path=None, observer=None,
+              constrain: dict | None = None) -> RunResult:
     with Engine.open(cfg, name, prompt=prompt) as engine:
-        return engine.run(Request(engine.encode(prompt), observer=observer), on_text=on_text, trace_path=trace_path)
+        grammar = compile_args(engine.tok, **constrain) if constrain else None
+        return engine.run(Request(engine.encode(prompt), observer=observer, grammar=grammar), on_text=on_text,
+                          trace_path=trace_path)
 
 
 @attrs.define

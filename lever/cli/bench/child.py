@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 
 from lever.errors import LeverError
 
 
-def run_json(config: str | None, sets: list[str], prompt: str, n: int) -> dict:
-    """One `lever run --json` in its own process, so peak RSS and the page cache are its own."""
-    cmd = [sys.executable, "-m", "lever", "run", "-p", prompt, "-n", str(n), "--json"]
+def run_json(config: str | None, sets: list[str], prompt: str, n: int, extra: Sequence[str] = ()) -> dict:
+    """One `lever run --json` in its own process, so peak RSS and the page cache are its own;
+    `extra`: more of `lever run`'s flags (--json-schema FILE)."""
+    cmd = [sys.executable, "-m", "lever", "run", "-p", prompt, "-n", str(n), "--json", *extra]
     if config:
         cmd += ["-c", config]
     for s in sets:

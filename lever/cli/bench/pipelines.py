@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -170,7 +171,8 @@ def best_chain(rows: dict[str, Row]) -> str:
 
 def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUDGETS, chain_ks=DEFAULT_CHAIN_KS,
                     sets: list[str] = (), json_path=None, plot_path=None, out=print, progress: bool = True,
-                    pruning: bool = False, llama_cpp: str | None = None, n_rounds: int = 1) -> dict:
+                    pruning: bool = False, llama_cpp: str | None = None, n_rounds: int = 1,
+                    run_args: Sequence[str] = ()) -> dict:
     runs = pipelines(chain_ks, pruning)
     table: dict[float, dict[str, Row]] = {}
     raw: list[dict] = []
@@ -185,7 +187,7 @@ def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUD
                     for name in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
                         bar.update(task, description=f"budget {b:.0%}, round {k + 1}/{n_rounds}: {name}, "
                                                      f"prompt {i + 1}/{len(prompts)}")
-                        r = run_json(config, [*sets, f"flash.dram_budget={b!r}", *runs[name]], prompt, n)
+                        r = run_json(config, [*sets, f"flash.dram_budget={b!r}", *runs[name]], prompt, n, run_args)
                         by[name].append(r)
                         raw.append(r | {"budget": b, "pipeline": name, "prompt": i, "round": k})
                         bar.advance(task)
@@ -212,7 +214,7 @@ def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUD
               "budgets": {str(b): {k: attrs.asdict(v) | {"tps": v.tps,
                                                           "speedup": rows["flash-ar"].ms_per_token / v.ms_per_token}
                                    for k, v in rows.items()} for b, rows in table.items()},
-              "summary": summary, "lossless_mismatches": mismatches, "sampled": sampled,
+              "summary": summary, "lossless_mismatches": mismatches, "sampled": sampled, "constraint": list(run_args),
               "llama_cpp_ms_per_token": llama, "runs": raw}
     if json_path:
         with atomic_write(json_path, "w", "--json") as f:
@@ -354,6 +356,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--plot", type=Path, default=None, help="draw speedup against budget (matplotlib)")
     b.add_argument("--pruning", action="store_true",
                    help="also Lever with its pruning predictor (run `lever calibrate` first)")
+    b.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                   help="every pipeline's text constrained to this JSON Schema (structured output)")
+    b.add_argument("--grammar", type=Path, default=None, metavar="FILE",
+                   help="every pipeline's text constrained to this grammar (Lark or GBNF)")
     b.add_argument("--llama-cpp", default=None, metavar="DIR",
                    help="llama.cpp's bin directory: adds llama-completion and llama-speculative rows at budget 1.0")
     add_set(b)
@@ -379,12 +385,28 @@ def check_args(args) -> tuple[tuple[float, ...], tuple[int, ...]]:
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise LeverError("--plot needs matplotlib (pip install matplotlib)")
     check_sets(args)
+    if args.json_schema is not None and args.grammar is not None:
+        raise LeverError("--json-schema and --grammar: give one")
+    for flag, path in (("--json-schema", args.json_schema), ("--grammar", args.grammar)):
+        if path is not None:
+            input_text_file(path, flag, "file")
+    if args.llama_cpp and (args.json_schema or args.grammar):
+        raise LeverError("--llama-cpp: its rows are not run under a grammar yet; leave out --json-schema / --grammar")
     return budgets, chain_ks
+
+
+def constraint_flags(args) -> list[str]:
+    """--json-schema FILE / --grammar FILE, passed on to every `lever run`."""
+    for flag, path in (("--json-schema", args.json_schema), ("--grammar", args.grammar)):
+        if path is not None:
+            return [flag, str(Path(path).resolve())]
+    return []
 
 
 def main(args) -> int:
     budgets, chain_ks = check_args(args)
     prompts = read_prompts(args.prompts or shipped("prompts", "code.txt"))
     bench_pipelines(str(args.config), prompts, args.n_gen, budgets, chain_ks, args.set, args.json,
-                    args.plot, pruning=args.pruning, llama_cpp=args.llama_cpp, n_rounds=args.rounds)
+                    args.plot, pruning=args.pruning, llama_cpp=args.llama_cpp, n_rounds=args.rounds,
+                    run_args=constraint_flags(args))
     return 0
