@@ -35,6 +35,7 @@ from lever.gguf.identity import ModelIdentity
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.grammar import Grammar, compile_args
 from lever.model.stop import StopReason
+from lever.model.tool_calls import ToolCall, parse_calls, plan
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState, Request
 from lever.pipelines.engine import Engine
@@ -80,6 +81,7 @@ class Completion:
     usage: Usage
     stats: RunResult  # the run's figures, as `lever run --json` prints them
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the call asked for `logprobs`
+    tool_calls: tuple[ToolCall, ...] = ()  # a chat with `tools`: the calls in the reply (`text` is the rest)
 
 
 @attrs.frozen
@@ -260,12 +262,15 @@ class LLM:
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         return self.chat_template.render(messages, add_generation_prompt)
 
-    def encode_chat(self, messages: Sequence[dict], rendered: Rendered | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], rendered: Rendered | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a conversation: the template's special tokens as control tokens,
         special-token text inside a message as the text it is (no user can forge a turn).
-        `rendered`: the conversation already rendered (a server renders in a child process)."""
+        `rendered`: the conversation already rendered (a server renders in a child process);
+        `tools`: the functions the template offers (checked)."""
         if rendered is None:
-            rendered = self.chat_template.render_marked(messages, specials=tuple(self.engine.tok.specials))
+            rendered = self.chat_template.render_marked(messages, specials=tuple(self.engine.tok.specials),
+                                                        tools=tools)
         # the template writes its own special tokens, a leading BOS among them
         return self.engine.tok.encode_chat(rendered) or _empty()
 
@@ -282,9 +287,19 @@ class LLM:
         generation at the end of its current pass."""
         return self.stream_ids(self.encode_prompt(prompt), sampling)
 
-    def chat(self, messages: Sequence[dict], **sampling) -> Completion:
-        """The assistant's reply to `messages`, through the chat template."""
-        return self.complete(self.encode_chat(messages), sampling)
+    def chat(self, messages: Sequence[dict], *, tools: list[dict] | None = None, tool_choice=None,
+             **sampling) -> Completion:
+        """The assistant's reply to `messages`, through the chat template. With `tools` (OpenAI's
+        function definitions) the template offers them and the reply's calls come back parsed
+        (`Completion.tool_calls`, lever.model.tool_calls); `tool_choice` "required" or a named
+        function makes the reply a call, enforced by a grammar; "none" offers no tools."""
+        shown, grammar = plan(self.engine.tok, tools, tool_choice)
+        if grammar is not None:
+            if sampling.get("grammar") is not None or sampling.get("json_schema") is not None:
+                raise LeverError("tool_choice: a required call is its own grammar; drop grammar / json_schema")
+            sampling = {**sampling, "grammar": grammar}
+        c = self.complete(self.encode_chat(messages, tools=shown), sampling)
+        return with_tool_calls(c) if shown else c
 
     def stream_chat(self, messages: Sequence[dict], **sampling) -> Iterator[Chunk]:
         return self.stream_ids(self.encode_chat(messages), sampling)
@@ -526,6 +541,12 @@ class Session:
         self.ids = (ids + res.tokens)[: self.kv.n_rows]
         self.last_cached = common
         return res, common
+
+
+def with_tool_calls(c: Completion) -> Completion:
+    """The completion with the tool calls in its text parsed out (lever.model.tool_calls)."""
+    text, calls = parse_calls(c.text)
+    return attrs.evolve(c, text=text, tool_calls=tuple(calls)) if calls else c
 
 
 def _empty():

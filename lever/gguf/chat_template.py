@@ -60,25 +60,35 @@ class ChatTemplate:
         return cls(text, str(f.path), bos_token, eos_token)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
-               max_chars: int = MAX_RENDER_CHARS) -> str:
-        """The prompt for `messages` (each a dict with a `role` and a string `content`); a
-        TemplateError when the template fails in any way or writes more than `max_chars`."""
-        return self._render(check_messages(messages), add_generation_prompt, max_chars)
+               max_chars: int = MAX_RENDER_CHARS, tools: list[dict] | None = None) -> str:
+        """The prompt for `messages` (each a dict with a `role` and a string `content`; an
+        assistant's `tool_calls`, a tool's `tool_call_id`), with the functions `tools` offers
+        (OpenAI's shape, checked: lever.model.tool_calls.check_tools); a TemplateError when the
+        template fails in any way or writes more than `max_chars`."""
+        return self._render(check_messages(messages), add_generation_prompt, max_chars, tools)
 
     def render_marked(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
-                      specials: Sequence[str], max_chars: int = MAX_RENDER_CHARS) -> Rendered:
+                      specials: Sequence[str], max_chars: int = MAX_RENDER_CHARS,
+                      tools: list[dict] | None = None) -> Rendered:
         """The prompt, and where special-token text came from the messages' content (`foreign`:
         the offsets of those occurrences, to be tokenized as text). Found by rendering again
         with each such occurrence defused (its first character replaced): what the template
         wrote itself is the same in both; a template that changes length with the content's
-        characters cannot be told apart, and the conversation is refused."""
+        characters cannot be told apart, and the conversation is refused. Special-token text in
+        a tool's definition or a call's arguments is refused outright (the template writes those
+        as JSON, where no offset survives)."""
         checked = check_messages(messages)
-        text = self._render(checked, add_generation_prompt, max_chars)
+        text = self._render(checked, add_generation_prompt, max_chars, tools)
         pattern = special_pattern(specials)
+        if pattern is not None:
+            structured = json.dumps([tools, [m.get("tool_calls") for m in checked]], ensure_ascii=False)
+            if pattern.search(structured):
+                raise TemplateError(f"{self.source}: chat template: special-token text inside tools or tool calls; "
+                                    "refused (it would be read as control tokens)")
         if pattern is None or not any(pattern.search(m["content"]) for m in checked):
             return Rendered(text, ())
         defused = [{**m, "content": pattern.sub(lambda x: DEFUSE + x.group()[1:], m["content"])} for m in checked]
-        other = self._render(defused, add_generation_prompt, max_chars)
+        other = self._render(defused, add_generation_prompt, max_chars, tools)
         if len(other) != len(text):
             raise TemplateError(f"{self.source}: chat template: a message holds special-token text the template "
                                 "rewrites; refused (it would be read as control tokens)")
@@ -92,12 +102,14 @@ class ChatTemplate:
                                     "template rewrites; refused (it would be read as control tokens)")
         return Rendered(text, tuple(foreign))
 
-    def _render(self, checked: list[dict], add_generation_prompt: bool, max_chars: int) -> str:
+    def _render(self, checked: list[dict], add_generation_prompt: bool, max_chars: int,
+                tools: list[dict] | None = None) -> str:
         try:
             template = _environment().from_string(self.text)
             parts, n = [], 0
+            extra = {"tools": tools} if tools else {}  # templates test `if tools`
             for piece in template.generate(messages=checked, add_generation_prompt=add_generation_prompt,
-                                           bos_token=self.bos_token, eos_token=self.eos_token):
+                                           bos_token=self.bos_token, eos_token=self.eos_token, **extra):
                 n += len(piece)
                 if n > max_chars:
                     raise TemplateError(f"{self.source}: chat template: wrote more than {max_chars} characters")
@@ -137,6 +149,29 @@ def special_pattern(specials: Sequence[str]) -> re.Pattern | None:
     return _pattern(tuple(specials))
 
 
+def _tool_calls(i: int, calls) -> list[dict]:
+    """An assistant message's `tool_calls` (OpenAI's), as templates read them: each a function
+    with its name and its arguments as an object (Hugging Face's convention; OpenAI sends text)."""
+    if not isinstance(calls, list):
+        raise LeverError(f"messages[{i}].tool_calls: must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise LeverError(f"{where}: must be {{id, type: function, function: {{name, arguments}}}}")
+        args = f.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise LeverError(f"{where}.function.arguments: not valid JSON") from None
+        if not isinstance(args, dict):
+            raise LeverError(f"{where}.function.arguments: must be a JSON object")
+        out.append({"id": str(c.get("id", "")), "type": "function", "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
 def check_messages(messages) -> list[dict]:
     """Messages as the templates expect them, or one line naming the message and key at fault."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
@@ -150,9 +185,17 @@ def check_messages(messages) -> list[dict]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise LeverError(f"messages[{i}].role: must be one of {', '.join(ROLES)}, got {role!r}")
+        calls = _tool_calls(i, m["tool_calls"]) if role == "assistant" and m.get("tool_calls") else None
+        if content is None and calls:  # a reply that only calls
+            content = ""
         if not isinstance(content, str):
             raise LeverError(f"messages[{i}].content: must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
+        checked = {"role": role, "content": content}
+        if calls:
+            checked["tool_calls"] = calls
+        if role == "tool" and m.get("tool_call_id") is not None:
+            checked["tool_call_id"] = str(m["tool_call_id"])
+        out.append(checked)
     return out
 
 

@@ -40,13 +40,14 @@ COMMON = {**{k.arg: (int,) if k.call.integer else (int, float) for k in KNOBS.va
           # structured output: OpenAI's response_format, and llama-server's grammar (GBNF or Lark) and json_schema
           "response_format": (dict,), "grammar": (str,), "json_schema": (dict,)}
 FIELDS = {"completions": {**COMMON, "prompt": (str, list), "logprobs": (int, bool)},
-          "chat": {**COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,)},
+          "chat": {**COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "tools": (list,),
+                   "tool_choice": (str, dict), "parallel_tool_calls": (bool,)},
           # llama.cpp's own endpoints, by its field names
           "tokenize": {"content": (str,), "add_special": (bool,), "with_pieces": (bool,)},
           "detokenize": {"tokens": (list,)}}
 # fields OpenAI's API has and Lever does not honour yet: refused unless absent or at their default
-UNSUPPORTED = ("echo", "suffix", "best_of", "tools", "tool_choice", "functions", "function_call", "logit_bias",
-               "parallel_tool_calls", "presence_penalty", "frequency_penalty")
+UNSUPPORTED = ("echo", "suffix", "best_of", "functions", "function_call", "logit_bias", "presence_penalty",
+               "frequency_penalty")
 DEFAULTS = (None, False, 0, [], {}, "none", "auto")
 
 
@@ -147,6 +148,8 @@ def parse(body: bytes, endpoint: str) -> dict:
         raise BadRequest("messages: required, a list of {role, content}", "messages")
     elif data.get("top_logprobs") is not None and not data.get("logprobs"):
         raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
+    elif data.get("parallel_tool_calls") is False:  # a reply may hold several calls; one alone is not enforced
+        raise BadRequest("parallel_tool_calls: false is not supported by this server yet", "parallel_tool_calls")
     if endpoint in ("completions", "chat"):
         data["json_schema"] = _schema(data)
         if data["json_schema"] is not None and data.get("grammar") is not None:

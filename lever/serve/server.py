@@ -30,11 +30,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lever.api import LLM, Cancelled, Chunk, Completion, Session
+from lever.api import LLM, Cancelled, Chunk, Completion, Session, with_tool_calls
 from lever.errors import LeverError
 from lever.gguf.chat_template import Rendered, check_messages
 from lever.gguf.render_child import RenderProcess
 from lever.model.stop import StopReason
+from lever.model.tool_calls import CallStream, plan
 from lever.serve import TIMEOUT_S
 from lever.serve.guard import Access, Guard
 from lever.serve.metrics import Metrics
@@ -142,13 +143,21 @@ class Server:
             raise BadRequest(f"messages: {len(data['messages'])} messages cannot fit a context of {n_ctx} tokens",
                              "messages")
         messages = check_messages(data["messages"])
-        self._check_bytes(sum(len(m["content"].encode("utf-8", "replace")) for m in messages), "messages")
+        self._check_bytes(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "replace")) for m in messages)
+                          + len(json.dumps(data.get("tools") or [], ensure_ascii=False).encode()), "messages")
+        # the functions the template shows, and the grammar a required call brings (lever.model.tool_calls)
+        data["tools"], grammar = plan(self.llm.tokenizer, data.get("tools"), data.get("tool_choice"))
+        if grammar is not None:
+            if args.get("grammar") is not None or args.get("json_schema") is not None:
+                raise BadRequest("tool_choice: a required call is its own grammar; drop response_format / grammar",
+                                 "tool_choice")
+            args["grammar"] = grammar
         return data, args, messages
 
-    def render(self, messages: list[dict]) -> Rendered:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> Rendered:
         """The conversation through the template, in the child process, bounded in time and output."""
         rendered = self.renderer.render(self.llm.chat_template, messages, specials=tuple(self.llm.tokenizer.specials),
-                                        timeout_s=self.timeout_s, max_chars=self.max_prompt_bytes)
+                                        timeout_s=self.timeout_s, max_chars=self.max_prompt_bytes, tools=tools)
         self._check_bytes(len(rendered.text.encode("utf-8", "replace")), "messages")
         return rendered
 
@@ -250,7 +259,7 @@ class Server:
                 data, args, messages = await anyio.to_thread.run_sync(self.parse, body, endpoint, limiter=self._prep)
                 del body
             rendered = None if messages is None else \
-                await anyio.to_thread.run_sync(self.render, messages, limiter=self._renders)
+                await anyio.to_thread.run_sync(self.render, messages, data.get("tools"), limiter=self._renders)
             ids = await anyio.to_thread.run_sync(self.encode, data, args, messages, rendered, limiter=self._prep)
             self.admit()
         except BadRequest as e:
@@ -264,7 +273,8 @@ class Server:
         client = request.scope.get("state", {}).get("client")
         if data.get("stream"):
             usage = bool((data.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._stream(request, ids, args, rid, chat, usage, client),
+            calls = CallStream() if data.get("tools") else None
+            return StreamingResponse(self._stream(request, ids, args, rid, chat, usage, client, calls),
                                      media_type="text/event-stream")
         try:
             c = await self._generate(request, ids, args, client)
@@ -278,7 +288,7 @@ class Server:
         if c.finish_reason is StopReason.CANCELLED and self.closing:  # cut: never reported as finished
             return error(f"the server is shutting down: the generation was cut after {len(c.tokens)} tokens",
                          503, SHUTTING_DOWN[2])
-        return JSONResponse(self._body(c, rid, chat))
+        return JSONResponse(self._body(with_tool_calls(c) if data.get("tools") else c, rid, chat))
 
     async def _generate(self, request: Request, ids: list[int], args: dict, client) -> Completion:
         cancel = threading.Event()
@@ -309,7 +319,8 @@ class Server:
                 cancel.set()
             await anyio.sleep(DISCONNECT_POLL_S)
 
-    async def _stream(self, request: Request, ids: list[int], args: dict, rid: str, chat: bool, usage: bool, client):
+    async def _stream(self, request: Request, ids: list[int], args: dict, rid: str, chat: bool, usage: bool, client,
+                      calls: CallStream | None = None):
         cancel = threading.Event()
         self._watch(cancel)
         it = self.llm.stream_ids(ids, {**args, "cancel": cancel}, session=self.session, client=client)
@@ -328,10 +339,11 @@ class Server:
                     break
                 n_out += chunk.n_tokens
                 self._finished(chunk.stats)
-                if chunk.text or chunk.logprobs:
+                text = chunk.text if calls is None else calls.push(chunk.text)  # a tool call is held whole
+                if text or chunk.logprobs:
                     lps = self._logprobs(chunk.logprobs, chat, n_chars) if "logprobs" in args else None
-                    yield self._event(rid, chat, {"content": chunk.text} if chat else chunk.text, None, lps)
-                    n_chars += len(chunk.text)
+                    yield self._event(rid, chat, {"content": text} if chat else text, None, lps)
+                    n_chars += len(text)
                 if chunk.finish_reason is StopReason.CANCELLED and self.closing:
                     # cut by shutdown: an error event, as OpenAI's streams report a failure; no [DONE]
                     yield _sse({"error": {"message": f"the server is shutting down: the generation was cut "
@@ -339,8 +351,17 @@ class Server:
                                           "param": None, "code": None}})
                     return
                 if chunk.finish_reason is not None:  # llama.cpp's timings ride on the last chunk
+                    finish = OPENAI_FINISH[chunk.finish_reason]
+                    if calls is not None:
+                        rest, found = calls.finish()
+                        if rest:
+                            yield self._event(rid, chat, {"content": rest}, None)
+                        if found:
+                            finish = "tool_calls"
+                            delta = {"tool_calls": [tc.as_openai(i) for i, tc in enumerate(found)]}
+                            yield self._event(rid, chat, delta, None)
                     extra = {"timings": timings(chunk.stats, chunk.usage.cached_tokens)} if chunk.stats else {}
-                    yield self._event(rid, chat, {} if chat else "", OPENAI_FINISH[chunk.finish_reason], extra=extra)
+                    yield self._event(rid, chat, {} if chat else "", finish, extra=extra)
             if usage:
                 yield _sse({"id": rid, "object": self._object(chat, True), "created": int(time.time()),
                             "model": self.model_id, "choices": [],
@@ -372,6 +393,10 @@ class Server:
         choice = {"index": 0, "finish_reason": OPENAI_FINISH[c.finish_reason], "logprobs": lps}
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text}
+            if c.tool_calls:  # OpenAI's shape: no text is null, and the reason says why it ended
+                choice["message"] = {"role": "assistant", "content": c.text or None,
+                                     "tool_calls": [tc.as_openai() for tc in c.tool_calls]}
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = c.text
         return {"id": rid, "object": self._object(chat, False), "created": int(time.time()), "model": self.model_id,

@@ -77,8 +77,8 @@ def test_errors_are_json_and_one_line(server):
     r = httpx.post(url + "/v1/completions", content=deep, headers=auth(KEYS[0]))
     assert r.status_code == 400 and "nests" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/chat/completions", headers=auth(KEYS[0]),
-                   json={"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+                   json={"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     r = httpx.post(url + "/v1/completions", headers=auth(KEYS[0]), json={"prompt": "x", "n": None, "max_tokens": 2})
     assert r.status_code == 200
 

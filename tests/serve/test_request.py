@@ -57,7 +57,7 @@ def test_a_body_within_its_bounds_is_read_whole():
 
 @pytest.mark.parametrize("field, value", [
     ("echo", True), ("best_of", 2),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]), ("presence_penalty", 0.5),
     ("logit_bias", {"1": 5}), ("suffix", "x"), ("frequency_penalty", 0.5),
 ])
 def test_a_field_lever_does_not_honour_is_refused_by_name(field, value):

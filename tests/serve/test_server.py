@@ -200,3 +200,39 @@ def test_a_bad_schema_or_grammar_is_a_400_naming_it(server):
     r = httpx.post(server[1] + "/v1/completions", json={"prompt": PROMPT, "json_schema": {"type": "integer",
                                                                                             "minimum": "a"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "json_schema", r.text
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                                          "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_required_tool_call_comes_back_as_tool_calls_plain_and_streamed(client, llm):
+    want = llm.chat(MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=40)
+    r = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=40, tools=[WEATHER],
+                                       tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == (want.text or None)
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == want.tool_calls[0].arguments
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(
+        model="x", messages=MESSAGES, max_tokens=40, tools=[WEATHER], tool_choice="required", stream=True)
+        if c.choices]
+    streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert "".join(d.content or "" for d in deltas) == want.text  # what is not a call streams as text
+    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("get_weather", call.function.arguments)]
+    turn2 = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+             {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    r2 = client.chat.completions.create(model="x", messages=turn2, max_tokens=8, tools=[WEATHER])
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "parallel_tool_calls": False}, "parallel_tool_calls"),
+])
+def test_bad_tool_requests_get_400_naming_the_field(server, body, param):
+    r = httpx.post(server[1] + "/v1/chat/completions", json={"messages": MESSAGES, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
