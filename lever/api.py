@@ -39,6 +39,7 @@ from lever.model.tool_calls import ToolCall, parse_calls, plan
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState, Request
 from lever.pipelines.engine import Engine
+from lever.pipelines.prefix_cache import MIN_REUSE_TOKENS, KVSnapshot, PrefixCache, shared
 from lever.pipelines.result import RunResult
 from lever.policy.memory import mem_overrides
 
@@ -389,9 +390,7 @@ class LLM:
             if session is None:
                 res, cached = self.engine.run(Request(ids, gen, rule, logprobs=logprobs, grammar=grammar)), 0
             else:
-                if session.client != client:  # a session is one client's: another's text is never reused
-                    session.reset()
-                    session.client = client
+                session.switch(ids, client)
                 res, cached = session.run(ids, gen, rule, logprobs, grammar)
         rule.finish()
         reason = StopReason.STOP if rule.stopped_at >= 0 else res.stop_reason or StopReason.LENGTH
@@ -450,6 +449,7 @@ class Session:
     kv: KVState | None = None
     last_cached: int = 0  # prompt tokens the last call took from the caches
     client: object = None  # whose text the caches hold (a server's API key; None for every in-process call)
+    cache: PrefixCache | None = None  # other conversations kept between calls (a server's); None: this one alone
 
     @property
     def n_cached(self) -> int:
@@ -488,6 +488,29 @@ class Session:
     def reset(self) -> None:
         self.messages.clear()
         self.ids, self.kv = [], None
+
+    def switch(self, ids: list[int], client: object) -> None:
+        """Before a call of `client` with prompt `ids` (under the LLM's lock): the caches should
+        hold that client's conversation sharing the most with `ids`. Another client's text is
+        never reused; with a prefix cache, the conversation leaving is kept there and a better
+        one of this client's comes back from it (lever.pipelines.prefix_cache)."""
+        same = self.client == client and self.kv is not None
+        live = shared(self.ids, ids) if same else 0
+        back = self.cache.take(client, ids, at_least=live) if self.cache is not None else None
+        # the live conversation leaves, or the call would cut much of it: keep a copy first
+        leaving = back is not None or not same or len(self.ids) - live > MIN_REUSE_TOKENS
+        if self.cache is not None and self.kv is not None and self.ids and leaving:
+            self.cache.put(self.client, KVSnapshot.of(self.kv, self.ids))
+        if back is not None:
+            if self.kv is None:
+                self.kv = self.llm.engine.new_kv()
+            back.restore(self.kv)
+            self.messages.clear()
+            self.ids, self.client = list(back.ids), client
+        elif not same:
+            self.reset()
+            self.client = client
+        # else: this client's live conversation shares the most; the run keeps what it shares
 
     def close(self) -> None:
         self.reset()

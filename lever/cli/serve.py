@@ -44,6 +44,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="web origins whose pages may call the server, e.g. http://localhost:3000 (comma-separated)")
     s.add_argument("--max-connections", type=int_in(1, 65536), default=MAX_CONNECTIONS,
                    help="connections open at once; past it, 503 and closed")
+    s.add_argument("--cache-ram", type=int_in(0, 1 << 20), default=256, metavar="MIB",
+                   help="MiB of other conversations' KV rows kept between requests, per client key (0: none)")
     s.add_argument("--metrics", action="store_true",
                    help="serve /metrics in Prometheus's format (llama-server's names, prefixed lever:)")
     s.add_argument("--grace", type=float_in(0, 3600), default=GRACE_S, metavar="S",
@@ -115,7 +117,7 @@ def main(args) -> int:
     try:
         model_id = Path(llm.config.model.target).stem
         asgi = app(llm, model_id=model_id, queue=args.queue, access=rules, timeout_s=args.timeout,
-                   metrics=args.metrics)
+                   metrics=args.metrics, cache_bytes=args.cache_ram << 20)
         server_state = asgi.app.state.server
         http = protocol_class(max_connections=args.max_connections, header_timeout_s=args.timeout)
         server = _server_class()(uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning",
@@ -125,12 +127,20 @@ def main(args) -> int:
             server.should_exit = True
             server_state.shutdown(args.grace)
 
-        # the largest request's plan (a prompt filling the context) and the bodies being read at
-        # once (lever.serve.request.BodyPool): what the server's RSS stays within
-        plan_bytes = llm.engine.memory_plan(llm.engine.n_ctx - 1).rss_bound_bytes + server_state.bodies.capacity_bytes
+        # the largest request's plan (a prompt filling the context), the bodies being read at
+        # once (lever.serve.request.BodyPool) and the kept conversations: what the RSS stays within
+        run_bytes = llm.engine.memory_plan(llm.engine.n_ctx - 1).rss_bound_bytes
+        plan_bytes = run_bytes + server_state.bodies.capacity_bytes + server_state.cache_bytes
+        limit = llm.config.memory.limit_bytes
+        if limit is not None and plan_bytes > limit:
+            raise LeverError(f"--cache-ram: {args.cache_ram} MiB of kept conversations beside a run's "
+                             f"{run_bytes >> 20} MiB and {server_state.bodies.capacity_bytes >> 20} MiB of request "
+                             f"bodies passes [memory] limit ({limit >> 20} MiB); give less")
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
               f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}, "
-              f"memory plan {plan_bytes >> 20} MiB", file=sys.stderr, flush=True)
+              f"memory plan {plan_bytes >> 20} MiB (a run {run_bytes >> 20} + bodies "
+              f"{server_state.bodies.capacity_bytes >> 20} + kept conversations {server_state.cache_bytes >> 20})",
+              file=sys.stderr, flush=True)
         if not rules.api_keys and args.host.lower() not in LOOPBACK_HOSTS:
             print(f"lever serve: warning: listening on {args.host} without --api-key: anyone who can reach "
                   "this address can use the model", file=sys.stderr, flush=True)

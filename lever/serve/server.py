@@ -36,6 +36,7 @@ from lever.gguf.chat_template import Rendered, check_messages
 from lever.gguf.render_child import RenderProcess
 from lever.model.stop import StopReason
 from lever.model.tool_calls import CallStream, plan
+from lever.pipelines.prefix_cache import PrefixCache
 from lever.serve import TIMEOUT_S
 from lever.serve.guard import Access, Guard
 from lever.serve.metrics import Metrics
@@ -49,6 +50,7 @@ OPENAI_FINISH = {StopReason.STOP: "stop", StopReason.EOS: "stop", StopReason.LEN
                  StopReason.CONTEXT: "length", StopReason.CANCELLED: "stop"}
 SHUTTING_DOWN = ("the server is shutting down", 503, "server_shutting_down")
 PREP_THREADS = 2
+CACHE_BYTES = 256 << 20  # `lever serve --cache-ram`'s default (MiB there): a few long conversations of a 1.5B pair
 
 
 def error(message: str, status: int, kind: str, param: str | None = None) -> JSONResponse:
@@ -68,9 +70,9 @@ class Server:
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
     closing: bool = False
     _cancels: set = attrs.field(factory=set)  # the admitted requests' cancel events
-    # the last conversation's KV caches: a request that continues it (the next chat turn, a
-    # retry) prefills only what is new, when it comes from the same client (API key). One pair,
-    # the memory plan's; one generation at a time
+    # the live conversation's KV caches (one pair, the memory plan's; one generation at a time)
+    # and, in `session.cache`, other conversations' rows: a request that continues one of its
+    # client's (API key) conversations prefills only what is new; clients never share
     session: Session = attrs.field(init=False)
     # a chat template runs in a child process, bounded in time and memory (lever.gguf.render_child)
     renderer: RenderProcess = attrs.field(factory=RenderProcess)
@@ -81,9 +83,11 @@ class Server:
     max_prompt_bytes: int = attrs.field(init=False)
     bodies: BodyPool = attrs.field(factory=BodyPool)  # bodies being read and parsed, bounded together
     metrics: Metrics | None = None  # running totals for /metrics; None: not served
+    cache_bytes: int = CACHE_BYTES  # other conversations' KV rows kept (lever.pipelines.prefix_cache); 0: none
 
     def __attrs_post_init__(self):
         self.session = self.llm.session()
+        self.session.cache = PrefixCache(self.cache_bytes) if self.cache_bytes > 0 else None
         tok = self.llm.tokenizer
         # a token stands for at most the longest token's bytes: a prompt of more bytes than the
         # context's tokens could hold is over the context before it is counted (twice that, for
@@ -421,10 +425,10 @@ def _sse(obj: dict) -> str:
 
 
 def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None,
-        timeout_s: float = TIMEOUT_S, metrics: bool = False) -> Guard:
+        timeout_s: float = TIMEOUT_S, metrics: bool = False, cache_bytes: int = CACHE_BYTES) -> Guard:
     """The ASGI app behind its Guard (lever.serve.guard); `.app.state.server` is its Server
     (for `shutdown`)."""
-    s = Server(llm, model_id, queue, timeout_s, metrics=Metrics() if metrics else None)
+    s = Server(llm, model_id, queue, timeout_s, metrics=Metrics() if metrics else None, cache_bytes=cache_bytes)
     handlers = {HTTPException: _http_error, Exception: _internal_error}
     a = Starlette(routes=[Route("/health", s.health), Route("/v1/models", s.models),
                           Route("/v1/completions", s.completions, methods=["POST"]),

@@ -236,3 +236,16 @@ def test_a_required_tool_call_comes_back_as_tool_calls_plain_and_streamed(client
 def test_bad_tool_requests_get_400_naming_the_field(server, body, param):
     r = httpx.post(server[1] + "/v1/chat/completions", json={"messages": MESSAGES, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_conversations_taking_turns_each_prefill_only_what_is_new(client, llm):
+    """Two conversations of one client, interleaved: each returning turn comes back from the
+    kept conversations (--cache-ram), its answer the same as a fresh prefill's."""
+    a = [{"role": "user", "content": "import json"}]
+    b = [{"role": "user", "content": "class Stack:"}]
+    ra = client.chat.completions.create(model="x", messages=a, max_tokens=12)
+    client.chat.completions.create(model="x", messages=b, max_tokens=12)
+    a2 = [*a, {"role": "assistant", "content": ra.choices[0].message.content}, {"role": "user", "content": "more"}]
+    r = client.chat.completions.create(model="x", messages=a2, max_tokens=12)
+    assert r.usage.prompt_tokens_details.cached_tokens >= len(llm.encode_chat(a)) - 1
+    assert r.choices[0].message.content == llm.chat(a2, max_tokens=12).text
