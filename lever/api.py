@@ -494,8 +494,8 @@ class Session:
         hold that client's conversation sharing the most with `ids`. Another client's text is
         never reused; with a prefix cache, the conversation leaving is kept there and a better
         one of this client's comes back from it (lever.pipelines.prefix_cache)."""
-        same = self.client == client and self.kv is not None
-        live = shared(self.ids, ids) if same else 0
+        same = self.client == client
+        live = shared(self.ids, ids) if same and self.kv is not None else 0
         back = self.cache.take(client, ids, at_least=live) if self.cache is not None else None
         # the live conversation leaves, or the call would cut much of it: keep a copy first
         leaving = back is not None or not same or len(self.ids) - live > MIN_REUSE_TOKENS

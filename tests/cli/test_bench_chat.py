@@ -22,3 +22,6 @@ def test_bench_chat_runs_four_ways_with_the_same_replies(tmp_path):
     assert all(t["tokens"] == 8 and 0 < t["ttft_s"] <= t["total_s"] for v in r["runs"].values() for t in v)
     assert json.loads(path.read_text())["summary"]["cached_tokens"] == s["cached_tokens"]
     assert any("Flash-AR's speed per turn" in x for x in lines)
+    kept, dropped = s["taking_turns"]["kept"]["cached"], s["taking_turns"]["dropped"]["cached"]
+    assert all(k > d for k, d in zip(kept[1:], dropped[1:]))  # a returning conversation comes back whole
+    assert any("returning, kept" in x for x in lines)

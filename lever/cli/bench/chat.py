@@ -30,6 +30,7 @@ from lever.errors import LeverError
 from lever.outputs import atomic_write
 from lever.shipped import shipped
 
+CACHE_BYTES = 256 << 20  # kept conversations, as `lever serve --cache-ram` keeps by default
 PIPELINES = {"flash-ar": ['pipeline.kind="flash-ar"'],
              "lever": ['pipeline.kind="speculative"', 'tree_expand.policy="gain-cost"']}
 
@@ -62,6 +63,33 @@ def one_conversation(llm, turns: list[str], max_tokens: int, session: bool) -> l
     return out
 
 
+def taking_turns(llm, turns: list[str], max_tokens: int, cache_bytes: int) -> list[dict]:
+    """Two conversations of one client taking turns in one session (as a server's clients do):
+    the first conversation's turns, each after a turn of the other; with `cache_bytes` the one
+    leaving the caches is kept (lever.pipelines.prefix_cache), with 0 it is dropped."""
+    from lever.pipelines.prefix_cache import PrefixCache
+
+    s = llm.session()
+    s.cache = PrefixCache(cache_bytes) if cache_bytes else None
+    histories: list[list[dict]] = [[], []]
+    out = []
+    for text in turns:
+        for k, history in enumerate(histories):
+            msg = [*history, {"role": "user", "content": text if k == 0 else f"Another question. {text}"}]
+            t0, first, parts = time.perf_counter(), None, []
+            for chunk in llm.stream_ids(llm.encode_chat(msg), {"max_tokens": max_tokens, "temperature": 0.0},
+                                        session=s):
+                if first is None and chunk.n_tokens:
+                    first = time.perf_counter() - t0
+                parts.append(chunk.text)
+            history[:] = [*msg, {"role": "assistant", "content": "".join(parts)}]
+            if k == 0:
+                out.append({"reply": "".join(parts), "ttft_s": first or time.perf_counter() - t0,
+                            "cached": s.last_cached})
+    s.close()
+    return out
+
+
 def bench_chat(config: str, turns: list[str], max_tokens: int, sets: list[str] = (), out=print,
                json_path: str | None = None) -> dict:
     from lever.api import load
@@ -72,8 +100,12 @@ def bench_chat(config: str, turns: list[str], max_tokens: int, sets: list[str] =
             llm.chat_template  # noqa: B018  refuse a model without a template before any timing
             for session in (False, True):
                 runs[f"{name}{' + session' if session else ''}"] = one_conversation(llm, turns, max_tokens, session)
+            if name == "lever":
+                turning = {"kept": taking_turns(llm, turns, max_tokens, CACHE_BYTES),
+                           "dropped": taking_turns(llm, turns, max_tokens, 0)}
     replies = {k: [t["reply"] for t in v] for k, v in runs.items()}
     same = len({tuple(r) for r in replies.values()}) == 1
+    same &= all(t["reply"] == a["reply"] for v in turning.values() for t, a in zip(v, runs["lever + session"]))
     rows = []
     for i in range(len(turns)):
         row = [f"turn {i + 1}"]
@@ -97,6 +129,15 @@ def bench_chat(config: str, turns: list[str], max_tokens: int, sets: list[str] =
         f"Flash-AR with a session too); last turn's first token {summary['ttft_last_over_first']:.2f}x the first's "
         f"({summary['ttft_last_over_first_no_session']:.2f}x without a session); prompt tokens from the caches "
         f"{summary['cached_tokens']}; replies {'the same in every run' if same else 'DIFFERENT between runs'}")
+    alone = runs["lever + session"]
+    summary["taking_turns"] = {k: {"ttft_s": [t["ttft_s"] for t in v], "cached": [t["cached"] for t in v]}
+                               for k, v in turning.items()}
+    show(["", "alone (session)", "returning, kept", "returning, dropped"],
+         [[f"turn {i + 1}", f"{alone[i]['ttft_s']:.2f}", f"{turning['kept'][i]['ttft_s']:.2f} "
+           f"({turning['kept'][i]['cached']})", f"{turning['dropped'][i]['ttft_s']:.2f} "
+           f"({turning['dropped'][i]['cached']})"] for i in range(len(turns))], out,
+         title="Lever, first token (s) of one conversation's turns, alone or taking turns with another "
+               "(prompt tokens from the caches)")
     result = {"config": config, "turns": turns, "max_tokens": max_tokens, "runs": runs, "summary": summary}
     if json_path:
         with atomic_write(json_path, "w", "--json") as f:
