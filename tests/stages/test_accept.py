@@ -74,11 +74,22 @@ def synthetic(prefix: tuple[int, ...], salt: int) -> np.ndarray:
     return np.random.default_rng([salt, *prefix]).dirichlet(np.full(V, 0.6))
 
 
+def grammar(path: tuple[int, ...]) -> np.ndarray:
+    """A synthetic grammar: after `path` (the tokens since the start), a token t is allowed when
+    sum(path) + t is not a multiple of 3 (one or two of the V tokens are forbidden each time)."""
+    return np.array([(sum(path) + t) % 3 != 0 for t in range(V)])
+
+
+def constrained(p: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    p = np.where(allowed, p, 0.0)
+    return p / p.sum()
+
+
 class SamplingDraft:
     """Draws each expanded node's children from the synthetic draft, as Draft does when sampling."""
 
-    def __init__(self, prefix, rng):
-        self.prefix, self.rng, self.paths = tuple(prefix), rng, []
+    def __init__(self, prefix, rng, masked: bool = False):
+        self.prefix, self.rng, self.paths, self.masked = tuple(prefix), rng, [], masked
 
     def rows(self, req) -> np.ndarray:
         """The request's tokens appended to the paths kept; the rows to expand."""
@@ -90,7 +101,8 @@ class SamplingDraft:
 
     def __call__(self, req):
         rows = self.rows(req)
-        q = np.stack([synthetic(self.paths[r], 2) for r in rows]).astype(np.float32)
+        q = np.stack([constrained(synthetic(self.paths[r], 2), grammar(self.paths[r][1:])) if self.masked else
+                      synthetic(self.paths[r], 2) for r in rows]).astype(np.float32)
         toks = np.full((rows.size, req.top_k), -1, np.int64)
         for i in range(rows.size):
             d = draw_without_replacement(q[i], req.top_k, self.rng)
@@ -99,14 +111,16 @@ class SamplingDraft:
         return Expansion(req.cycle, rows, toks, probs, q)
 
 
-def speculative_sample(rng, config, prune: bool = False) -> tuple[int, ...]:
+def speculative_sample(rng, config, prune: bool = False, masked: bool = False) -> tuple[int, ...]:
     """N_TOKENS tokens by cycles of draft tree + rejection-sampling Accept, from prefix (0,);
-    with prune, random branches are pruned as a predictor might (never the backbone)."""
+    with prune, random branches are pruned as a predictor might (never the backbone); with
+    masked, under the synthetic grammar: the draft draws from its masked distribution (as Draft
+    does) and Accept chooses among the allowed tokens."""
     prefix = (0,)
     while len(prefix) - 1 < N_TOKENS:
         b = TreeBuilder(config, FlatCost(read_s=1.0, compute_per_token_s=1e-4, draft_step_s=1e-3), 1, room=100)
         b.add(prefix[-1], -1, 1.0)
-        draft = SamplingDraft(prefix, rng)
+        draft = SamplingDraft(prefix, rng, masked)
         req = b.request([0], [], keep=())
         while req is not None:
             req = b.on_expansion(draft(req))
@@ -123,27 +137,34 @@ def speculative_sample(rng, config, prune: bool = False) -> tuple[int, ...]:
             return np.array(out)
 
         alive = prune_by_scores(t, rng.random(t.n_nodes), 0.5, 1.0) if prune else None
+        allowed = (lambda walked, at=prefix: grammar(at[1:] + tuple(walked))) if masked else None
         toks, _, _ = accept_tree(t, logits_at, SamplingParams(temperature=1.0), rng, N_TOKENS - len(prefix) + 1,
-                                 frozenset(), alive)
+                                 frozenset(), alive, allowed=allowed)
         prefix += tuple(toks)
     return prefix[1:]
 
 
-def chi_square_vs_target(samples) -> tuple[float, float]:
-    """Pearson's statistic over all V**N_TOKENS sequences, and its 1 - P_FLOOR quantile
-    (Wilson-Hilferty: accurate to a few percent at these degrees of freedom)."""
+def chi_square_vs_target(samples, masked: bool = False) -> tuple[float, float]:
+    """Pearson's statistic over all V**N_TOKENS sequences (those the grammar allows, when
+    masked: the others must never come), and its 1 - P_FLOOR quantile (Wilson-Hilferty:
+    accurate to a few percent at these degrees of freedom)."""
     counts = {}
     for s in samples:
         counts[s] = counts.get(s, 0) + 1
-    stat = 0.0
+    stat, n_seqs = 0.0, 0
     for seq in np.ndindex(*(V,) * N_TOKENS):
         p, prefix = 1.0, (0,)
         for tok in seq:
-            p *= synthetic(prefix, 1)[tok]
+            dist = synthetic(prefix, 1)
+            p *= (constrained(dist, grammar(prefix[1:])) if masked else dist)[tok]
             prefix += (tok,)
+        if p == 0.0:
+            assert tuple(seq) not in counts, f"{seq}: the grammar forbids it, yet it was sampled"
+            continue
+        n_seqs += 1
         want = p * len(samples)
         stat += (counts.get(tuple(seq), 0) - want) ** 2 / want
-    df, z = V**N_TOKENS - 1, 3.72  # z: the normal quantile of 1 - P_FLOOR
+    df, z = n_seqs - 1, 3.72  # z: the normal quantile of 1 - P_FLOOR
     return stat, df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
@@ -161,6 +182,16 @@ def test_pruned_trees_keep_the_targets_distribution():
     rng = np.random.default_rng(2)
     config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
     stat, limit = chi_square_vs_target([speculative_sample(rng, config, prune=True) for _ in range(TRIALS)])
+    assert stat < limit, f"chi-square {stat:.1f} over the {limit:.1f} an exact sampler stays under"
+
+
+def test_under_a_grammar_sampling_keeps_the_constrained_distribution():
+    """The target's distribution masked by the grammar at every node (lever.model.grammar's job
+    in Accept), the draft's drawn from its own masked distribution: exactly constrained sampling."""
+    rng = np.random.default_rng(3)
+    config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
+    samples = [speculative_sample(rng, config, masked=True) for _ in range(TRIALS)]
+    stat, limit = chi_square_vs_target(samples, masked=True)
     assert stat < limit, f"chi-square {stat:.1f} over the {limit:.1f} an exact sampler stays under"
 
 
