@@ -260,9 +260,7 @@ class TreeExpand(Stage):
     cycles: list[CycleRecord] = attrs.field(factory=list)
     greedy: bool = True  # free sources propose only under greedy verification (sampling needs a draft distribution)
     lookup: Lookup | None = None  # the free sources over the text so far ([tree_expand] sources)
-    # False under a grammar (lever.model.grammar): the draft model's children are masked by it as
-    # they are drafted, the free sources' would not be, so only the draft's grow
-    free_sources: bool = True
+    free_sources: bool = True  # False under a grammar: it masks the draft's children, not the free sources'
     lookup_tables: dict = attrs.field(factory=dict)  # a free source -> its acceptance table, learned from the text
     fallback: Fallback | None = None  # gain-cost's check against the shapes it contains ([tree_expand] fallback)
     _shape: Shape = TREE  # what the last tree sent was grown as

@@ -60,3 +60,13 @@ def test_a_server_open_beyond_loopback_without_a_key_warns():
     proc, _ = start_server("--host", "0.0.0.0", "--api-key", "k")
     stop(proc)
     assert "warning" not in stderr_text(proc) and "1 API key" in stderr_text(proc)
+
+
+def test_kept_conversations_are_in_the_plan_and_held_to_the_limit(capsys):
+    proc, _ = start_server("--cache-ram", "64")
+    stop(proc)
+    line = next(x for x in stderr_text(proc).splitlines() if "memory plan" in x)
+    assert "kept conversations 64)" in line
+    rc = main(["serve", "--cache-ram", "4096", "--set", 'memory.limit="1GiB"', "--port", "1"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--cache-ram: 4096 MiB of kept conversations" in err and "[memory] limit" in err
