@@ -120,7 +120,8 @@ def speculative_sample(rng, config, prune: bool = False, masked: bool = False) -
     while len(prefix) - 1 < N_TOKENS:
         b = TreeBuilder(config, FlatCost(read_s=1.0, compute_per_token_s=1e-4, draft_step_s=1e-3), 1, room=100)
         b.add(prefix[-1], -1, 1.0)
-        draft = SamplingDraft(prefix, rng, masked)
+        # test_vocab_map swaps SamplingDraft for a two-argument one
+        draft = SamplingDraft(prefix, rng, masked=True) if masked else SamplingDraft(prefix, rng)
         req = b.request([0], [], keep=())
         while req is not None:
             req = b.on_expansion(draft(req))
