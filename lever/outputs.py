@@ -123,3 +123,11 @@ def atomic_write(path, mode: str = "w", what: str = "output"):
             yield f
             f.flush()
             os.fsync(f.fileno())
+
+
+def write_json(path, obj, what: str = "--json") -> None:
+    """`obj` as indented JSON at `path`, atomically (the benches' --json)."""
+    import json
+
+    with atomic_write(path, "w", what) as f:
+        f.write(json.dumps(obj, indent=1))

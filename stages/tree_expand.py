@@ -197,6 +197,11 @@ class TreeStats:
         return sum(self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else 1.0
 
     @property
+    def drafted_nodes(self) -> int:
+        """Draft tokens grown into trees (every node but each tree's root)."""
+        return sum(max(s - 1, 0) for s in self.tree_sizes)
+
+    @property
     def lookahead_hit_share(self) -> float:
         return self.lookahead_hits / len(self.tree_sizes) if self.tree_sizes else 0.0
 

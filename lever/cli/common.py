@@ -19,6 +19,7 @@ import importlib.metadata
 import platform
 import re
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from lever.backends.flash.config import parse_bytes
@@ -159,6 +160,27 @@ def input_text_file(path, flag: str, what: str = "file", max_bytes: int = MAX_PR
     if size > max_bytes:
         raise LeverError(f"{flag} {p}: {size:,} bytes, over the {max_bytes:,} a {what} may have")
     return p
+
+
+CONSTRAINT_FLAGS = (("--json-schema", "json_schema"), ("--grammar", "grammar"))  # flag -> compile_args's keyword
+
+
+def add_constraint(p: argparse.ArgumentParser, whose: str = "the text") -> None:
+    """--json-schema FILE / --grammar FILE: structured output (lever.model.grammar)."""
+    p.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                   help=f"{whose} must be JSON this JSON Schema accepts (structured output)")
+    p.add_argument("--grammar", type=Path, default=None, metavar="FILE",
+                   help=f"{whose} must follow this grammar (Lark, or llama.cpp's GBNF)")
+
+
+def constraint_file(args) -> tuple[str, Path] | None:
+    """The one of --json-schema / --grammar given (its flag and file), checked; None: neither."""
+    given = [(flag, getattr(args, key)) for flag, key in CONSTRAINT_FLAGS if getattr(args, key) is not None]
+    if len(given) > 1:
+        raise LeverError("--json-schema and --grammar: give one")
+    for flag, path in given:
+        input_text_file(path, flag, "file")
+    return given[0] if given else None
 
 
 def output_file(path, flag: str):

@@ -11,7 +11,18 @@ import json
 import sys
 from pathlib import Path
 
-from lever.cli.common import add_common, add_knobs, add_set, check_sets, input_text_file, knob_values, output_file
+from lever.cli.common import (
+    CONSTRAINT_FLAGS,
+    add_common,
+    add_constraint,
+    add_knobs,
+    add_set,
+    check_sets,
+    constraint_file,
+    input_text_file,
+    knob_values,
+    output_file,
+)
 from lever.config import load_config
 from lever.errors import LeverError, read_text
 from lever.pipelines.engine import run_pipeline
@@ -29,10 +40,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("-md", "--model-draft", default=None, help="the draft GGUF (overrides [model] draft)")
     add_knobs(r, "n_predict", "temperature", "seed")  # each overrides its [generate] key
     add_set(r)
-    r.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
-                   help="the text must be JSON this JSON Schema accepts (structured output)")
-    r.add_argument("--grammar", type=Path, default=None, metavar="FILE",
-                   help="the text must follow this grammar (Lark, or llama.cpp's GBNF)")
+    add_constraint(r)
     r.add_argument("--json", action="store_true", help="print one JSON object with the run's figures")
     r.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace here")
     add_common(r)
@@ -49,21 +57,17 @@ def check_args(args) -> None:
     if args.config is not None:
         input_text_file(args.config, "-c", "config file")
     check_sets(args)
-    if args.json_schema is not None and args.grammar is not None:
-        raise LeverError("--json-schema and --grammar: give one")
-    for flag, path in (("--json-schema", args.json_schema), ("--grammar", args.grammar)):
-        if path is not None:
-            input_text_file(path, flag, "file")
+    constraint_file(args)
     output_file(args.trace, "--trace")  # a missing folder fails now, not after the whole run
 
 
 def constraint_args(args) -> dict | None:
     """--json-schema FILE or --grammar FILE as lever.model.grammar.compile_args's arguments."""
-    if args.json_schema is not None:
-        return {"json_schema": read_text(args.json_schema, "--json-schema")}
-    if args.grammar is not None:
-        return {"grammar": read_text(args.grammar, "--grammar")}
-    return None
+    given = constraint_file(args)
+    if given is None:
+        return None
+    flag, path = given
+    return {dict(CONSTRAINT_FLAGS)[flag]: read_text(path, flag)}
 
 
 def _quoted(path: str) -> str:

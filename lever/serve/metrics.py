@@ -47,7 +47,7 @@ class Metrics:
             self.totals.update({
                 "prompt_tokens_total": len(res.prompt_tokens), "prompt_seconds_total": t.prefill_s,
                 "tokens_predicted_total": len(out.tokens), "tokens_predicted_seconds_total": t.decode_s,
-                "n_decode_total": t.n_passes, "draft_tokens_total": sum(max(s - 1, 0) for s in res.trees.tree_sizes),
+                "n_decode_total": t.n_passes, "draft_tokens_total": res.trees.drafted_nodes,
                 "draft_tokens_accepted_total": out.drafted_kept, "flash_read_bytes_total": res.flash.read_bytes,
                 "_decode_passes": max(t.n_passes - 1, 0), "_decode_tokens": max(len(out.tokens) - 1, 0)})
 

@@ -32,7 +32,7 @@ def timings(res: RunResult, n_cached: int = 0) -> dict:
          "predicted_n": n_out, "predicted_ms": 1e3 * t.decode_s,
          "predicted_per_token_ms": _per(1e3 * t.decode_s, n_out - 1), "predicted_per_second": res.decode_tps}
     if res.draft is not None or any(s > 1 for s in res.trees.tree_sizes):
-        d.update(draft_n=sum(max(s - 1, 0) for s in res.trees.tree_sizes), draft_n_accepted=out.drafted_kept)
+        d.update(draft_n=res.trees.drafted_nodes, draft_n_accepted=out.drafted_kept)
     d.update(passes=t.n_passes, tokens_per_pass=out.tokens_per_pass, tree_nodes=res.trees.mean_nodes,
              flash_mb_read=res.flash.read_bytes / 1e6)
     return d
@@ -65,11 +65,11 @@ def completion_logprobs(tok: Tokenizer, logprobs: Sequence[TokenLogprob], text_o
     alternatives (a {token: logprob} each) and each token's offset in the text (characters,
     from `text_offset`: where this piece starts in a stream)."""
     tokens, offsets, raw = [], [], b""
-    for lp in shown(tok, logprobs):
+    lps = shown(tok, logprobs)
+    for lp in lps:
         offsets.append(text_offset + len(raw.decode("utf-8", "ignore")))
         text, b = _piece(tok, lp.token)
         tokens.append(text)
         raw += bytes(b)
-    lps = shown(tok, logprobs)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{_piece(tok, t)[0]: v for t, v in lp.top} for lp in lps], "text_offset": offsets}

@@ -8,35 +8,13 @@ import json
 import math
 
 import httpx
-import openai
 import pytest
 
-import lever
 from lever.dataflow.messages import TokenLogprob
 from lever.serve.render import chat_logprobs, completion_logprobs, timings
-from lever.shipped import shipped
-from tests.serve.live import TEMPLATE, start_server, stop
 
 PROMPT = "def parse_args(argv):"
 MESSAGES = [{"role": "user", "content": "import os"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc, url = start_server()
-    yield proc, url
-    stop(proc)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    with lever.load(shipped("default.toml"), chat_template=TEMPLATE) as m:
-        yield m
 
 
 def test_completion_logprobs_are_the_apis(client, llm):

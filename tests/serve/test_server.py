@@ -15,28 +15,10 @@ import pytest
 
 import lever
 from lever.shipped import shipped
-from tests.serve.live import JSON, QUEUE, TEMPLATE, start_server, stop
+from tests.serve.live import JSON, QUEUE, start_server, stop
 
 PROMPT = "def parse_args(argv):"
 MESSAGES = [{"role": "user", "content": "import os"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc, url = start_server()
-    yield proc, url
-    stop(proc)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    with lever.load(shipped("default.toml"), chat_template=TEMPLATE) as m:
-        yield m
 
 
 def test_models_and_health(server, client):

@@ -10,7 +10,6 @@ one pipeline loaded at a time, the same turns; the replies must be the same text
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from lever.cli.common import (
 )
 from lever.cli.table import show
 from lever.errors import LeverError
-from lever.outputs import atomic_write
+from lever.outputs import write_json
 from lever.shipped import shipped
 
 CACHE_BYTES = 256 << 20  # kept conversations, as `lever serve --cache-ram` keeps by default
@@ -140,8 +139,7 @@ def bench_chat(config: str, turns: list[str], max_tokens: int, sets: list[str] =
                "(prompt tokens from the caches)")
     result = {"config": config, "turns": turns, "max_tokens": max_tokens, "runs": runs, "summary": summary}
     if json_path:
-        with atomic_write(json_path, "w", "--json") as f:
-            f.write(json.dumps(result, indent=1))
+        write_json(json_path, result)
     if not same:
         raise LeverError("bench chat: the replies differ between pipelines (greedy output must not)")
     return result

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import os
 import platform
 from collections.abc import Sequence
@@ -36,9 +35,11 @@ from lever.cli.bench.paired import paired_speedup
 from lever.cli.common import (
     MAX_PROMPT_BYTES,
     add_common,
+    add_constraint,
     add_set,
     bench_tokens,
     check_sets,
+    constraint_file,
     input_text_file,
     output_file,
     parse_list,
@@ -48,7 +49,7 @@ from lever.cli.table import show
 from lever.config import load_config
 from lever.errors import LeverError, read_text
 from lever.model.sampling import Range
-from lever.outputs import atomic_path, atomic_write
+from lever.outputs import atomic_path, write_json
 from lever.shipped import shipped
 
 DEFAULT_BUDGETS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -217,8 +218,7 @@ def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUD
               "summary": summary, "lossless_mismatches": mismatches, "sampled": sampled, "constraint": list(run_args),
               "llama_cpp_ms_per_token": llama, "runs": raw}
     if json_path:
-        with atomic_write(json_path, "w", "--json") as f:
-            f.write(json.dumps(result, indent=1))
+        write_json(json_path, result)
         out(f"wrote {json_path}")
     if plot_path:
         plot(table, plot_path)
@@ -356,10 +356,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--plot", type=Path, default=None, help="draw speedup against budget (matplotlib)")
     b.add_argument("--pruning", action="store_true",
                    help="also Lever with its pruning predictor (run `lever calibrate` first)")
-    b.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
-                   help="every pipeline's text constrained to this JSON Schema (structured output)")
-    b.add_argument("--grammar", type=Path, default=None, metavar="FILE",
-                   help="every pipeline's text constrained to this grammar (Lark or GBNF)")
+    add_constraint(b, "every pipeline's text")
     b.add_argument("--llama-cpp", default=None, metavar="DIR",
                    help="llama.cpp's bin directory: adds llama-completion and llama-speculative rows at budget 1.0")
     add_set(b)
@@ -385,11 +382,7 @@ def check_args(args) -> tuple[tuple[float, ...], tuple[int, ...]]:
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise LeverError("--plot needs matplotlib (pip install matplotlib)")
     check_sets(args)
-    if args.json_schema is not None and args.grammar is not None:
-        raise LeverError("--json-schema and --grammar: give one")
-    for flag, path in (("--json-schema", args.json_schema), ("--grammar", args.grammar)):
-        if path is not None:
-            input_text_file(path, flag, "file")
+    constraint_file(args)
     if args.llama_cpp and (args.json_schema or args.grammar):
         raise LeverError("--llama-cpp: its rows are not run under a grammar yet; leave out --json-schema / --grammar")
     return budgets, chain_ks
@@ -397,10 +390,8 @@ def check_args(args) -> tuple[tuple[float, ...], tuple[int, ...]]:
 
 def constraint_flags(args) -> list[str]:
     """--json-schema FILE / --grammar FILE, passed on to every `lever run`."""
-    for flag, path in (("--json-schema", args.json_schema), ("--grammar", args.grammar)):
-        if path is not None:
-            return [flag, str(Path(path).resolve())]
-    return []
+    given = constraint_file(args)
+    return [given[0], str(given[1].resolve())] if given else []
 
 
 def main(args) -> int:

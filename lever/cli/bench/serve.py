@@ -33,7 +33,7 @@ from pathlib import Path
 from lever.cli.common import add_common, add_set, check_sets, float_in, input_text_file, output_file
 from lever.cli.table import show
 from lever.errors import LeverError
-from lever.outputs import atomic_write
+from lever.outputs import write_json
 
 KEY = "bench-serve-key"
 PROMPT = "def parse_args(argv):"
@@ -303,8 +303,7 @@ def bench_serve(config: str | None, sets: list[str], seconds: float, out=print, 
                                              {"status": {str(s): n for s, n in r["status"].items()}}
                                              for k, r in results.items()}, "summary": summary}
     if json_path:
-        with atomic_write(json_path, "w", "--json") as f:
-            f.write(json.dumps(result, indent=1))
+        write_json(json_path, result)
     return result
 
 

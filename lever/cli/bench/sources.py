@@ -23,7 +23,6 @@ bands: docs/measurements.md,
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from lever.cli.common import (
 )
 from lever.cli.table import show
 from lever.errors import LeverError
-from lever.outputs import atomic_write
+from lever.outputs import write_json
 from lever.shipped import shipped
 
 FREE = '["prompt-lookup", "ngram"]'
@@ -128,8 +127,7 @@ def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float,
         out(f"model+lookup against the faster single source of each prompt: {ratio:.3f}x its speed "
             f"(no slower on {sum(m_ <= b_ for b_, m_ in zip(best, mixed))} of {len(mixed)} prompts)")
     if json_path:
-        with atomic_write(json_path, "w", "--json") as f:
-            f.write(json.dumps(result, indent=1))
+        write_json(json_path, result)
     return result
 
 
