@@ -41,6 +41,7 @@ from lever.pipelines.compose import KVState, Request
 from lever.pipelines.engine import Engine
 from lever.pipelines.prefix_cache import MIN_REUSE_TOKENS, KVSnapshot, PrefixCache, shared
 from lever.pipelines.result import RunResult
+from lever.pipelines.watch import RunWatch, Watch
 from lever.policy.memory import mem_overrides
 
 MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
@@ -234,6 +235,7 @@ class LLM:
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
     _template: ChatTemplate | None = None
     _grammars: dict = attrs.field(factory=dict)  # compiled grammars by their text, oldest first
+    watch: Watch | None = None  # sees every generation's cycles as they run (a live page: lever.pipelines.watch)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -387,11 +389,13 @@ class LLM:
         with self._lock:
             if rule.cancel.is_set():  # its caller left while it waited
                 raise Cancelled("the generation was cancelled before it started")
+            watch = self.watch.run(client) if self.watch is not None else None
             if session is None:
-                res, cached = self.engine.run(Request(ids, gen, rule, logprobs=logprobs, grammar=grammar)), 0
+                res, cached = self.engine.run(Request(ids, gen, rule, logprobs=logprobs, grammar=grammar,
+                                                      watch=watch)), 0
             else:
                 session.switch(ids, client)
-                res, cached = session.run(ids, gen, rule, logprobs, grammar)
+                res, cached = session.run(ids, gen, rule, logprobs, grammar, watch=watch)
         rule.finish()
         reason = StopReason.STOP if rule.stopped_at >= 0 else res.stop_reason or StopReason.LENGTH
         tokens = tuple(rule.tokens)
@@ -546,8 +550,8 @@ class Session:
         self.messages.extend(added)
         return ids
 
-    def run(self, ids: list[int], gen, rule, logprobs: int | None = None,
-            grammar: Grammar | None = None) -> tuple[RunResult, int]:
+    def run(self, ids: list[int], gen, rule, logprobs: int | None = None, grammar: Grammar | None = None,
+            watch: RunWatch | None = None) -> tuple[RunResult, int]:
         """The engine's run of `ids` from what the caches share with it (called under the
         LLM's lock). Returns the run and how many prompt tokens came from the caches."""
         common = 0
@@ -559,7 +563,7 @@ class Session:
             kv.truncate(common)
         self.ids, self.kv = [], None  # until the run ends well, the caches are in flux
         res = self.llm.engine.run(Request(ids[common:], gen, rule, kv=kv, history=ids[:common], logprobs=logprobs,
-                                          grammar=grammar), on_kv=kept.append)
+                                          grammar=grammar, watch=watch), on_kv=kept.append)
         self.kv = kept[0]
         self.ids = (ids + res.tokens)[: self.kv.n_rows]
         self.last_cached = common

@@ -198,7 +198,7 @@ class Accept(Stage):
             stop = c.stop(tuple(tokens), tuple(logprobs)) or stop
         pruned = () if v.alive is None else tuple(int(n) for n in np.flatnonzero(~v.alive))
         return Accepted(tree.pass_id, tuple(tokens), tuple(keep), stop is not None, stop, pruned,
-                        drafted_kept=len(keep) - tree.n_given, logprobs=tuple(logprobs))
+                        drafted_kept=len(keep) - tree.n_given, logprobs=tuple(logprobs), tree=tree)
 
     def _checked(self, v: Verified, logits_at: Callable[[list[int]], np.ndarray]) -> Callable[[list[int]], np.ndarray]:
         """logits_at, refusing rows that hold a NaN or an Inf, or come from hidden states that do

@@ -1,4 +1,5 @@
-"""Output: the sink of a pipeline, collecting the emitted tokens and streaming them to a callback."""
+"""Output: the sink of a pipeline, collecting the emitted tokens and streaming them to a callback
+(and each whole cycle, its tree included, to a watcher: lever.pipelines.watch)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class OutputStats:
 class Output(Stage):
     name: str
     on_tokens: Callable[[tuple[int, ...]], None] | None = None
+    on_cycle: Callable[[Accepted], None] | None = None  # every cycle, after on_tokens
     INPUTS = {"emitted": Accepted}
 
     tokens: list[int] = attrs.field(factory=list)
@@ -44,6 +46,8 @@ class Output(Stage):
         self.drafted_kept += acc.drafted_kept
         if self.on_tokens:
             self.on_tokens(acc.tokens)
+        if self.on_cycle:
+            self.on_cycle(acc)
         if acc.done:
             self.stop_reason = acc.stop_reason
 

@@ -48,6 +48,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="MiB of other conversations' KV rows kept between requests, per client key (0: none)")
     s.add_argument("--metrics", action="store_true",
                    help="serve /metrics in Prometheus's format (llama-server's names, prefixed lever:)")
+    s.add_argument("--no-page", dest="page", action="store_false",
+                   help="serve no live page at / (nor its /live events): generations are not watched")
     s.add_argument("--grace", type=float_in(0, 3600), default=GRACE_S, metavar="S",
                    help="on shutdown, seconds the admitted requests may go on before they are cut")
     s.add_argument("--timeout", type=float_in(0.1, 3600), default=TIMEOUT_S, metavar="S",
@@ -117,7 +119,7 @@ def main(args) -> int:
     try:
         model_id = Path(llm.config.model.target).stem
         asgi = app(llm, model_id=model_id, queue=args.queue, access=rules, timeout_s=args.timeout,
-                   metrics=args.metrics, cache_bytes=args.cache_ram << 20)
+                   metrics=args.metrics, cache_bytes=args.cache_ram << 20, page=args.page)
         server_state = asgi.app.state.server
         http = protocol_class(max_connections=args.max_connections, header_timeout_s=args.timeout)
         server = _server_class()(uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning",
@@ -130,7 +132,8 @@ def main(args) -> int:
         # the largest request's plan (a prompt filling the context), the bodies being read at
         # once (lever.serve.request.BodyPool) and the kept conversations: what the RSS stays within
         run_bytes = llm.engine.memory_plan(llm.engine.n_ctx - 1).rss_bound_bytes
-        plan_bytes = run_bytes + server_state.bodies.capacity_bytes + server_state.cache_bytes
+        live_bytes = server_state.page.watch.max_bytes if server_state.page is not None else 0
+        plan_bytes = run_bytes + server_state.bodies.capacity_bytes + server_state.cache_bytes + live_bytes
         limit = llm.config.memory.limit_bytes
         if limit is not None and plan_bytes > limit:
             raise LeverError(f"--cache-ram: {args.cache_ram} MiB of kept conversations beside a run's "
@@ -139,7 +142,9 @@ def main(args) -> int:
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
               f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}, "
               f"memory plan {plan_bytes >> 20} MiB (a run {run_bytes >> 20} + bodies "
-              f"{server_state.bodies.capacity_bytes >> 20} + kept conversations {server_state.cache_bytes >> 20})",
+              f"{server_state.bodies.capacity_bytes >> 20} + kept conversations {server_state.cache_bytes >> 20}"
+              f" + live page {live_bytes >> 20})" + (f"; the live page: http://{args.host}:{args.port}/"
+                                                      if server_state.page is not None else ""),
               file=sys.stderr, flush=True)
         if not rules.api_keys and args.host.lower() not in LOOPBACK_HOSTS:
             print(f"lever serve: warning: listening on {args.host} without --api-key: anyone who can reach "

@@ -151,6 +151,7 @@ class Accepted:
     timing: PassTiming | None = None  # the pass's and Accept's measured times
     drafted_kept: int = 0  # of `tokens`, those that were tree nodes (accepted drafts, not the target's own)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the generation asked for them
+    tree: TokenTree | None = attrs.field(default=None, eq=False)  # the tree this pass verified (a watcher draws it)
 
 
 @attrs.frozen

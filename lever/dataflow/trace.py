@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import attrs
@@ -40,9 +41,11 @@ class Tracer:
     a union or an overlap, so they become seconds and are dropped; a run of hours holds at
     most FOLD_SPANS spans. Only `keep_spans` (for a `--trace` file) keeps every span."""
 
-    def __init__(self, enabled: bool = True, keep_spans: bool = False):
+    def __init__(self, enabled: bool = True, keep_spans: bool = False,
+                 on_span: Callable[[Span], None] | None = None):
         self.enabled = enabled
         self.keep_spans = keep_spans
+        self.on_span = on_span  # each span as it ends, outside the lock (a live page's timeline)
         self.t0 = time.perf_counter()
         self._spans: list[Span] = []  # every span (keep_spans), or those not folded yet
         self._pending: list[Span] = []
@@ -70,6 +73,8 @@ class Tracer:
                 with self._lock:
                     del self._open[id(key)]
                     self._add(s)
+                if self.on_span is not None:
+                    self.on_span(s)
 
     def _add(self, s: Span) -> None:
         if self.keep_spans:

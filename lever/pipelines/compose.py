@@ -31,6 +31,7 @@ from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
 from lever.pipelines.plan import RunPlan
 from lever.pipelines.target import FlashTarget
+from lever.pipelines.watch import RunWatch
 from lever.policy.predictor import predictor_for
 from lever.signals import run_async
 from lever.stages.accept import Accept, AcceptConfig, StopRule
@@ -97,6 +98,7 @@ class Request:
     logprobs: int | None = None  # each token's logprob and this many alternatives' (lever.stages.accept)
     grammar: Grammar | None = None  # a grammar the generated text must follow (lever.model.grammar)
     observer: Callable | None = None  # PrunedVerify's per-layer observer (`lever calibrate` records through it)
+    watch: RunWatch | None = None  # sees each cycle and span as the run goes (a live page: lever.pipelines.watch)
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))  # the stages' spans (Engine.run: its own)
 
 
@@ -129,7 +131,7 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
     accept = Accept("accept", stops, params, target.model.logits, tracer, diagnose=target.model.nonfinite_logits,
                     n_ctx_used=n_past,
                     history=list(request.history[-params.repeat_last_n :]) if params.penalizes else [])
-    output = Output("output", request.on_tokens)
+    output = Output("output", request.on_tokens, request.watch.cycle if request.watch is not None else None)
     ch = plan.channels
     p = Pipeline(tree.policy)
     p.connect(expand, "tree", verify, "tree", ch.tokens)

@@ -203,7 +203,11 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
         if request.on_tokens is not None:
             request.on_tokens(ts)
 
-    tracer = Tracer(keep_spans=bool(trace_path))  # the run's own: the summary's spans
+    watch = request.watch
+    tracer = Tracer(keep_spans=bool(trace_path), on_span=watch.span if watch is not None else None)  # the run's own
+    if watch is not None:
+        watch.begin(t0_s=tracer.t0, pipeline=plan.pipeline, n_prompt=len(request.ids),
+                    n_past=request.kv.n_rows if request.kv is not None else 0)
     h = compose(target, engine.draft, plan, attrs.evolve(request, on_tokens=on_tokens, tracer=tracer))
     target.warm_head()
     target.store.reset_stats()
@@ -235,6 +239,9 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
                          target.store.stats().requested_bytes, summary.flash_gbps)
     memory = MemoryFigures(target.resident_bytes, target.head_bytes, target.window_bytes, _peak_rss_bytes(), mem,
                            fill=plan.fill)
+    if watch is not None:
+        watch.end(stop_reason=str(out.stop_reason) if out.stop_reason is not None else None, n_tokens=len(out.tokens),
+                  tokens_per_pass=out.tokens_per_pass, decode_s=timing.decode_s)
     place = plan.placement
     gen = request.generate or plan.generate
     return RunResult(

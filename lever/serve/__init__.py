@@ -2,14 +2,19 @@
 
     connection (lever.serve.protocol) -> guard (lever.serve.guard: who may call)
         -> body (lever.serve.request) -> routes, queue, generation (lever.serve.server)
+                                      -> the live page and its events (lever.serve.page)
 
 `app` and `Server` import starlette (the serve extra), so they load on first use: the command
 can check its flags and name a missing extra before that.
 """
 
 TIMEOUT_S = 10.0  # a request's headers, its body, and a chat template's render may each take this long
+# the live page's files (lever/serve/static) -> media type: the only files served, and the paths
+# the guard opens without a key (a browser cannot send one when it opens a page)
+PAGE_FILES = {"index.html": "text/html; charset=utf-8", "lever.js": "text/javascript; charset=utf-8",
+              "lever.css": "text/css; charset=utf-8"}
 
-__all__ = ["TIMEOUT_S", "Server", "app"]
+__all__ = ["PAGE_FILES", "TIMEOUT_S", "Server", "app"]
 
 
 def __getattr__(name: str):

@@ -11,7 +11,7 @@ can resolve to 127.0.0.1 and read the answers. So, before any route runs:
   of `allowed_origins` -> 403; an allowed origin's page gets CORS headers (and its preflight a
   204), so it can read the answers;
 - a POST's body must be declared JSON (a form or text/plain is a cross-site request) -> 415;
-- with API keys (`--api-key`, `--api-key-file`), every route but /health needs
+- with API keys (`--api-key`, `--api-key-file`), every route but /health and the page's files needs
   `Authorization: Bearer KEY` -> 401; the key also names the client whose prefix cache a request
   may use (lever.serve.server: one client's prompts are never measured by another's).
 Refusals are OpenAI-style JSON errors, as the routes' own are.
@@ -25,9 +25,13 @@ import json
 
 import attrs
 
+from lever.serve import PAGE_FILES
+
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
-OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe needs no key
+# a load balancer's probe, and the live page's files (lever.serve.page: static, nothing secret;
+# a browser cannot send a key when it opens a page); the page's own /live needs the key
+OPEN_PATHS = frozenset({"/health", "/", *(f"/page/{name}" for name in PAGE_FILES)})
 
 
 @attrs.frozen

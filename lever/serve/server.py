@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over one open pipeline (lever.api.LLM).
 
     /health, /v1/models, /v1/completions, /v1/chat/completions (SSE with "stream": true),
-    /tokenize, /detokenize (llama.cpp's), /metrics (Prometheus's, when asked for)
+    /tokenize, /detokenize, /props (llama.cpp's), /metrics (Prometheus's, when asked for),
+    / (a live page of the trees being verified) and its /live events (lever.serve.page)
 
 One model pair, one generation at a time, as on a phone: requests wait in a queue of at most
 `queue` beside the one running, and past it get 429 with an OpenAI-style error. A client that
@@ -37,9 +38,11 @@ from lever.gguf.render_child import RenderProcess
 from lever.model.stop import StopReason
 from lever.model.tool_calls import CallStream, plan
 from lever.pipelines.prefix_cache import PrefixCache
+from lever.pipelines.watch import LIVE_BYTES, Watch
 from lever.serve import TIMEOUT_S
 from lever.serve.guard import Access, Guard
 from lever.serve.metrics import Metrics
+from lever.serve.page import Page
 from lever.serve.render import chat_logprobs, completion_logprobs, timings
 from lever.serve.request import BadRequest, BodyPool, parse, read_body, sampling
 
@@ -84,6 +87,7 @@ class Server:
     bodies: BodyPool = attrs.field(factory=BodyPool)  # bodies being read and parsed, bounded together
     metrics: Metrics | None = None  # running totals for /metrics; None: not served
     cache_bytes: int = CACHE_BYTES  # other conversations' KV rows kept (lever.pipelines.prefix_cache); 0: none
+    page: Page | None = None  # the live page and its events (lever.serve.page); None: not served
 
     def __attrs_post_init__(self):
         self.session = self.llm.session()
@@ -213,6 +217,17 @@ class Server:
     async def models(self, request: Request) -> Response:
         model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "lever"}
         return JSONResponse({"object": "list", "data": [model]})
+
+    async def props(self, request: Request) -> Response:
+        """llama-server's /props, its fields Lever has: the chat template (empty without one: a
+        client then sends completions), one slot, the context."""
+        try:
+            template = self.llm.chat_template.text
+        except LeverError:
+            template = ""
+        return JSONResponse({"model_alias": self.model_id, "chat_template": template, "total_slots": 1,
+                             "default_generation_settings": {"n_ctx": self.llm.engine.n_ctx},
+                             "build_info": "lever"})
 
     async def tokens(self, request: Request) -> Response:
         """/tokenize and /detokenize: bounded and off the event loop as a generation's prompt is,
@@ -425,17 +440,23 @@ def _sse(obj: dict) -> str:
 
 
 def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None,
-        timeout_s: float = TIMEOUT_S, metrics: bool = False, cache_bytes: int = CACHE_BYTES) -> Guard:
+        timeout_s: float = TIMEOUT_S, metrics: bool = False, cache_bytes: int = CACHE_BYTES, page: bool = True,
+        live_bytes: int = LIVE_BYTES) -> Guard:
     """The ASGI app behind its Guard (lever.serve.guard); `.app.state.server` is its Server
     (for `shutdown`)."""
     s = Server(llm, model_id, queue, timeout_s, metrics=Metrics() if metrics else None, cache_bytes=cache_bytes)
     handlers = {HTTPException: _http_error, Exception: _internal_error}
-    a = Starlette(routes=[Route("/health", s.health), Route("/v1/models", s.models),
-                          Route("/v1/completions", s.completions, methods=["POST"]),
-                          Route("/v1/chat/completions", s.chat, methods=["POST"]),
-                          Route("/tokenize", s.tokens, methods=["POST"]),
-                          Route("/detokenize", s.tokens, methods=["POST"]), Route("/metrics", s.prometheus)],
-                  exception_handlers=handlers)
+    routes = [Route("/health", s.health), Route("/v1/models", s.models), Route("/props", s.props),
+              Route("/v1/completions", s.completions, methods=["POST"]),
+              Route("/v1/chat/completions", s.chat, methods=["POST"]),
+              Route("/tokenize", s.tokens, methods=["POST"]),
+              Route("/detokenize", s.tokens, methods=["POST"]), Route("/metrics", s.prometheus)]
+    if page:  # the live page (lever.serve.page) over every generation's cycles
+        tok = llm.tokenizer
+        llm.watch = Watch(lambda t: tok.token_bytes(t).decode("utf-8", "replace"), max_bytes=live_bytes)
+        s.page = Page(llm.watch, lambda: s.closing)
+        routes += [Route("/", s.page.file), Route("/page/{name}", s.page.file), Route("/live", s.page.events)]
+    a = Starlette(routes=routes, exception_handlers=handlers)
     a.state.server = s
     return Guard(a, access or Access())
 

@@ -4,6 +4,7 @@ the warning a server open beyond loopback without a key prints."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -66,7 +67,11 @@ def test_kept_conversations_are_in_the_plan_and_held_to_the_limit(capsys):
     proc, _ = start_server("--cache-ram", "64")
     stop(proc)
     line = next(x for x in stderr_text(proc).splitlines() if "memory plan" in x)
-    assert "kept conversations 64)" in line
+    m = re.search(r"memory plan (\d+) MiB \(a run (\d+) \+ bodies (\d+) \+ kept conversations 64 \+ live page (\d+)\)",
+                  line)
+    assert m, line
+    plan, *parts = map(int, m.groups())
+    assert abs(plan - (sum(parts) + 64)) <= 3 and int(m.group(4)) > 0  # each part rounded down to MiB
     rc = main(["serve", "--cache-ram", "4096", "--set", 'memory.limit="1GiB"', "--port", "1"])
     err = capsys.readouterr().err
     assert rc != 0 and "--cache-ram: 4096 MiB of kept conversations" in err and "[memory] limit" in err

@@ -1,0 +1,201 @@
+"""The live page (lever.serve.page): served from the package with nothing from elsewhere, its
+/live events following each generation, keyed per client, bounded, and, in a real headless
+chromium, a request made through the page streams its answer (the same text the API gives)
+while the tree, the charts and the timeline follow the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+from importlib import resources
+
+import httpx
+import pytest
+
+from lever.serve import PAGE_FILES
+from lever.serve.page import MAX_READERS
+from tests.serve.browser import chrome, severe_logs
+from tests.serve.live import JSON, start_server, stderr_text, stop
+
+SVG_NAMESPACE = "http://www.w3.org/2000/svg"  # a name in the script, never fetched
+
+
+def test_the_page_is_the_packages_own_files_under_a_strict_policy(server):
+    url = server[1]
+    r = httpx.get(url + "/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "default-src 'none'" in r.headers["content-security-policy"]
+    assert "connect-src 'self'" in r.headers["content-security-policy"]
+    assert set(re.findall(r'(?:src|href)="([^"]+)"', r.text)) == {"/page/lever.js", "/page/lever.css", "data:,"}
+    for name in PAGE_FILES:
+        text = resources.files("lever.serve").joinpath("static", name).read_text()
+        assert httpx.get(f"{url}/page/{name}").text == text
+        assert not re.findall(r"(?:https?:)?//[\w.-]+\.\w+/", text.replace(SVG_NAMESPACE, "")), name  # no CDN
+        assert "innerHTML" not in text  # token text reaches the page as textContent only
+    for bad in ("server.py", "..%2Fserver.py", "lever.jsx"):
+        assert httpx.get(f"{url}/page/{bad}").status_code == 404
+
+
+def read_live(url: str, until, headers=None, since: int | None = None, timeout_s: float = 60) -> list[dict]:
+    """The /live events until `until(event)` is true (or the time runs out)."""
+    events = []
+    q = f"?since={since}" if since is not None else ""
+    with httpx.stream("GET", f"{url}/live{q}", headers=headers, timeout=timeout_s) as r:
+        assert r.status_code == 200, r.read()
+        deadline = time.monotonic() + timeout_s
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:], parse_constant=lambda c: pytest.fail(f"{c} in an event")))
+                if until(events[-1]):
+                    break
+            assert time.monotonic() < deadline, "the events stopped before the end"
+    return events
+
+
+def newest(url: str, headers=None) -> int:
+    with httpx.stream("GET", url + "/live", headers=headers, timeout=10) as r:
+        for line in r.iter_lines():
+            if m := re.match(r": lever live, newest (\d+)", line):
+                return int(m.group(1))
+    raise AssertionError("no 'newest' line")
+
+
+def test_live_events_follow_a_generation(server):
+    url = server[1]
+    start = newest(url)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(read_live(url, lambda e: e["type"] == "end", since=start)))
+    reader.start()
+    body = httpx.post(url + "/v1/completions", headers=JSON, timeout=60,
+                      json={"prompt": "def parse_args(argv):", "max_tokens": 32, "temperature": 0}).json()
+    reader.join(60)
+    assert got and got[0]["type"] == "run" and got[-1]["type"] == "end"
+    assert got[0]["n_prompt"] == body["usage"]["prompt_tokens"]
+    cycles = [e for e in got if e["type"] == "cycle"]
+    assert len(cycles) == body["timings"]["passes"]
+    assert sum(len(c["emitted"]) for c in cycles) == body["usage"]["completion_tokens"] == got[-1]["n_tokens"]
+    assert sum(c["drafted_kept"] for c in cycles) == body["timings"]["draft_n_accepted"]
+    assert all(c["nodes"] and c["spans"] for c in cycles[1:])
+
+
+def test_a_reader_past_the_bound_is_refused(server):
+    url = server[1]
+    with httpx.Client(timeout=10) as c:
+        streams = [c.stream("GET", url + "/live") for _ in range(MAX_READERS)]
+        opened = [s.__enter__() for s in streams]
+        try:
+            lines = [r.iter_lines() for r in opened]  # kept: a line iterator dropped closes its response
+            for it in lines:  # each has started: its first line came
+                next(it)
+            extra = httpx.get(url + "/live", timeout=10)
+            assert extra.status_code == 503 and "/live" in extra.json()["error"]["message"]
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    deadline = time.monotonic() + 5  # the readers gone (each notices at its next write), a new one is let in
+    while time.monotonic() < deadline:
+        with httpx.stream("GET", url + "/live", timeout=10) as again:
+            if again.status_code == 200:
+                return
+        time.sleep(0.1)
+    pytest.fail("a reader was refused after the others left")
+
+
+def test_no_page_serves_neither_the_page_nor_its_events():
+    proc, url = start_server("--no-page")
+    try:
+        assert httpx.get(url + "/").status_code == 404
+        assert httpx.get(url + "/live").status_code == 404
+        assert "live page 0" in stderr_text(proc)
+    finally:
+        stop(proc)
+
+
+def test_with_keys_the_page_opens_but_each_client_sees_only_its_own_trees():
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    proc, url = start_server("--api-key", "key-a", "--api-key", "key-b", headers=a)
+    try:
+        assert httpx.get(url + "/").status_code == 200  # a browser opens a page without a key
+        assert httpx.get(url + "/page/lever.js").status_code == 200
+        assert httpx.get(url + "/live").status_code == 401
+        seen_by_b: list = []
+        stop_b = threading.Event()
+
+        def read_b():
+            with httpx.stream("GET", url + "/live", headers=b, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        seen_by_b.append(line)
+                    if stop_b.is_set():
+                        return
+        reader_b = threading.Thread(target=read_b)
+        reader_b.start()
+        start = newest(url, a)
+        got: list = []
+        reader_a = threading.Thread(target=lambda: got.extend(
+            read_live(url, lambda e: e["type"] == "end", headers=a, since=start)))
+        reader_a.start()
+        r = httpx.post(url + "/v1/completions", headers={**JSON, **a}, timeout=60,
+                       json={"prompt": "import os", "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200
+        reader_a.join(60)
+        assert any(e["type"] == "cycle" for e in got)
+        time.sleep(0.3)  # B's reader polls every 50 ms: it had its chance to see A's events
+        stop_b.set()
+        assert seen_by_b == []
+        # a reader connected does not hold the server open on SIGTERM
+        assert stop(proc, signal.SIGTERM, timeout_s=10) == 143
+        reader_b.join(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_request_through_the_page_streams_and_the_tree_follows(server, llm, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, prompt, n = server[1], "def parse_args(argv):", 48
+    d = chrome()
+    try:
+        d.get(url + "/")
+        WebDriverWait(d, 30).until(lambda d: d.find_element(By.ID, "status").get_attribute("data-state") == "live")
+        assert d.find_element(By.ID, "chat").is_selected()  # the server has a chat template (/props says)
+        box = d.find_element(By.ID, "prompt")
+        box.clear()
+        box.send_keys(prompt)
+        field = d.find_element(By.ID, "max-tokens")
+        field.clear()
+        field.send_keys(str(n))
+        d.find_element(By.ID, "send").click()
+        out = d.find_element(By.ID, "output")
+        WebDriverWait(d, 30).until(lambda d: out.get_attribute("data-state") == "streaming")
+        WebDriverWait(d, 120).until(lambda d: out.get_attribute("data-state") != "streaming")
+        result = d.find_element(By.ID, "result").text
+        assert out.get_attribute("data-state") == "done", result
+        text = d.execute_script("return document.getElementById('output').textContent")
+        assert text == llm.chat([{"role": "user", "content": prompt}], max_tokens=n).text  # what the API gives
+        passes = int(re.search(r"(\d+) passes", result).group(1))
+        tree = d.find_element(By.ID, "tree")
+        # the tree follows to the run's last pass (a pass id counts from the prefill's 0)
+        WebDriverWait(d, 10).until(lambda d: tree.get_attribute("data-pass") == str(passes - 1))
+        assert len(d.find_elements(By.CSS_SELECTOR, "#tree g.node")) >= 2
+        assert d.find_elements(By.CSS_SELECTOR, "#tree g.node.root")
+        for chart in ("chart-tpp", "chart-acc", "chart-flash"):
+            assert int(d.find_element(By.ID, chart).get_attribute("data-points")) >= passes - 1
+        assert int(d.find_element(By.ID, "timeline").get_attribute("data-spans")) > 0
+        d.find_element(By.ID, "prev").click()  # one cycle back: the tree before it
+        WebDriverWait(d, 10).until(lambda d: tree.get_attribute("data-pass") == str(passes - 2))
+        assert not d.find_element(By.ID, "follow").is_selected()
+        shot = tmp_path / "page.png"
+        assert d.save_screenshot(str(shot)) and shot.stat().st_size > 20_000
+        if os.environ.get("LEVER_SCREENSHOT"):
+            shutil.copy(shot, os.environ["LEVER_SCREENSHOT"])
+        assert severe_logs(d) == []
+    finally:
+        d.quit()
