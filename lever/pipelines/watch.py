@@ -4,8 +4,8 @@ cycle's time went, as events a live page reads (lever.serve.page draws them at `
 The engine hands a run's `RunWatch` every span its tracer closes (lever.dataflow.trace) and
 every `Accepted` that reaches Output (which carries the tree its pass verified). Each cycle
 becomes one event, encoded to JSON once, in `Watch`: a ring bounded in bytes that readers poll
-by sequence number. Nothing here waits on a reader: a reader that falls behind the ring is told
-how many events it missed. Every number in an event is finite (a gain that is not becomes null).
+by sequence number, and only while some reader follows. Nothing here waits on a reader: one that
+falls behind the ring is told how many events it missed. Every number in an event is finite (a gain that is not becomes null).
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ class Watch:
 
     piece: Callable[[int], str]  # a token's text
     max_bytes: int = LIVE_BYTES
+    # readers following now (a server's pages): while there are none, cycles are not built,
+    # so a server nobody watches pays nothing but the runs' first and last events
+    readers: int = 0
     _events: deque = attrs.field(factory=deque)
     _bytes: int = 0
     _seq: int = 0
@@ -103,6 +106,8 @@ class RunWatch:
         with self._lock:
             spans, self._spans = self._spans, []
         start_s, self._cycle_start_s = self._cycle_start_s, now_s
+        if not self.hub.readers:
+            return
         self.hub.push(self.client, cycle_event(acc, self.hub.piece, spans, start_s=start_s, end_s=now_s))
         self.spent_s += time.perf_counter() - self.t0_s - now_s
 

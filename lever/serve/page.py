@@ -39,7 +39,6 @@ class Page:
 
     watch: Watch
     closing: Callable[[], bool]  # the server is shutting down: readers end
-    readers: int = 0
     _files: dict[str, bytes] = attrs.field(factory=dict)
 
     def asset(self, name: str) -> bytes:
@@ -55,7 +54,7 @@ class Page:
         return Response(self.asset(name), media_type=PAGE_FILES[name], headers=HEADERS)
 
     async def events(self, request: Request) -> Response:
-        if self.readers >= MAX_READERS:
+        if self.watch.readers >= MAX_READERS:
             return JSONResponse({"error": {"message": f"{MAX_READERS} pages already read /live", "type": "busy",
                                            "param": None, "code": None}}, status_code=503)
         try:
@@ -67,7 +66,7 @@ class Page:
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def _stream(self, since: int, client):
-        self.readers += 1  # counted here, not before the response: a stream never started never ends
+        self.watch.readers += 1  # counted here, not before the response: a stream never started never ends
         try:
             _, newest, _ = self.watch.since(2**62, client)
             seq = since if since >= 0 else max(newest - BACKLOG, 0)
@@ -89,4 +88,4 @@ class Page:
                 seq = newest
                 await anyio.sleep(POLL_S)
         finally:
-            self.readers -= 1
+            self.watch.readers -= 1

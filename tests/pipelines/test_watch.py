@@ -98,13 +98,17 @@ def test_a_watched_run_is_the_same_run_and_its_kept_paths_spell_its_tokens(llm):
     prompt = "def parse_args(argv):"
     plain = llm.generate(prompt, max_tokens=40)
     tok = llm.tokenizer
-    llm.watch = Watch(lambda t: tok.token_bytes(t).decode("utf-8", "replace"))
+    llm.watch = w = Watch(lambda t: tok.token_bytes(t).decode("utf-8", "replace"))
     try:
+        llm.generate(prompt, max_tokens=8)  # nobody reads: the run's start and end only
+        assert [json.loads(e.data)["type"] for e in w.since(0)[0]] == ["run", "end"]
+        w.readers = 1
+        start = w.since(2**62)[1]
         watched = llm.generate(prompt, max_tokens=40)
     finally:
-        w, llm.watch = llm.watch, None
+        llm.watch = None
     assert watched.tokens == plain.tokens
-    events = [strict(e.data) for e in w.since(0)[0]]
+    events = [strict(e.data) for e in w.since(start)[0]]
     assert [e["type"] for e in events[:2]] == ["run", "cycle"] and events[-1]["type"] == "end"
     assert events[0]["n_prompt"] == len(tok.encode(prompt))
     cycles = [e for e in events if e["type"] == "cycle"]
