@@ -35,7 +35,7 @@ from lever.gguf.identity import ModelIdentity
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.grammar import Grammar, compile_args
 from lever.model.stop import StopReason
-from lever.model.tool_calls import ToolCall, parse_calls, plan
+from lever.model.tool_calls import CallStream, ToolCall, parse_calls, plan
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState, Request
 from lever.pipelines.engine import Engine
@@ -96,6 +96,7 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()  # of this chunk's tokens, when the call asked for `logprobs`
     usage: Usage | None = None  # the last chunk only, as the completion's
     stats: RunResult | None = None  # the last chunk only: the run's figures
+    tool_calls: tuple[ToolCall, ...] = ()  # the last chunk only, of a chat with `tools`: the reply's calls
 
 
 @attrs.define
@@ -296,16 +297,26 @@ class LLM:
         function definitions) the template offers them and the reply's calls come back parsed
         (`Completion.tool_calls`, lever.model.tool_calls); `tool_choice` "required" or a named
         function makes the reply a call, enforced by a grammar; "none" offers no tools."""
+        shown, sampling = self.tools(tools, tool_choice, sampling)
+        c = self.complete(self.encode_chat(messages, tools=shown), sampling)
+        return with_tool_calls(c) if shown else c
+
+    def stream_chat(self, messages: Sequence[dict], *, tools: list[dict] | None = None, tool_choice=None,
+                    **sampling) -> Iterator[Chunk]:
+        """`chat`, streamed: with `tools`, text streams until a call may begin and the calls come
+        whole on the last chunk (`Chunk.tool_calls`)."""
+        shown, sampling = self.tools(tools, tool_choice, sampling)
+        return with_call_stream(self.stream_ids(self.encode_chat(messages, tools=shown), sampling), bool(shown))
+
+    def tools(self, tools: list[dict] | None, tool_choice, sampling: dict) -> tuple[list[dict] | None, dict]:
+        """The functions the template offers (checked; None: none) and the sampling arguments
+        with the grammar a required or named call brings (lever.model.tool_calls.plan)."""
         shown, grammar = plan(self.engine.tok, tools, tool_choice)
         if grammar is not None:
             if sampling.get("grammar") is not None or sampling.get("json_schema") is not None:
                 raise LeverError("tool_choice: a required call is its own grammar; drop grammar / json_schema")
             sampling = {**sampling, "grammar": grammar}
-        c = self.complete(self.encode_chat(messages, tools=shown), sampling)
-        return with_tool_calls(c) if shown else c
-
-    def stream_chat(self, messages: Sequence[dict], **sampling) -> Iterator[Chunk]:
-        return self.stream_ids(self.encode_chat(messages), sampling)
+        return shown, sampling
 
     def close(self) -> None:
         with self._lock:
@@ -466,20 +477,28 @@ class Session:
     def stream(self, prompt: str, **sampling) -> Iterator[Chunk]:
         return self.llm.stream_ids(self.llm.encode_prompt(prompt), sampling, session=self)
 
-    def chat(self, messages: Sequence[dict], **sampling) -> Completion:
-        """The reply to the conversation with `messages` added; the reply joins it."""
-        ids = self._turn(messages)
+    def chat(self, messages: Sequence[dict], *, tools: list[dict] | None = None, tool_choice=None,
+             **sampling) -> Completion:
+        """The reply to the conversation with `messages` added; the reply joins it (its tool
+        calls too, as an assistant message with `tool_calls`, which the template renders back).
+        `tools` and `tool_choice` as LLM.chat's, for this call: give them on every call that
+        offers them, as an OpenAI client does (the rendered text, and so the reused prefix, has them)."""
+        shown, sampling = self.llm.tools(tools, tool_choice, sampling)
+        ids = self._turn(messages, shown)
         c = self.llm.complete(ids, sampling, session=self)
-        self.messages.append({"role": "assistant", "content": c.text})
+        c = with_tool_calls(c) if shown else c
+        self.messages.append(_reply(c.text, c.tool_calls))
         return c
 
-    def stream_chat(self, messages: Sequence[dict], **sampling) -> Iterator[Chunk]:
-        ids = self._turn(messages)
+    def stream_chat(self, messages: Sequence[dict], *, tools: list[dict] | None = None, tool_choice=None,
+                    **sampling) -> Iterator[Chunk]:
+        shown, sampling = self.llm.tools(tools, tool_choice, sampling)
+        ids = self._turn(messages, shown)
         text = []
-        for chunk in self.llm.stream_ids(ids, sampling, session=self):
+        for chunk in with_call_stream(self.llm.stream_ids(ids, sampling, session=self), bool(shown)):
             text.append(chunk.text)
             if chunk.finish_reason is not None:
-                self.messages.append({"role": "assistant", "content": "".join(text)})
+                self.messages.append(_reply("".join(text), chunk.tool_calls))
             yield chunk
 
     def rewind(self, n_messages: int) -> None:
@@ -544,9 +563,9 @@ class Session:
         return {"target": ModelIdentity.of(p.target_file.path),
                 "draft": ModelIdentity.of(p.draft_file.path) if p.draft_file is not None else None}
 
-    def _turn(self, messages: Sequence[dict]) -> list[int]:
+    def _turn(self, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
         added = check_messages(messages) if messages else []
-        ids = self.llm.encode_chat(self.messages + added)
+        ids = self.llm.encode_chat(self.messages + added, tools=tools)
         self.messages.extend(added)
         return ids
 
@@ -574,6 +593,29 @@ def with_tool_calls(c: Completion) -> Completion:
     """The completion with the tool calls in its text parsed out (lever.model.tool_calls)."""
     text, calls = parse_calls(c.text)
     return attrs.evolve(c, text=text, tool_calls=tuple(calls)) if calls else c
+
+
+def with_call_stream(chunks: Iterator[Chunk], tools: bool) -> Iterator[Chunk]:
+    """A stream whose text stops where a tool call may begin; the last chunk carries the rest
+    of the text and the calls parsed from it (lever.model.tool_calls.CallStream)."""
+    if not tools:
+        yield from chunks
+        return
+    calls = CallStream()
+    for chunk in chunks:
+        text = calls.push(chunk.text)
+        if chunk.finish_reason is not None:
+            rest, found = calls.finish()
+            text += rest
+            chunk = attrs.evolve(chunk, tool_calls=tuple(found))
+        yield attrs.evolve(chunk, text=text)
+
+
+def _reply(text: str, calls: tuple[ToolCall, ...]) -> dict:
+    """The assistant's message of a reply, as the conversation keeps it."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": [tc.as_openai() for tc in calls]}
 
 
 def _empty():

@@ -5,7 +5,8 @@ The engine hands a run's `RunWatch` every span its tracer closes (lever.dataflow
 every `Accepted` that reaches Output (which carries the tree its pass verified). Each cycle
 becomes one event, encoded to JSON once, in `Watch`: a ring bounded in bytes that readers poll
 by sequence number, and only while some reader follows. Nothing here waits on a reader: one that
-falls behind the ring is told how many events it missed. Every number in an event is finite (a gain that is not becomes null).
+falls behind the ring is told how many events it missed. Every number in an event is finite (a
+gain that is not becomes null).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A finished generation as the server's JSON: OpenAI's logprobs, usage, and llama.cpp's timings.
+"""A generation as the server's JSON: OpenAI's responses and stream chunks (`Reply`), logprobs,
+usage, and llama.cpp's timings.
 
 The server's last layer before the wire (lever.serve.server calls these): plain functions of a
 completion's figures, so tests read them without a server. Where two conventions differ, the
@@ -9,11 +10,76 @@ lists). Every number here is finite: a rate over no time is 0, never NaN or inf.
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
 
+import attrs
+
+from lever.api import Completion
 from lever.dataflow.messages import TokenLogprob
 from lever.gguf.tokenizer import Tokenizer
+from lever.model.stop import StopReason
 from lever.pipelines.result import RunResult
+
+# OpenAI's finish_reason of each of Lever's (lever.model.stop); a generation cut by shutdown is
+# never reported as finished (lever.serve.server: 503, or an error event in a stream)
+OPENAI_FINISH = {StopReason.STOP: "stop", StopReason.EOS: "stop", StopReason.LENGTH: "length",
+                 StopReason.CONTEXT: "length", StopReason.CANCELLED: "stop"}
+
+
+@attrs.frozen
+class Reply:
+    """One request's answer in OpenAI's shapes: a whole response, or a stream's chunks."""
+
+    rid: str  # "chatcmpl-..." / "cmpl-..."
+    chat: bool
+    model_id: str
+    tok: Tokenizer
+
+    def object(self, chunk: bool) -> str:
+        return ("chat.completion" + (".chunk" if chunk else "")) if self.chat else "text_completion"
+
+    def logprobs(self, logprobs: Sequence[TokenLogprob], text_offset: int = 0) -> dict:
+        return chat_logprobs(self.tok, logprobs) if self.chat else completion_logprobs(self.tok, logprobs, text_offset)
+
+    def chunk(self, delta, finish: str | None, logprobs: dict | None = None, extra: dict | None = None) -> str:
+        """One SSE event of a stream: a chat's `delta` (a dict) or a completion's text."""
+        choice = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+        choice.update({"delta": delta} if self.chat else {"text": delta})
+        return sse({"id": self.rid, "object": self.object(True), "created": int(time.time()), "model": self.model_id,
+                    "choices": [choice], **(extra or {})})
+
+    def usage_chunk(self, n_prompt: int, n_out: int) -> str:
+        """A stream's last event when `stream_options.include_usage` asks for it."""
+        return sse({"id": self.rid, "object": self.object(True), "created": int(time.time()),
+                    "model": self.model_id, "choices": [], "usage": usage(n_prompt, n_out)})
+
+    def body(self, c: Completion) -> dict:
+        """A whole response (a chat's tool calls as `message.tool_calls`)."""
+        lps = self.logprobs(c.logprobs) if c.logprobs is not None else None
+        choice = {"index": 0, "finish_reason": OPENAI_FINISH[c.finish_reason], "logprobs": lps}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+            if c.tool_calls:  # OpenAI's shape: no text is null, and the reason says why it ended
+                choice["message"] = {"role": "assistant", "content": c.text or None,
+                                     "tool_calls": [tc.as_openai() for tc in c.tool_calls]}
+                choice["finish_reason"] = "tool_calls"
+        else:
+            choice["text"] = c.text
+        return {"id": self.rid, "object": self.object(False), "created": int(time.time()), "model": self.model_id,
+                "choices": [choice], "usage": usage(c.usage.prompt_tokens, c.usage.completion_tokens,
+                                                    c.usage.cached_tokens),
+                "timings": timings(c.stats, c.usage.cached_tokens)}
+
+
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def _per(num: float, den: float) -> float:

@@ -31,26 +31,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lever.api import LLM, Cancelled, Chunk, Completion, Session, with_tool_calls
+from lever.api import LLM, Cancelled, Chunk, Completion, Session, with_call_stream, with_tool_calls
 from lever.errors import LeverError
 from lever.gguf.chat_template import Rendered, check_messages
 from lever.gguf.render_child import RenderProcess
 from lever.model.stop import StopReason
-from lever.model.tool_calls import CallStream, plan
+from lever.model.tool_calls import plan
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.watch import LIVE_BYTES, Watch
 from lever.serve import TIMEOUT_S
 from lever.serve.guard import Access, Guard
 from lever.serve.metrics import Metrics
 from lever.serve.page import Page
-from lever.serve.render import chat_logprobs, completion_logprobs, timings
+from lever.serve.render import OPENAI_FINISH, Reply, sse, timings
 from lever.serve.request import BadRequest, BodyPool, parse, read_body, sampling
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that its client is still there
-# OpenAI's finish_reason of each of Lever's (lever.model.stop); a generation cut by shutdown is
-# never reported as finished (lever.serve.server.Server: 503, or an error event in a stream)
-OPENAI_FINISH = {StopReason.STOP: "stop", StopReason.EOS: "stop", StopReason.LENGTH: "length",
-                 StopReason.CONTEXT: "length", StopReason.CANCELLED: "stop"}
 SHUTTING_DOWN = ("the server is shutting down", 503, "server_shutting_down")
 PREP_THREADS = 2
 CACHE_BYTES = 256 << 20  # `lever serve --cache-ram`'s default (MiB there): a few long conversations of a 1.5B pair
@@ -288,12 +284,12 @@ class Server:
                 return error(*SHUTTING_DOWN)
             msg = str(e)
             return error(msg, 400, "invalid_request_error", _param(msg))
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat, self.model_id,
+                      self.llm.tokenizer)
         client = request.scope.get("state", {}).get("client")
         if data.get("stream"):
             usage = bool((data.get("stream_options") or {}).get("include_usage"))
-            calls = CallStream() if data.get("tools") else None
-            return StreamingResponse(self._stream(request, ids, args, rid, chat, usage, client, calls),
+            return StreamingResponse(self._stream(request, ids, args, reply, usage, client, bool(data.get("tools"))),
                                      media_type="text/event-stream")
         try:
             c = await self._generate(request, ids, args, client)
@@ -307,7 +303,7 @@ class Server:
         if c.finish_reason is StopReason.CANCELLED and self.closing:  # cut: never reported as finished
             return error(f"the server is shutting down: the generation was cut after {len(c.tokens)} tokens",
                          503, SHUTTING_DOWN[2])
-        return JSONResponse(self._body(with_tool_calls(c) if data.get("tools") else c, rid, chat))
+        return JSONResponse(reply.body(with_tool_calls(c) if data.get("tools") else c))
 
     async def _generate(self, request: Request, ids: list[int], args: dict, client) -> Completion:
         cancel = threading.Event()
@@ -338,15 +334,16 @@ class Server:
                 cancel.set()
             await anyio.sleep(DISCONNECT_POLL_S)
 
-    async def _stream(self, request: Request, ids: list[int], args: dict, rid: str, chat: bool, usage: bool, client,
-                      calls: CallStream | None = None):
+    async def _stream(self, request: Request, ids: list[int], args: dict, reply: Reply, usage: bool, client,
+                      tools: bool = False):
         cancel = threading.Event()
         self._watch(cancel)
-        it = self.llm.stream_ids(ids, {**args, "cancel": cancel}, session=self.session, client=client)
+        it = with_call_stream(self.llm.stream_ids(ids, {**args, "cancel": cancel}, session=self.session,
+                                                  client=client), tools)  # a tool call is held whole
         n_out, n_chars = 0, 0
         try:
-            if chat:
-                yield self._event(rid, chat, {"role": "assistant", "content": ""}, None)
+            if reply.chat:
+                yield reply.chunk({"role": "assistant", "content": ""}, None)
             while True:
                 try:
                     chunk = await anyio.to_thread.run_sync(next, it, None)
@@ -358,33 +355,26 @@ class Server:
                     break
                 n_out += chunk.n_tokens
                 self._finished(chunk.stats)
-                text = chunk.text if calls is None else calls.push(chunk.text)  # a tool call is held whole
-                if text or chunk.logprobs:
-                    lps = self._logprobs(chunk.logprobs, chat, n_chars) if "logprobs" in args else None
-                    yield self._event(rid, chat, {"content": text} if chat else text, None, lps)
-                    n_chars += len(text)
+                if chunk.text or chunk.logprobs:
+                    lps = reply.logprobs(chunk.logprobs, n_chars) if "logprobs" in args else None
+                    yield reply.chunk({"content": chunk.text} if reply.chat else chunk.text, None, lps)
+                    n_chars += len(chunk.text)
                 if chunk.finish_reason is StopReason.CANCELLED and self.closing:
                     # cut by shutdown: an error event, as OpenAI's streams report a failure; no [DONE]
-                    yield _sse({"error": {"message": f"the server is shutting down: the generation was cut "
-                                                     f"after {n_out} tokens", "type": SHUTTING_DOWN[2],
-                                          "param": None, "code": None}})
+                    yield sse({"error": {"message": f"the server is shutting down: the generation was cut "
+                                                    f"after {n_out} tokens", "type": SHUTTING_DOWN[2],
+                                         "param": None, "code": None}})
                     return
                 if chunk.finish_reason is not None:  # llama.cpp's timings ride on the last chunk
                     finish = OPENAI_FINISH[chunk.finish_reason]
-                    if calls is not None:
-                        rest, found = calls.finish()
-                        if rest:
-                            yield self._event(rid, chat, {"content": rest}, None)
-                        if found:
-                            finish = "tool_calls"
-                            delta = {"tool_calls": [tc.as_openai(i) for i, tc in enumerate(found)]}
-                            yield self._event(rid, chat, delta, None)
+                    if chunk.tool_calls:
+                        finish = "tool_calls"
+                        yield reply.chunk({"tool_calls": [tc.as_openai(i) for i, tc in enumerate(chunk.tool_calls)]},
+                                          None)
                     extra = {"timings": timings(chunk.stats, chunk.usage.cached_tokens)} if chunk.stats else {}
-                    yield self._event(rid, chat, {} if chat else "", finish, extra=extra)
+                    yield reply.chunk({} if reply.chat else "", finish, extra=extra)
             if usage:
-                yield _sse({"id": rid, "object": self._object(chat, True), "created": int(time.time()),
-                            "model": self.model_id, "choices": [],
-                            "usage": _usage(len(ids), n_out)})
+                yield reply.usage_chunk(len(ids), n_out)
             yield "data: [DONE]\n\n"
         finally:
             cancel.set()  # a client gone mid-stream: the generation ends at its next pass
@@ -393,50 +383,11 @@ class Server:
             self._unwatch(cancel)
             self.release()
 
-    def _object(self, chat: bool, chunk: bool) -> str:
-        return ("chat.completion" + (".chunk" if chunk else "")) if chat else "text_completion"
-
-    def _event(self, rid: str, chat: bool, delta, finish: str | None, logprobs: dict | None = None,
-               extra: dict | None = None) -> str:
-        choice = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
-        choice.update({"delta": delta} if chat else {"text": delta})
-        return _sse({"id": rid, "object": self._object(chat, True), "created": int(time.time()),
-                     "model": self.model_id, "choices": [choice], **(extra or {})})
-
-    def _logprobs(self, logprobs, chat: bool, text_offset: int = 0) -> dict:
-        tok = self.llm.tokenizer
-        return chat_logprobs(tok, logprobs) if chat else completion_logprobs(tok, logprobs, text_offset)
-
-    def _body(self, c: Completion, rid: str, chat: bool) -> dict:
-        lps = self._logprobs(c.logprobs, chat) if c.logprobs is not None else None
-        choice = {"index": 0, "finish_reason": OPENAI_FINISH[c.finish_reason], "logprobs": lps}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
-            if c.tool_calls:  # OpenAI's shape: no text is null, and the reason says why it ended
-                choice["message"] = {"role": "assistant", "content": c.text or None,
-                                     "tool_calls": [tc.as_openai() for tc in c.tool_calls]}
-                choice["finish_reason"] = "tool_calls"
-        else:
-            choice["text"] = c.text
-        return {"id": rid, "object": self._object(chat, False), "created": int(time.time()), "model": self.model_id,
-                "choices": [choice], "usage": _usage(c.usage.prompt_tokens, c.usage.completion_tokens,
-                                                     c.usage.cached_tokens),
-                "timings": timings(c.stats, c.usage.cached_tokens)}
-
 
 def _param(message: str) -> str | None:
     """The field a LeverError's one line names first ("max_tokens: ..."), if any."""
     head = message.split(":")[0] if ":" in message[:40] else None
     return head if head and all(c.isalnum() or c in "_.[]" for c in head) else None
-
-
-def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None,

@@ -83,6 +83,26 @@ def test_a_required_call_is_a_valid_call_and_lossless(llm):
     assert none.tokens == llm.chat(ASK, max_tokens=8).tokens  # "none": the tools are not shown
 
 
+def test_streamed_and_session_calls_are_the_one_shot_calls(llm):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    one = llm.chat(ASK, tools=[WEATHER, TIME], tool_choice=named, max_tokens=48)
+    chunks = list(llm.stream_chat(ASK, tools=[WEATHER, TIME], tool_choice=named, max_tokens=48))
+    assert chunks[-1].tool_calls and all(not c.tool_calls for c in chunks[:-1])
+    assert [(t.name, t.arguments) for t in chunks[-1].tool_calls] == [(t.name, t.arguments) for t in one.tool_calls]
+    assert "".join(c.text for c in chunks) == one.text  # the text around the calls, none of the call's
+    with llm.session() as s:
+        c = s.chat(ASK, tools=[WEATHER, TIME], tool_choice=named, max_tokens=48)
+        assert c.tokens == one.tokens and [t.name for t in c.tool_calls] == ["get_weather"]
+        kept = s.messages[-1]  # the call joins the conversation as the template renders it back
+        assert kept["tool_calls"][0]["function"]["name"] == "get_weather" and kept["content"] == (c.text or None)
+        result = {"role": "tool", "tool_call_id": c.tool_calls[0].id, "content": '{"celsius": 21}'}
+        streamed = list(s.stream_chat([result], tools=[WEATHER, TIME], max_tokens=12))
+        assert s.last_cached > len(llm.encode_chat(ASK, tools=check_tools([WEATHER, TIME]))) - 2  # the call reused
+        fresh = llm.chat([*s.messages[:2], result], tools=[WEATHER, TIME], max_tokens=12)
+        assert "".join(x.text for x in streamed) + "".join(t.name for t in streamed[-1].tool_calls) == \
+            fresh.text + "".join(t.name for t in fresh.tool_calls)
+
+
 def test_check_tools_keeps_a_default_parameters_schema():
     (t,) = check_tools([{"type": "function", "function": {"name": "ping"}}])
     assert t["function"]["parameters"] == {"type": "object"}
