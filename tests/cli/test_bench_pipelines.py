@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from lever.cli.bench.pipelines import bench_pipelines, llama_cpp_rows, read_prompts
+from lever.cli.bench.pipelines import bench_pipelines, llama_cpp_flags, llama_cpp_rows, read_prompts
 from lever.cli.main import main
 from lever.errors import LeverError
 from lever.shipped import shipped
@@ -81,6 +82,31 @@ def test_llama_cpp_tools_must_be_there(stories, tmp_path):
     cfg.write_text(f'[model]\ntarget = "{stories}"\ndraft = "{stories}"\n')
     with pytest.raises(LeverError, match="--llama-cpp: .*llama-completion is not an executable file"):
         llama_cpp_rows(str(tmp_path), str(cfg), [], ["x"], 4)
+
+
+def test_llama_cpp_rows_run_under_the_same_grammar(stories, tmp_path):
+    cfg = tmp_path / "pair.toml"
+    cfg.write_text(f'[model]\ntarget = "{stories}"\ndraft = "{stories}"\n')
+    tools = fake_llama_cpp(tmp_path / "bin")
+    for f in tools.iterdir():  # each also writes down how it was called
+        f.write_text(f.read_text().replace("#!/bin/sh\n", f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\n'))
+    schema, gbnf, lark = tmp_path / "s.json", tmp_path / "g.gbnf", tmp_path / "g.lark"
+    schema.write_text('{"type": "object"}')
+    gbnf.write_text('root ::= "yes" | "no"\n')
+    lark.write_text('start: "yes" | "no"\n')
+
+    def flags(**given) -> list[str]:
+        args = argparse.Namespace(**({"json_schema": None, "grammar": None} | given))
+        return llama_cpp_flags(args)
+    assert flags() == []
+    assert flags(json_schema=schema) == ["-jf", str(schema.resolve())]
+    assert flags(grammar=gbnf) == ["--grammar-file", str(gbnf.resolve())]
+    with pytest.raises(LeverError, match=f"--llama-cpp: llama.cpp reads GBNF grammars; {lark} is Lark"):
+        flags(grammar=lark)
+    rows = llama_cpp_rows(str(tools), str(cfg), [], ["x"], 4, flags(json_schema=schema))
+    assert set(rows) == {"llama.cpp completion", "llama.cpp speculative k=8"}
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 2 and all(c.endswith(f"-jf {schema.resolve()}") for c in calls)
 
 
 def test_bad_budgets_are_one_line(capsys, tmp_path):

@@ -19,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -137,9 +138,12 @@ def find_tool(name: str, explicit: str | None, env: str, beside: str | None = No
 EVAL_LINE = re.compile(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
 
 
-def llama_completion(binary: str, model_path: str, prompt: str, n: int, threads: int) -> float:
-    """Decode tokens/s of one greedy llama-completion run (its 'eval time' line: prompt excluded)."""
-    cmd = [binary, "-m", model_path, "-p", prompt, "-n", str(n), "--temp", "0", "-no-cnv", "--no-display-prompt"]
+def llama_completion(binary: str, model_path: str, prompt: str, n: int, threads: int,
+                     extra: Sequence[str] = ()) -> float:
+    """Decode tokens/s of one greedy llama-completion run (its 'eval time' line: prompt excluded);
+    `extra`: more of its flags (a grammar's)."""
+    cmd = [binary, "-m", model_path, "-p", prompt, "-n", str(n), "--temp", "0", "-no-cnv", "--no-display-prompt",
+           *extra]
     if threads:
         cmd += ["-t", str(threads)]
     try:
@@ -155,10 +159,12 @@ def llama_completion(binary: str, model_path: str, prompt: str, n: int, threads:
 DECODED_LINE = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
 
 
-def llama_speculative(binary: str, target: str, draft: str, prompt: str, n: int, n_draft: int) -> float:
-    """Decode tokens/s of one greedy llama-speculative run (its 'decoded' line: prompt excluded)."""
+def llama_speculative(binary: str, target: str, draft: str, prompt: str, n: int, n_draft: int,
+                      extra: Sequence[str] = ()) -> float:
+    """Decode tokens/s of one greedy llama-speculative run (its 'decoded' line: prompt excluded);
+    `extra`: more of its flags (a grammar's: it constrains the target's and the draft's samplers)."""
     cmd = [binary, "-m", target, "-md", draft, "-p", prompt, "-n", str(n), "--temp", "0",
-           "--spec-draft-n-max", str(n_draft)]
+           "--spec-draft-n-max", str(n_draft), *extra]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     except (subprocess.TimeoutExpired, OSError) as e:

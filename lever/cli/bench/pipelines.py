@@ -142,10 +142,12 @@ def ms_per_token(run: dict) -> float:
     return 1000 * run["timing"]["decode_s"] / max(len(run["tokens"]) - 1, 1)
 
 
-def llama_cpp_rows(directory: str, config: str, sets, prompts: list[str], n: int) -> dict[str, float]:
+def llama_cpp_rows(directory: str, config: str, sets, prompts: list[str], n: int,
+                   extra: list[str] | tuple = ()) -> dict[str, float]:
     """llama.cpp's ms/token on the same pair and prompts, everything in DRAM (its mmap, page
     cache warm): llama-completion (the target alone) and llama-speculative (draft chains of
-    LLAMA_SPEC_DRAFT tokens). Per prompt, decode time only, summed as the rows above."""
+    LLAMA_SPEC_DRAFT tokens), under the same grammar when `extra` gives one (llama_cpp_flags).
+    Per prompt, decode time only, summed as the rows above."""
     cfg = load_config(config, list(sets))
     tools = {}
     for name in ("llama-completion", "llama-speculative"):
@@ -154,12 +156,12 @@ def llama_cpp_rows(directory: str, config: str, sets, prompts: list[str], n: int
             raise LeverError(f"--llama-cpp: {path} is not an executable file (build llama.cpp's tools there)")
         tools[name] = str(path)
     ms = lambda tps: 1000 * sum(1 / t for t in tps) / len(tps)  # noqa: E731  equal tokens per prompt
-    rows = {"llama.cpp completion": ms([llama_completion(tools["llama-completion"], cfg.model.target, p, n, 0)
+    rows = {"llama.cpp completion": ms([llama_completion(tools["llama-completion"], cfg.model.target, p, n, 0, extra)
                                         for p in prompts])}
     if cfg.model.draft:
         rows[f"llama.cpp speculative k={LLAMA_SPEC_DRAFT}"] = ms(
-            [llama_speculative(tools["llama-speculative"], cfg.model.target, cfg.model.draft, p, n, LLAMA_SPEC_DRAFT)
-             for p in prompts])
+            [llama_speculative(tools["llama-speculative"], cfg.model.target, cfg.model.draft, p, n, LLAMA_SPEC_DRAFT,
+                               extra) for p in prompts])
     return rows
 
 
@@ -173,7 +175,9 @@ def best_chain(rows: dict[str, Row]) -> str:
 def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUDGETS, chain_ks=DEFAULT_CHAIN_KS,
                     sets: list[str] = (), json_path=None, plot_path=None, out=print, progress: bool = True,
                     pruning: bool = False, llama_cpp: str | None = None, n_rounds: int = 1,
-                    run_args: Sequence[str] = ()) -> dict:
+                    run_args: Sequence[str] = (), llama_cpp_args: Sequence[str] = ()) -> dict:
+    """`run_args`: more flags of every `lever run` (a grammar's); `llama_cpp_args`: the same
+    constraint in llama.cpp's flags (llama_cpp_flags)."""
     runs = pipelines(chain_ks, pruning)
     table: dict[float, dict[str, Row]] = {}
     raw: list[dict] = []
@@ -201,7 +205,7 @@ def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUD
             _print_budget(b, table[b], out)
     llama = {}
     if llama_cpp and 1.0 in table:  # llama.cpp holds the whole model in DRAM: beside the 100% budget
-        llama = llama_cpp_rows(llama_cpp, config, sets, prompts, n)
+        llama = llama_cpp_rows(llama_cpp, config, sets, prompts, n, list(llama_cpp_args))
         lever = table[1.0]["lever"].ms_per_token
         out("")
         show(("pipeline", "ms/token", "tok/s", "Lever, x its speed"),
@@ -382,9 +386,8 @@ def check_args(args) -> tuple[tuple[float, ...], tuple[int, ...]]:
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise LeverError("--plot needs matplotlib (pip install matplotlib)")
     check_sets(args)
-    constraint_file(args)
-    if args.llama_cpp and (args.json_schema or args.grammar):
-        raise LeverError("--llama-cpp: its rows are not run under a grammar yet; leave out --json-schema / --grammar")
+    if args.llama_cpp:
+        llama_cpp_flags(args)
     return budgets, chain_ks
 
 
@@ -394,10 +397,25 @@ def constraint_flags(args) -> list[str]:
     return [given[0], str(given[1].resolve())] if given else []
 
 
+def llama_cpp_flags(args) -> list[str]:
+    """The same constraint in llama.cpp's flags: a JSON schema as `-jf` (llama.cpp turns it into
+    its own grammar), a GBNF grammar as `--grammar-file`; a Lark grammar it cannot read."""
+    given = constraint_file(args)
+    if given is None:
+        return []
+    flag, path = given
+    if flag == "--json-schema":
+        return ["-jf", str(path.resolve())]
+    if "::=" not in path.read_text(encoding="utf-8", errors="replace"):
+        raise LeverError(f"--llama-cpp: llama.cpp reads GBNF grammars; {path} is Lark (give its GBNF, or leave out "
+                         f"--llama-cpp)")
+    return ["--grammar-file", str(path.resolve())]
+
+
 def main(args) -> int:
     budgets, chain_ks = check_args(args)
     prompts = read_prompts(args.prompts or shipped("prompts", "code.txt"))
     bench_pipelines(str(args.config), prompts, args.n_gen, budgets, chain_ks, args.set, args.json,
                     args.plot, pruning=args.pruning, llama_cpp=args.llama_cpp, n_rounds=args.rounds,
-                    run_args=constraint_flags(args))
+                    run_args=constraint_flags(args), llama_cpp_args=llama_cpp_flags(args) if args.llama_cpp else [])
     return 0
