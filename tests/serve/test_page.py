@@ -199,3 +199,30 @@ def test_a_request_through_the_page_streams_and_the_tree_follows(server, llm, tm
         assert severe_logs(d) == []
     finally:
         d.quit()
+
+
+def test_on_a_server_with_keys_the_page_asks_for_one_and_then_follows():
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    key = {"Authorization": "Bearer page-key"}
+    proc, url = start_server("--api-key", "page-key", headers=key)
+    d = chrome()
+    try:
+        d.get(url + "/")
+        status = d.find_element(By.ID, "status")
+        WebDriverWait(d, 20).until(lambda d: status.get_attribute("data-state") == "key")
+        assert d.find_element(By.ID, "key-row").is_displayed()
+        d.find_element(By.ID, "key").send_keys("page-key")
+        d.find_element(By.ID, "key-use").click()
+        WebDriverWait(d, 20).until(lambda d: status.get_attribute("data-state") == "live")
+        assert not d.find_element(By.ID, "key-row").is_displayed()
+        d.find_element(By.ID, "send").click()
+        out = d.find_element(By.ID, "output")
+        WebDriverWait(d, 120).until(lambda d: out.get_attribute("data-state") in ("done", "error"))
+        assert out.get_attribute("data-state") == "done", d.find_element(By.ID, "result").text
+        WebDriverWait(d, 10).until(lambda d: d.find_element(By.ID, "tree").get_attribute("data-pass") != "")
+        assert [m for m in severe_logs(d) if "401" not in m] == []  # the page's first calls, before the key
+    finally:
+        d.quit()
+        stop(proc)
