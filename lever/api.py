@@ -310,8 +310,11 @@ class LLM:
 
     def tools(self, tools: list[dict] | None, tool_choice, sampling: dict) -> tuple[list[dict] | None, dict]:
         """The functions the template offers (checked; None: none) and the sampling arguments
-        with the grammar a required or named call brings (lever.model.tool_calls.plan)."""
-        shown, grammar = plan(self.engine.tok, tools, tool_choice)
+        with the grammar a required or named call brings (lever.model.tool_calls.plan;
+        `parallel_tool_calls=False` among them: exactly one call)."""
+        sampling = dict(sampling)
+        parallel = sampling.pop("parallel_tool_calls", True)
+        shown, grammar = plan(self.engine.tok, tools, tool_choice, parallel is not False)
         if grammar is not None:
             if sampling.get("grammar") is not None or sampling.get("json_schema") is not None:
                 raise LeverError("tool_choice: a required call is its own grammar; drop grammar / json_schema")

@@ -91,8 +91,9 @@ def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
     return "".join(kept).strip(), calls
 
 
-def required(tok: Tokenizer, tools: Sequence[dict], name: str | None = None) -> Grammar:
-    """The grammar of a reply that is one or more calls (of `name` alone, when given), each's
+def required(tok: Tokenizer, tools: Sequence[dict], name: str | None = None, parallel: bool = True) -> Grammar:
+    """The grammar of a reply that is one or more calls (exactly one unless `parallel`; of `name`
+    alone, when given), each's
     arguments valid under its function's parameters schema. The markers are the tokenizer's own
     special tokens where it has them (as the model writes them), else their text."""
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
@@ -106,31 +107,37 @@ def required(tok: Tokenizer, tools: Sequence[dict], name: str | None = None) -> 
         i = tok.specials.get(text)
         return f"<[{i}]>" if i is not None else json.dumps(text)
 
-    lark = (f"start: call (\"\\n\" call)* \"\\n\"?\n"  # a newline may end it, as the models write
+    more = "(\"\\n\" call)* " if parallel else ""
+    lark = (f"start: call {more}\"\\n\"?\n"  # a newline may end it, as the models write
             f"call: {marker(OPEN)} \"\\n\" body \"\\n\" {marker(CLOSE)}\n"
             f"body: %json {json.dumps(schema)}\n")
     return Grammar.lark(tok, lark, where="tool_choice")
 
 
-def plan(tok: Tokenizer, tools, tool_choice) -> tuple[list[dict] | None, Grammar | None]:
+def plan(tok: Tokenizer, tools, tool_choice, parallel: bool = True) -> tuple[list[dict] | None, Grammar | None]:
     """What a request's `tools` and `tool_choice` (OpenAI's) mean for one generation: the
     functions the template shows (none for "none") and the grammar that enforces a call
-    ("required", or {"type": "function", "function": {"name": ...}}; None for "auto")."""
+    ("required", or {"type": "function", "function": {"name": ...}}; None for "auto").
+    `parallel` false (OpenAI's `parallel_tool_calls`): a required call is exactly one; under
+    "auto" it is not enforced, so it is refused there."""
     if tools is None:
         if tool_choice not in (None, "none", "auto"):
             raise LeverError("tool_choice: needs tools")
         return None, None
     tools = check_tools(tools)
     if tool_choice in (None, "auto"):
+        if not parallel:
+            raise LeverError("parallel_tool_calls: false is enforced only with tool_choice required or a named "
+                             "function")
         return tools, None
     if tool_choice == "none":
         return None, None
     if tool_choice == "required":
-        return tools, required(tok, tools)
+        return tools, required(tok, tools, parallel=parallel)
     f = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(f, dict) \
             and isinstance(f.get("name"), str):
-        return tools, required(tok, tools, f["name"])
+        return tools, required(tok, tools, f["name"], parallel)
     raise LeverError(f"tool_choice: must be none, auto, required or {{type: function, function: {{name}}}}, "
                      f"got {json.dumps(tool_choice)[:60]}")
 

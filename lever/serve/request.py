@@ -148,8 +148,6 @@ def parse(body: bytes, endpoint: str) -> dict:
         raise BadRequest("messages: required, a list of {role, content}", "messages")
     elif data.get("top_logprobs") is not None and not data.get("logprobs"):
         raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
-    elif data.get("parallel_tool_calls") is False:  # a reply may hold several calls; one alone is not enforced
-        raise BadRequest("parallel_tool_calls: false is not supported by this server yet", "parallel_tool_calls")
     if endpoint in ("completions", "chat"):
         data["json_schema"] = _schema(data)
         if data["json_schema"] is not None and data.get("grammar") is not None:

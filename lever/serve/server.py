@@ -150,7 +150,8 @@ class Server:
         self._check_bytes(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "replace")) for m in messages)
                           + len(json.dumps(data.get("tools") or [], ensure_ascii=False).encode()), "messages")
         # the functions the template shows, and the grammar a required call brings (lever.model.tool_calls)
-        data["tools"], grammar = plan(self.llm.tokenizer, data.get("tools"), data.get("tool_choice"))
+        data["tools"], grammar = plan(self.llm.tokenizer, data.get("tools"), data.get("tool_choice"),
+                                      data.get("parallel_tool_calls") is not False)
         if grammar is not None:
             if args.get("grammar") is not None or args.get("json_schema") is not None:
                 raise BadRequest("tool_choice: a required call is its own grammar; drop response_format / grammar",

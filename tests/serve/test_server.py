@@ -209,6 +209,20 @@ def test_a_required_tool_call_comes_back_as_tool_calls_plain_and_streamed(client
     assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_parallel_tool_calls_false_makes_a_required_reply_one_call(client, llm):
+    """Without it a required reply may hold several calls (a second one begun at 96 tokens
+    here); with it, exactly one, and the reply ends after it."""
+    several = llm.chat(MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=96)
+    one = llm.chat(MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=96, parallel_tool_calls=False)
+    assert len(one.tool_calls) == 1 and one.text == "" and one.finish_reason.value == "eos"
+    assert len(several.tool_calls) > 1 or several.text  # the grammar is what ended `one`
+    r = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=96, tools=[WEATHER],
+                                       tool_choice="required", parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(c.name, c.arguments) for c in one.tool_calls] and r.choices[0].finish_reason == "tool_calls"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
