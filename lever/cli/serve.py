@@ -137,8 +137,9 @@ def main(args) -> int:
         limit = llm.config.memory.limit_bytes
         if limit is not None and plan_bytes > limit:
             raise LeverError(f"--cache-ram: {args.cache_ram} MiB of kept conversations beside a run's "
-                             f"{run_bytes >> 20} MiB and {server_state.bodies.capacity_bytes >> 20} MiB of request "
-                             f"bodies passes [memory] limit ({limit >> 20} MiB); give less")
+                             f"{run_bytes >> 20} MiB, {server_state.bodies.capacity_bytes >> 20} MiB of request "
+                             f"bodies and the live page's {live_bytes >> 20} MiB passes [memory] limit "
+                             f"({limit >> 20} MiB); give less")
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
               f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}, "
               f"memory plan {plan_bytes >> 20} MiB (a run {run_bytes >> 20} + bodies "
