@@ -20,7 +20,7 @@ import pytest
 from lever.serve import PAGE_FILES
 from lever.serve.page import MAX_READERS
 from tests.serve.browser import chrome, severe_logs
-from tests.serve.live import JSON, start_server, stderr_text, stop
+from tests.serve.live import JSON, TEMPLATE, start_server, stderr_text, stop
 
 SVG_NAMESPACE = "http://www.w3.org/2000/svg"  # a name in the script, never fetched
 
@@ -39,6 +39,17 @@ def test_the_page_is_the_packages_own_files_under_a_strict_policy(server):
         assert "innerHTML" not in text  # token text reaches the page as textContent only
     for bad in ("server.py", "..%2Fserver.py", "lever.jsx"):
         assert httpx.get(f"{url}/page/{bad}").status_code == 404
+
+
+def test_props_tells_the_page_whether_to_chat(server):
+    props = httpx.get(server[1] + "/props").json()
+    assert props["chat_template"] == TEMPLATE and props["total_slots"] == 1
+    assert props["default_generation_settings"]["n_ctx"] > 0
+    proc, url = start_server(template=None)  # the shipped pair carries no template: the page sends completions
+    try:
+        assert httpx.get(url + "/props").json()["chat_template"] == ""
+    finally:
+        stop(proc)
 
 
 def read_live(url: str, until, headers=None, since: int | None = None, timeout_s: float = 60) -> list[dict]:
