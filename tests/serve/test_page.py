@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import threading
 import time
 from importlib import resources
@@ -115,6 +116,35 @@ def test_a_reader_past_the_bound_is_refused(server):
                 return
         time.sleep(0.1)
     pytest.fail("a reader was refused after the others left")
+
+
+def test_readers_that_never_read_hold_up_nothing_but_their_places(server):
+    """A page that stops reading its socket: the server's writes to it wait, the ring does not
+    grow for it, and generations and /health go on."""
+    url = server[1]
+    port = int(url.rsplit(":", 1)[1])
+    socks = []
+    try:
+        for _ in range(MAX_READERS):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.sendall(b"GET /live?since=0 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            socks.append(s)
+        deadline = time.monotonic() + 10
+        while True:  # each stalled reader holds its place
+            with httpx.stream("GET", url + "/live", timeout=5) as r:
+                if r.status_code == 503:
+                    break
+            assert time.monotonic() < deadline, "the stalled readers were never counted"
+            time.sleep(0.1)
+        for _ in range(3):  # every cycle of these is an event the stalled readers never take
+            r = httpx.post(url + "/v1/completions", headers=JSON, timeout=60,
+                           json={"prompt": "def f(x):", "max_tokens": 48})
+            assert r.status_code == 200
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+    finally:
+        for s in socks:
+            s.close()
 
 
 def test_no_page_serves_neither_the_page_nor_its_events():
