@@ -1,5 +1,6 @@
-"""The live page at `/`: the current cycle's tree as it grows, tokens per pass, acceptance and
-flash busy over time, and the stages' timeline, for whoever watches `lever serve` work.
+"""The live page at `/`: each cycle's tree (its nodes drawn in the order they grew) and the path
+the target took, tokens per pass, acceptance and flash busy over time, and the stages' timeline,
+for whoever watches `lever serve` work.
 
 The page is three static files in lever/serve/static (no build step, nothing fetched from
 elsewhere: its Content-Security-Policy allows only this server). It reads `/live`, a stream of
@@ -7,7 +8,7 @@ server-sent events polled from the LLM's Watch (lever.pipelines.watch), with fet
 EventSource so it can send an API key. The page itself holds nothing secret and needs no key;
 `/live` does, and on a server with keys each client sees only its own generations' trees.
 Readers are bounded (MAX_READERS, then 503) and end on shutdown, so a watcher never holds the
-server open.
+server open; one that stops reading holds its place, and nothing else (its writes wait).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from lever.pipelines.watch import Watch
 from lever.serve import PAGE_FILES
 
 MAX_READERS = 8  # pages reading /live at once
-POLL_S = 0.05  # how often a reader looks for new events (20 a second: a cycle is 15-100 ms)
+POLL_S = 0.05  # how often a reader looks for new events (20 a second: a cycle is 10-800 ms)
 PING_S = 10.0  # a comment line this often, so a reader whose page is gone is noticed
 BACKLOG = 200  # events a new reader starts with, at most (the newest)
 HEADERS = {"content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
