@@ -1,5 +1,4 @@
-"""Output: the sink of a pipeline, collecting the emitted tokens and streaming them to a callback
-(and each whole cycle, its tree included, to a watcher: lever.pipelines.watch)."""
+"""Output: the sink of a pipeline, collecting the emitted tokens and streaming them to a callback."""
 
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ class OutputStats:
 class Output(Stage):
     name: str
     on_tokens: Callable[[tuple[int, ...]], None] | None = None
-    on_cycle: Callable[[Accepted], None] | None = None  # every cycle, after on_tokens
     INPUTS = {"emitted": Accepted}
 
     tokens: list[int] = attrs.field(factory=list)
@@ -46,8 +44,6 @@ class Output(Stage):
         self.drafted_kept += acc.drafted_kept
         if self.on_tokens:
             self.on_tokens(acc.tokens)
-        if self.on_cycle:
-            self.on_cycle(acc)
         if acc.done:
             self.stop_reason = acc.stop_reason
 

@@ -8,13 +8,14 @@ in one task group: closing is the protocol (a stage ends when its inputs close a
 outputs close), an exception in any stage cancels the others and reaches the caller as the
 original exception with the stage's name in a note. The overlap of flash reads and compute
 comes from here: a stage blocked on a full channel waits while the others run. Each run keeps
-per-channel figures (`channel_stats`: messages sent, the most ever waiting), and `to_mermaid`
+per-channel figures (`channel_stats`: messages sent, the most ever waiting), `tap` lets an
+observer see the messages of an output port as they are sent, and `to_mermaid`
 draws the graph as built, which is how the README's picture of the pipeline is made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from typing import Any, ClassVar
 
@@ -73,8 +74,8 @@ class _CountedSend:
     """A send stream that keeps its channel's ChannelStats (anyio's own statistics() only says
     what is buffered now, which at the end of a run is nothing)."""
 
-    def __init__(self, stream: ObjectSendStream, stats: ChannelStats):
-        self._stream, self._stats = stream, stats
+    def __init__(self, stream: ObjectSendStream, stats: ChannelStats, taps: list[Callable[[Any], None]] = ()):
+        self._stream, self._stats, self._taps = stream, stats, taps
 
     async def send(self, item: Any) -> None:
         st = self._stats
@@ -83,6 +84,8 @@ class _CountedSend:
         await self._stream.send(item)
         st.sent += 1
         st.peak_waiting = max(st.peak_waiting, self._stream.statistics().current_buffer_used)
+        for tap in self._taps:
+            tap(item)
 
     def __enter__(self):
         self._stream.__enter__()
@@ -101,6 +104,7 @@ class Pipeline:
         self.stages: list[Stage] = []
         self.edges: list[Edge] = []
         self.channel_stats: dict[str, ChannelStats] = {}  # edge.describe() -> its figures, from the last run
+        self.taps: dict[tuple[str, str], list[Callable[[Any], None]]] = {}  # (stage, output port) -> observers
         self._built = False
 
     def add(self, *stages: Stage) -> Pipeline:
@@ -117,6 +121,15 @@ class Pipeline:
             if s not in self.stages:
                 self.add(s)
         self.edges.append(Edge(src, src_port, dst, dst_port, capacity))
+        return self
+
+    def tap(self, stage: Stage, port: str, fn: Callable[[Any], None]) -> Pipeline:
+        """Calls fn(message) after each message `stage` sends on `port`: an observer (a live
+        page) that sees the run without any stage knowing. It runs on the sender's task, so it
+        must be quick and must not block; an exception in it is the sender's."""
+        if port not in stage.OUTPUTS:
+            raise GraphError(f"{stage.name}.{port}: no such output to tap")
+        self.taps.setdefault((stage.name, port), []).append(fn)
         return self
 
     def build(self) -> Pipeline:
@@ -192,7 +205,7 @@ class Pipeline:
         for e in self.edges:
             send, recv = anyio.create_memory_object_stream[Any](max_buffer_size=e.capacity)
             stats = self.channel_stats[e.describe()] = ChannelStats(e.capacity)
-            outputs[e.src.name][e.src_port] = _CountedSend(send, stats)
+            outputs[e.src.name][e.src_port] = _CountedSend(send, stats, self.taps.get((e.src.name, e.src_port), []))
             inputs[e.dst.name][e.dst_port] = recv
         try:
             async with anyio.create_task_group() as tg:

@@ -131,7 +131,7 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
     accept = Accept("accept", stops, params, target.model.logits, tracer, diagnose=target.model.nonfinite_logits,
                     n_ctx_used=n_past,
                     history=list(request.history[-params.repeat_last_n :]) if params.penalizes else [])
-    output = Output("output", request.on_tokens, request.watch.cycle if request.watch is not None else None)
+    output = Output("output", request.on_tokens)
     ch = plan.channels
     p = Pipeline(tree.policy)
     p.connect(expand, "tree", verify, "tree", ch.tokens)
@@ -140,6 +140,9 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
     p.connect(verify, "verified", accept, "verified", 1)
     p.connect(accept, "accepted", expand, "accepted", ch.tokens)
     p.connect(accept, "emitted", output, "emitted", 4)
+    if request.watch is not None:  # each tree as it goes to verification, then the cycle it made
+        p.tap(expand, "tree", request.watch.tree)
+        p.tap(accept, "emitted", request.watch.cycle)
     stage = None
     if plan.drafts:  # else no draft model runs: trees grow from the free sources alone, or not at all
         cache = kv.draft if kv is not None and kv.draft is not None else None

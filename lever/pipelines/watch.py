@@ -1,12 +1,14 @@
 """A generation seen as it runs: each cycle's tree, the path the target took, and where the
 cycle's time went, as events a live page reads (lever.serve.page draws them at `/`).
 
-The engine hands a run's `RunWatch` every span its tracer closes (lever.dataflow.trace) and
-every `Accepted` that reaches Output (which carries the tree its pass verified). Each cycle
-becomes one event, encoded to JSON once, in `Watch`: a ring bounded in bytes that readers poll
-by sequence number, and only while some reader follows. Nothing here waits on a reader: one that
-falls behind the ring is told how many events it missed. Every number in an event is finite (a
-gain that is not becomes null).
+The engine hands a run's `RunWatch` every span its tracer closes (lever.dataflow.trace), and
+the pipeline's taps (lever.dataflow.graph) hand it every tree TreeExpand sends to verification
+and every `Accepted` Accept emits (which carries the tree its pass verified): a tree becomes a
+"tree" event as its pass starts, and the cycle, once accepted, a "cycle" event, each encoded to
+JSON once, in `Watch`: a ring bounded in bytes that readers poll by sequence number, and only
+while some reader follows. Nothing here waits on a reader: one that falls behind the ring is
+told how many events it missed. Every number in an event is finite (a gain that is not becomes
+null).
 """
 
 from __future__ import annotations
@@ -102,6 +104,16 @@ class RunWatch:
             if len(self._spans) < MAX_SPANS:
                 self._spans.append(s)
 
+    def tree(self, tree: TokenTree) -> None:
+        """A tree on its way to verification (a prefill's prompt is not drawn)."""
+        if not self.hub.readers or tree.n_given > 1:
+            return
+        t0 = time.perf_counter()
+        self.hub.push(self.client, {"type": "tree", "pass": tree.pass_id, "t_s": round(t0 - self.t0_s, 4),
+                                    "n_nodes": tree.n_nodes, "n_drafted": tree.n_nodes - tree.n_given,
+                                    "nodes": tree_nodes(tree, self.hub.piece)})
+        self.spent_s += time.perf_counter() - t0
+
     def cycle(self, acc: Accepted) -> None:
         now_s = time.perf_counter() - self.t0_s
         with self._lock:
@@ -132,7 +144,7 @@ def cycle_event(acc: Accepted, piece: Callable[[int], str], spans: list[Span], *
             "done": acc.done, "stop": str(acc.stop_reason) if acc.stop_reason is not None else None}
     if tree is not None:
         body |= {"n_nodes": tree.n_nodes, "n_given": tree.n_given, "n_drafted": tree.n_nodes - tree.n_given,
-                 "nodes": [] if tree.n_given > 1 else tree_nodes(tree, acc, piece)}
+                 "nodes": [] if tree.n_given > 1 else tree_nodes(tree, piece, acc.keep, acc.pruned)}
     t = acc.timing
     if t is not None:
         body["timing"] = {"compute_ms": round(t.compute_s * 1e3, 3), "wait_ms": round(t.wait_s * 1e3, 3),
@@ -145,11 +157,12 @@ def cycle_event(acc: Accepted, piece: Callable[[int], str], spans: list[Span], *
     return body
 
 
-def tree_nodes(tree: TokenTree, acc: Accepted, piece: Callable[[int], str]) -> list[dict]:
+def tree_nodes(tree: TokenTree, piece: Callable[[int], str], keep=(0,), pruned=()) -> list[dict]:
     """The first MAX_NODES nodes (parents come first, so they form a tree): token text, parent,
     gain (the chance the target's walk reaches the node, as TreeExpand estimated it), the draft's
-    probability, and state: "kept" (on the accepted path), "pruned", or "drafted" (not taken)."""
-    kept, pruned = set(acc.keep), set(acc.pruned)
+    probability, and state: "kept" (on the accepted path; before verification, the root alone),
+    "pruned", or "drafted" (not taken, or not yet verified)."""
+    kept, pruned = set(keep), set(pruned)
     gains = tree.gains if tree.gains is not None else np.full(tree.n_nodes, np.nan, np.float32)
     q = tree.q if tree.q is not None else np.full(tree.n_nodes, np.nan, np.float32)
     return [{"parent": int(tree.parents[i]), "text": piece(int(tree.tokens[i]))[:PIECE_CHARS],

@@ -194,6 +194,23 @@ def test_channel_stats_count_every_message_and_the_backlog():
     assert p.channel_stats["src.out -> dbl.inp"].sent == 20
 
 
+def test_a_tap_sees_every_message_of_its_port_as_sent():
+    src, dbl, sink = Source("src", 6), Double("dbl"), Sink("sink")
+    p = Pipeline().connect(src, "out", dbl, "inp", 1).connect(dbl, "out", sink, "inp", 1)
+    seen = []
+    p.tap(dbl, "out", lambda m: seen.append((m.value, len(sink.got))))
+    anyio.run(p.run)
+    assert [v for v, _ in seen] == values(sink) == [0, 2, 4, 6, 8, 10]
+    with pytest.raises(GraphError, match=r"dbl\.nope: no such output to tap"):
+        p.tap(dbl, "nope", print)
+
+    def failing(m):
+        raise ValueError("the tap")
+    p.tap(dbl, "out", failing)  # a tap's failure is its sender's
+    with pytest.raises(ValueError, match="the tap"):
+        anyio.run(p.run)
+
+
 def test_to_mermaid_draws_every_stage_and_channel():
     p, _ = chain()
     text = p.to_mermaid()

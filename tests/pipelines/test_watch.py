@@ -116,6 +116,14 @@ def test_a_watched_run_is_the_same_run_and_its_kept_paths_spell_its_tokens(llm):
     assert sum(len(c["emitted"]) for c in cycles) == len(plain.tokens) == events[-1]["n_tokens"]
     decode = cycles[1:]
     assert decode and all(c["nodes"] for c in decode)
+    trees = {e["pass"]: e for e in events if e["type"] == "tree"}  # each pass's tree as verification began
+    assert sorted(trees) == [c["pass"] for c in decode]
+    for c in decode:
+        before = trees[c["pass"]]["nodes"]
+        assert [(n["parent"], n["text"]) for n in before] == [(n["parent"], n["text"]) for n in c["nodes"]]
+        assert [n["state"] for n in before] == ["kept"] + ["drafted"] * (len(before) - 1)
+        at = {(e["type"], e.get("pass")): i for i, e in enumerate(events)}
+        assert at[("tree", c["pass"])] < at[("cycle", c["pass"])]  # its tree came before its cycle
     for c in decode:
         kept = [n["text"] for n in c["nodes"][1:] if n["state"] == "kept"]
         assert kept + c["emitted"][len(kept):] == c["emitted"] and len(kept) == c["drafted_kept"]

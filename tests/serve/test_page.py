@@ -225,6 +225,7 @@ def test_a_request_through_the_page_streams_and_the_tree_follows(server, llm, tm
         tree = d.find_element(By.ID, "tree")
         # the tree follows to the run's last pass (a pass id counts from the prefill's 0)
         WebDriverWait(d, 10).until(lambda d: tree.get_attribute("data-pass") == str(passes - 1))
+        assert tree.get_attribute("data-state") == "accepted"  # its cycle came after its "verifying" tree
         assert len(d.find_elements(By.CSS_SELECTOR, "#tree g.node")) >= 2
         assert d.find_elements(By.CSS_SELECTOR, "#tree g.node.root")
         for chart in ("chart-tpp", "chart-acc", "chart-flash"):

@@ -14,6 +14,7 @@ const state = {
   key: sessionStorage.getItem("lever-key") || "",
   cycles: [],        // decode cycles, oldest first (prefill passes are counted, not drawn)
   shown: -1,         // index into cycles of the tree on screen; -1: none
+  pending: null,     // a tree being verified (its "tree" event), until its cycle comes
   passes: 0, tokens: 0, lastRun: null, drawQueued: false, live: null, ask: null,
 };
 
@@ -76,7 +77,11 @@ async function follow() {
 function onLive(ev) {
   if (ev.type === "run") {
     state.runStart = state.cycles.length;
+  } else if (ev.type === "tree") {  // the tree on its way to verification: drawn until its cycle comes
+    state.pending = ev;
+    if ($("follow").checked) queueDraw();
   } else if (ev.type === "cycle") {
+    if (state.pending && state.pending.pass === ev.pass) state.pending = null;
     state.passes += 1;
     state.tokens += ev.emitted.length;
     if (ev.n_given > 1 || !ev.nodes) return;  // a prefill pass: the prompt, nothing drafted
@@ -89,6 +94,7 @@ function onLive(ev) {
     queueDraw();
   } else if (ev.type === "end") {
     state.lastRun = ev;
+    state.pending = null;
     queueDraw();
   }
 }
@@ -101,7 +107,9 @@ function queueDraw() {
 
 function draw() {
   const c = state.cycles[state.shown];
-  if (c) { drawTree(c); drawTimeline(c); }
+  if (state.pending && $("follow").checked) drawTree(state.pending);
+  else if (c) drawTree(c);
+  if (c) drawTimeline(c);
   drawCharts();
   const last = state.lastRun;
   $("counters").textContent = `${state.passes} passes, ${state.tokens} tokens` +
@@ -149,11 +157,12 @@ function rank(n) {  // the accepted path on top, then by gain
 }
 
 function drawTree(c) {
+  const verifying = c.type === "tree";
   const nodes = c.nodes.slice();
   // the target's own token: the last emitted, after the deepest kept node
   const keptNodes = nodes.map((n, i) => (n.state === "kept" ? i : -1)).filter((i) => i >= 0);
   const tail = keptNodes.length ? keptNodes[keptNodes.length - 1] : 0;
-  if (c.own > 0) nodes.push({ parent: tail, text: c.emitted[c.emitted.length - 1], gain: null, q: null,
+  if (!verifying && c.own > 0) nodes.push({ parent: tail, text: c.emitted[c.emitted.length - 1], gain: null, q: null,
                                      state: "target" });
   const { depth, y, rows } = layoutTree(nodes);
   const svg = $("tree");
@@ -184,9 +193,11 @@ function drawTree(c) {
   });
   svg.dataset.pass = c.pass;
   svg.dataset.nodes = c.nodes.length;
-  const taken = c.drafted_kept, n = c.n_drafted;
-  $("tree-title").textContent = `pass ${c.pass}: ${n} drafted nodes, ${taken} taken, ${c.emitted.length} tokens ` +
-    `out, ${c.cycle_ms.toFixed(1)} ms` + (c.n_nodes > c.nodes.length ? ` (first ${c.nodes.length} of ${c.n_nodes} drawn)` : "");
+  svg.dataset.state = verifying ? "verifying" : "accepted";
+  const n = c.n_drafted, cut = c.n_nodes > c.nodes.length ? ` (first ${c.nodes.length} of ${c.n_nodes} drawn)` : "";
+  $("tree-title").textContent = verifying ? `pass ${c.pass}: ${n} drafted nodes, the target verifying them…${cut}` :
+    `pass ${c.pass}: ${n} drafted nodes, ${c.drafted_kept} taken, ${c.emitted.length} tokens out, ` +
+    `${c.cycle_ms.toFixed(1)} ms${cut}`;
 }
 
 // -- the charts over time: the last CHART_CYCLES decode cycles
