@@ -317,7 +317,8 @@ class LLM:
         shown, grammar = plan(self.engine.tok, tools, tool_choice, parallel is not False)
         if grammar is not None:
             if sampling.get("grammar") is not None or sampling.get("json_schema") is not None:
-                raise LeverError("tool_choice: a required call is its own grammar; drop grammar / json_schema")
+                raise LeverError("tool_choice: a required call is its own grammar; drop grammar / json_schema "
+                                 "(response_format)")
             sampling = {**sampling, "grammar": grammar}
         return shown, sampling
 

@@ -100,6 +100,8 @@ class RunWatch:
         self.hub.push(self.client, {"type": "run", "pipeline": pipeline, "n_prompt": n_prompt, "n_past": n_past})
 
     def span(self, s: Span) -> None:
+        if not self.hub.readers:  # a span per layer and read: nothing kept while nobody reads
+            return
         with self._lock:
             if len(self._spans) < MAX_SPANS:
                 self._spans.append(s)

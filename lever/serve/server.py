@@ -36,7 +36,6 @@ from lever.errors import LeverError
 from lever.gguf.chat_template import Rendered, check_messages
 from lever.gguf.render_child import RenderProcess
 from lever.model.stop import StopReason
-from lever.model.tool_calls import plan
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.watch import LIVE_BYTES, Watch
 from lever.serve import TIMEOUT_S
@@ -149,14 +148,9 @@ class Server:
         messages = check_messages(data["messages"])
         self._check_bytes(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "replace")) for m in messages)
                           + len(json.dumps(data.get("tools") or [], ensure_ascii=False).encode()), "messages")
-        # the functions the template shows, and the grammar a required call brings (lever.model.tool_calls)
-        data["tools"], grammar = plan(self.llm.tokenizer, data.get("tools"), data.get("tool_choice"),
-                                      data.get("parallel_tool_calls") is not False)
-        if grammar is not None:
-            if args.get("grammar") is not None or args.get("json_schema") is not None:
-                raise BadRequest("tool_choice: a required call is its own grammar; drop response_format / grammar",
-                                 "tool_choice")
-            args["grammar"] = grammar
+        # the functions the template shows, and the grammar a required call brings (as LLM.chat's)
+        data["tools"], args = self.llm.tools(data.get("tools"), data.get("tool_choice"),
+                                             {**args, "parallel_tool_calls": data.get("parallel_tool_calls")})
         return data, args, messages
 
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> Rendered:
