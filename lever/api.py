@@ -577,10 +577,8 @@ class Session:
             watch: RunWatch | None = None) -> tuple[RunResult, int]:
         """The engine's run of `ids` from what the caches share with it (called under the
         LLM's lock). Returns the run and how many prompt tokens came from the caches."""
-        common = 0
-        limit = min(len(ids) - 1, self.n_cached)  # at least one token is prefilled: its logits start the reply
-        while common < limit and ids[common] == self.ids[common]:
-            common += 1
+        # at least one token is prefilled: its logits start the reply
+        common = min(shared(ids, self.ids[: self.n_cached]), len(ids) - 1)
         kv, kept = self.kv, []
         if kv is not None:
             kv.truncate(common)
