@@ -417,6 +417,18 @@ class Tokenizer:
         self.check_id(token_id)
         return self._bytes[token_id]
 
+    def hf_json(self) -> str:
+        """The `tokenizers` definition built from the GGUF (for engines that read one: the
+        grammar engine's adapter, lever.model.grammar, checked there against `token_bytes`)."""
+        with self._plain_lock:
+            return self._hf.to_str()
+
+    def piece(self, token_id: int) -> bytes:
+        """What the token adds to decoded text: its bytes, or nothing for the kinds llama.cpp does
+        not render (control, unknown, unused)."""
+        self.check_id(token_id)
+        return self._pieces[token_id]
+
     @cached_property
     def max_token_bytes(self) -> int:
         """The most text one token stands for: a prompt of n bytes is at least n / this tokens."""

@@ -9,9 +9,9 @@ moving one matcher there (rolling back to the common prefix, consuming the rest)
 masks it computed, so Accept finds the masks Draft already paid for.
 
 The grammar engine is llguidance (Microsoft's, in Rust, on PyPI with no dependencies): it takes
-JSON schemas, Lark grammars and regular expressions, builds its token trie from a plain list of
-token bytes (here the GGUF's, via lever.gguf.tokenizer), computes a mask in tens of
-microseconds on a 150k vocabulary, and rolls back any number of tokens, which a tree needs.
+JSON schemas, Lark grammars and regular expressions, builds its token trie from the vocabulary
+(`Adapter`: the GGUF's token bytes, checked), computes a mask in tens to hundreds of microseconds
+on a 150k vocabulary, and rolls back any number of tokens, which a tree needs.
 outlines-core (no dependencies either) compiles each schema to an index over the whole vocabulary
 before the first token; xgrammar requires PyTorch, transformers and triton. Figures:
 docs/measurements.md, 'Structured output'.
@@ -36,7 +36,16 @@ from lever.gguf.tokenizer import Tokenizer
 # or a newline and up to 20 of indent), so a model fond of blank space still closes its object
 JSON_OPTIONS = {"whitespace_pattern": r"[ ]?|\n[ \t]{0,20}"}
 MAX_CACHED_MASKS = 512  # masks kept per generation (each n_vocab / 8 bytes: 19 KB for a 152k vocabulary)
-_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> llguidance's, built once
+_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> Adapter, built once
+
+
+class GrammarError(LeverError):
+    """A grammar refused, or one the engine gave up on while generating: one line naming the
+    argument it came in (`field`: "grammar", "json_schema", "response_format", "tool_choice")."""
+
+    def __init__(self, field: str, why: str):
+        super().__init__(f"{field}: {why}")
+        self.field = field
 
 
 def _llg():
@@ -47,37 +56,62 @@ def _llg():
     return llguidance
 
 
-def _ll_tokenizer(tok: Tokenizer):
-    """llguidance's view of the GGUF's vocabulary: each token's bytes, control tokens marked
-    with a leading 0xFF (as llguidance's own llama.cpp adapter does), the end-of-text tokens."""
-    got = _TOKENIZERS.get(tok)
-    if got is None:
+@attrs.frozen
+class Adapter:
+    """The grammar engine's view of a GGUF's vocabulary, for both vocabulary families.
+
+    llguidance's own adapter for `tokenizers` definitions, fed the one Lever builds from the
+    GGUF (lever.gguf.tokenizer), then checked byte for byte against the GGUF's token bytes: its
+    tokenize is byte-exact (SentencePiece's space prefix only where the text has a space), which
+    the engine relies on when it tokenizes the bytes a grammar forces. A Python callback over
+    Lever's `encode` was not: `encode("a")` gives " a" on a SentencePiece vocabulary, so the
+    engine allowed the forced text's first token with a space it never had (issue 44).
+    `never`: tokens the engine would take as text but decoding renders as nothing (unused
+    slots), never allowed."""
+
+    ll: object = attrs.field(repr=False)  # llguidance.LLTokenizer
+    never: np.ndarray = attrs.field(repr=False)  # (n,) token ids
+
+    @staticmethod
+    def of(tok: Tokenizer) -> Adapter:
+        got = _ADAPTERS.get(tok)
+        if got is None:
+            got = _ADAPTERS[tok] = Adapter._build(tok)
+        return got
+
+    @staticmethod
+    def _build(tok: Tokenizer) -> Adapter:
         llg = _llg()
+        try:
+            ll = llg.LLTokenizer(tok.hf_json(), n_vocab=tok.vocab_size, eos_token=sorted(tok.eos_ids) or None)
+        except Exception as e:  # its reason, in one line
+            raise LeverError(f"{tok}: the grammar engine cannot read this vocabulary: {_one_line(e)}") from None
         specials = set(tok.specials.values())
-        pieces = [b"\xff" + tok.token_bytes(i) if i in specials else tok.token_bytes(i) for i in range(tok.vocab_size)]
-
-        class Wrapped:
-            eos_token_id = tok.eos_id
-            bos_token_id = tok.bos_id
-            tokens = pieces
-            special_token_ids = sorted(specials)
-
-            def __call__(self, text):
-                return tok.encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text, add_bos=False)
-
-        got = llg.LLTokenizer(llg.TokenizerWrapper(Wrapped()), eos_token=sorted(tok.eos_ids) or None)
-        _TOKENIZERS[tok] = got
-    return got
+        never = []
+        for i in range(tok.vocab_size):
+            own, theirs = tok.token_bytes(i), None if ll.is_special_token(i) else ll.decode_bytes([i])
+            if i in specials:
+                ok = theirs is None
+            elif own[:1] == b"\xff":  # the engine's own marker of special tokens: never text it produces
+                ok = theirs in (None, b"")
+            else:
+                ok = theirs == own
+            if not ok:
+                raise LeverError(f"{tok}: the grammar engine reads token {i} as {theirs!r}, the GGUF as {own!r}")
+            if theirs and not tok.piece(i):
+                never.append(i)
+        return Adapter(ll, np.asarray(never, np.int64))
 
 
 @attrs.frozen
 class Grammar:
     """A compiled constraint for one tokenizer: what `Constraint` masks with. `source` names it
-    in errors and figures ("json_schema", "json_object", "lark", "regex")."""
+    in errors and figures ("json_schema", "response_format", "grammar", "tool_choice")."""
 
     source: str
     text: str = attrs.field(repr=False)  # llguidance's grammar (its JSON form)
     tok: Tokenizer = attrs.field(repr=False, eq=False)
+    _matcher: object = attrs.field(repr=False, eq=False, default=None, alias="matcher")  # compiled, never advanced
 
     @classmethod
     def json_schema(cls, tok: Tokenizer, schema: dict | str, where: str = "json_schema") -> Grammar:
@@ -86,46 +120,52 @@ class Grammar:
             try:
                 schema = json.loads(schema)
             except ValueError as e:
-                raise LeverError(f"{where}: not valid JSON: {e}") from None
+                raise GrammarError(where, f"not valid JSON: {e}") from None
         if not isinstance(schema, dict):
-            raise LeverError(f"{where}: a JSON Schema is an object, got {type(schema).__name__}")
-        return cls._checked(tok, where, lambda g: g.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS))
+            raise GrammarError(where, f"a JSON Schema is an object, got {type(schema).__name__}")
+        return cls._compiled(tok, where, lambda g: g.LLMatcher.grammar_from_json_schema(schema,
+                                                                                         overrides=JSON_OPTIONS))
 
     @classmethod
     def json_object(cls, tok: Tokenizer, where: str = "response_format") -> Grammar:
         """Any JSON object (OpenAI's `response_format` json_object)."""
-        return cls._checked(tok, where, lambda g: g.LLMatcher.grammar_from_json_schema({"type": "object"},
-                                                                                        overrides=JSON_OPTIONS))
+        return cls.json_schema(tok, {"type": "object"}, where)
 
     @classmethod
     def lark(cls, tok: Tokenizer, grammar: str, where: str = "grammar") -> Grammar:
         """A Lark grammar (llguidance's dialect: `start: ...`); GBNF (llama.cpp's) is converted."""
         if not isinstance(grammar, str) or not grammar.strip():
-            raise LeverError(f"{where}: must be a non-empty string")
+            raise GrammarError(where, "must be a non-empty string")
         if "::=" in grammar:  # llama.cpp's GBNF
             try:
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 
                 grammar = gbnf_to_lark(grammar)
             except Exception as e:  # its parser's own messages
-                raise LeverError(f"{where}: {_one_line(e)}") from None
-        return cls._checked(tok, where, lambda g: g.LLMatcher.grammar_from_lark(grammar))
+                raise GrammarError(where, _one_line(e)) from None
+        return cls._compiled(tok, where, lambda g: g.LLMatcher.grammar_from_lark(grammar))
 
     @classmethod
     def regex(cls, tok: Tokenizer, pattern: str, where: str = "regex") -> Grammar:
-        return cls._checked(tok, where, lambda g: g.LLMatcher.grammar_from_regex(pattern))
+        return cls._compiled(tok, where, lambda g: g.LLMatcher.grammar_from_regex(pattern))
 
     @classmethod
-    def _checked(cls, tok: Tokenizer, where: str, build) -> Grammar:
+    def _compiled(cls, tok: Tokenizer, where: str, build) -> Grammar:
+        """The engine's grammar text from `build`, compiled once into a matcher each generation
+        copies (a copy is a microsecond; a compile, from a third of a millisecond up)."""
         llg = _llg()
         try:
             text = build(llg)
         except Exception as e:  # llguidance raises ValueError (and others) with its reason
-            raise LeverError(f"{where}: {_one_line(e)}") from None
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, _ll_tokenizer(tok))
-        if is_error:
-            raise LeverError(f"{where}: {_one_line(' '.join(messages) or 'not a grammar llguidance accepts')}")
-        return cls(where, text, tok)
+            raise GrammarError(where, _one_line(e)) from None
+        matcher = llg.LLMatcher(Adapter.of(tok).ll, text, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(where, _one_line(matcher.get_error() or "not a grammar llguidance accepts"))
+        return cls(where, text, tok, matcher=matcher)
+
+    def fresh_matcher(self):
+        """A matcher at the start of the text."""
+        return self._matcher.deep_copy()
 
     def constraint(self, n_vocab: int) -> Constraint:
         """A fresh state for one generation, masks over a model's `n_vocab` logits (rows past the
@@ -160,35 +200,43 @@ class ConstraintStats:
 class Constraint:
     """One generation's grammar state, for any path: `mask(path)` is the tokens allowed after
     `path` (the tokens generated so far, then a tree node's ancestors and itself), as a bool
-    array over the model's vocabulary. A path the grammar refused on the way, or past an end
-    token, gets no token at all (Accept never walks it: its parent's mask excluded it, or the
-    text ended; Draft grows nothing there).
+    array over the model's vocabulary. An end token is allowed only where the grammar accepts
+    the text; nothing follows it, nor a token the grammar refused on the way (Accept never walks
+    such a path: its parent's mask excluded it, or the text ended; Draft grows nothing there).
+    When the engine gives up (a grammar past its limits) or contradicts itself, `mask` raises
+    GrammarError: the generation ends with that line, never with text the grammar did not check.
     Safe from several threads (Draft and Accept run in different ones)."""
 
     grammar: Grammar
     n_vocab: int
     stats: ConstraintStats = attrs.field(factory=ConstraintStats)
     _matcher: object = attrs.field(init=False, repr=False)
-    _at: list[int] = attrs.field(factory=list)  # the tokens the matcher has consumed
+    _at: list[int] = attrs.field(factory=list)  # the tokens the matcher has consumed (never an end token)
     _cache: collections.OrderedDict = attrs.field(factory=collections.OrderedDict, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
     _eos: frozenset = attrs.field(init=False, repr=False)
+    _never: np.ndarray = attrs.field(init=False, repr=False)
+    _failed: GrammarError | None = None
 
     def __attrs_post_init__(self):
         self._eos = frozenset(self.grammar.tok.eos_ids)
-        llg = _llg()
-        self._matcher = llg.LLMatcher(_ll_tokenizer(self.grammar.tok), self.grammar.text)
-        if self._matcher.is_error():
-            raise LeverError(f"{self.grammar.source}: {_one_line(self._matcher.get_error())}")
+        self._never = Adapter.of(self.grammar.tok).never
+        self._matcher = self.grammar.fresh_matcher()
 
     def mask(self, path: Sequence[int]) -> np.ndarray:
         """(n_vocab,) bool: the tokens the grammar allows after `path`."""
         with self._lock:
+            if self._failed is not None:
+                raise self._failed
             self.stats.lookups += 1
             key = tuple(path)
             bits = self._cached(key)
             if bits is None:
-                bits = self._walk(key)
+                try:
+                    bits = self._walk(key)
+                except GrammarError as e:
+                    self._failed = e
+                    raise
             return self._unpack(bits)
 
     def allows(self, path: Sequence[int], token: int) -> bool:
@@ -203,25 +251,37 @@ class Constraint:
     def _walk(self, key: tuple[int, ...]) -> bytes:
         """Moves the matcher to `key` (back to the common prefix, then forward), checking each
         token against the mask before it is consumed: a refused token makes a dead path, and
-        the matcher never enters its error state."""
+        the matcher never enters its error state.
+
+        An end token is never consumed: where the grammar has stopped, llguidance takes one
+        without counting it, so a rollback past it undid one token too many and every mask after
+        was one token behind the path (a second string of blanks allowed, a `0` allowed and then
+        refused: the texts that differed call to call and ended unclosed, issue 44). Whether an
+        end token may come is the mask's own bit; after one, nothing comes."""
+        if any(t in self._eos for t in key):
+            return b""
         m, at = self._matcher, self._at
         k = 0
         while k < min(len(at), len(key)) and at[k] == key[k]:
             k += 1
-        if len(at) > k:
-            if not m.rollback(len(at) - k):
-                raise LeverError(f"{self.grammar.source}: the grammar engine could not roll back {len(at) - k} tokens")
-            del at[k:]
+        if len(at) > k and not m.rollback(len(at) - k):
+            self._restart(key[:k])
+        del at[k:]
+        n_tok = self.grammar.tok.vocab_size
         for t in key[k:]:
-            if at and at[-1] in self._eos:  # nothing follows the end of the text (and the engine
-                return b""  # takes a second end token without counting it, so no rollback could undo it)
             here = self._here()
-            if not (0 <= t < self.grammar.tok.vocab_size and here[t >> 3] >> (t & 7) & 1):
+            if not (0 <= t < n_tok and here[t >> 3] >> (t & 7) & 1):
                 return b""  # dead: nothing follows a refused token
             if not m.consume_token(t):
-                return b""
+                raise self._gave_up(f"refused token {t} that its own mask allowed")
             at.append(t)
-        return b"" if at and at[-1] in self._eos else self._here()
+        return self._here()
+
+    def _restart(self, prefix: tuple[int, ...]) -> None:
+        """A new matcher at `prefix` (each of its tokens was allowed on the way here)."""
+        self._matcher = self.grammar.fresh_matcher()
+        if not self._matcher.consume_tokens(list(prefix)):
+            raise self._gave_up("could not return to the text generated so far")
 
     def _here(self) -> bytes:
         key = tuple(self._at)
@@ -231,10 +291,19 @@ class Constraint:
             bits = self._matcher.compute_bitmask()
             self.stats.mask_s += time.perf_counter() - t0
             self.stats.masks += 1
+            if self._matcher.is_error():
+                raise self._gave_up(self._matcher.get_error())
+            if bits.count(0) == len(bits):  # not even an end token: the engine is stuck
+                raise self._gave_up("allows no token, not even the end of the text")
             self._cache[key] = bits
             if len(self._cache) > MAX_CACHED_MASKS:
                 self._cache.popitem(last=False)
         return bits
+
+    def _gave_up(self, why: str) -> GrammarError:
+        n = len(self._at)
+        return GrammarError(self.grammar.source, f"the grammar engine gave up after {n} generated tokens: "
+                                                 f"{_one_line(why)}")
 
     def _unpack(self, bits: bytes) -> np.ndarray:
         out = np.zeros(self.n_vocab, bool)
@@ -242,4 +311,5 @@ class Constraint:
             allowed = np.unpackbits(np.frombuffer(bits, np.uint8), bitorder="little").view(bool)
             n = min(self.n_vocab, self.grammar.tok.vocab_size, allowed.size)
             out[:n] = allowed[:n]
+            out[self._never[self._never < self.n_vocab]] = False
         return out

@@ -15,7 +15,7 @@ import lever
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.model.generate import prefill
-from lever.model.grammar import Grammar, _ll_tokenizer
+from lever.model.grammar import Adapter, Grammar
 from lever.model.transformer import Model
 from lever.shipped import shipped
 
@@ -33,7 +33,7 @@ def llm():
 
 
 def fresh_mask(g: Grammar, path: list[int], n_vocab: int) -> np.ndarray:
-    m = llguidance.LLMatcher(_ll_tokenizer(g.tok), g.text)
+    m = llguidance.LLMatcher(Adapter.of(g.tok).ll, g.text)
     for t in path:
         assert m.consume_token(t)
     bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little").view(bool)
@@ -81,7 +81,7 @@ def test_a_random_tree_of_paths_gets_a_fresh_matchers_masks(llm):
 
 def constrained_ar(model: Model, ids: list[int], grammar: Grammar, n: int, eos: frozenset[int]) -> list[int]:
     """Constrained autoregressive greedy decoding, written out: mask, argmax, consume."""
-    m = llguidance.LLMatcher(_ll_tokenizer(grammar.tok), grammar.text)
+    m = llguidance.LLMatcher(Adapter.of(grammar.tok).ll, grammar.text)
     cache = model.new_cache(len(ids) + n + 1)
     hidden = prefill(model, cache, ids)
     out = []
