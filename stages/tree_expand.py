@@ -36,6 +36,7 @@ from lever.dataflow.graph import Stage
 from lever.dataflow.messages import Accepted, ExpandRequest, Expansion, TokenTree
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
+from lever.model.grammar import Constraint
 from lever.policy.acceptance import MODEL_PRIOR_WEIGHT, AcceptanceTable
 from lever.policy.cost_model import CostModel
 from lever.policy.fallback import TREE, Fallback, Shape
@@ -265,7 +266,7 @@ class TreeExpand(Stage):
     cycles: list[CycleRecord] = attrs.field(factory=list)
     greedy: bool = True  # free sources propose only under greedy verification (sampling needs a draft distribution)
     lookup: Lookup | None = None  # the free sources over the text so far ([tree_expand] sources)
-    free_sources: bool = True  # False under a grammar: it masks the draft's children, not the free sources'
+    constraint: Constraint | None = None  # a grammar on the generated text: it masks the free sources' proposals
     lookup_tables: dict = attrs.field(factory=dict)  # a free source -> its acceptance table, learned from the text
     fallback: Fallback | None = None  # gain-cost's check against the shapes it contains ([tree_expand] fallback)
     _shape: Shape = TREE  # what the last tree sent was grown as
@@ -273,6 +274,7 @@ class TreeExpand(Stage):
     _lag: tuple[tuple[int, ...], list[int]] | None = None
     _committed: int = 0  # target rows committed, to keep trees inside the context
     _emitted: int = 0  # tokens Accept has emitted
+    _generated: list[int] = attrs.field(factory=list)  # those tokens, under a grammar (its paths start there)
     _bar_rate: float = 0.0  # moving estimate of the predicted rate of the trees sent, tokens/s
     _last: TreeBuilder | None = None
     _last_accepted_t: float | None = None  # when the previous Accepted arrived
@@ -285,11 +287,17 @@ class TreeExpand(Stage):
             self.fallback = Fallback(self.config.max_depth, greedy=self.greedy)
         if self.online is None and self.config.adapt and isinstance(self.cost, CostModel):
             self.online = OnlineCost(self.cost)
-        if self.lookup is None and self.greedy and self.free_sources and self.config.lookup_sources:
+        if self.lookup is None and self.greedy and self.config.lookup_sources:
             self.lookup = Lookup(self.config.lookup_sources)
             self.lookup.extend(self.prompt)
             if self.config.growth.learns_acceptance:
                 self.lookup_tables = {x: AcceptanceTable(pooled_prior=FREE_PRIOR) for x in self.config.lookup_sources}
+
+    def _allowed(self):
+        """The grammar's mask after a path below this cycle's root (the newest generated token);
+        None: free text."""
+        generated, constraint = list(self._generated), self.constraint
+        return None if constraint is None else lambda path: constraint.mask([*generated, *path])
 
     @property
     def prices_by_table(self) -> bool:
@@ -399,11 +407,13 @@ class TreeExpand(Stage):
         """A new tree rooted at the newest token, and the draft request that starts it."""
         self._committed += len(acc.keep)
         self._emitted += len(acc.tokens)
+        if self.constraint is not None:
+            self._generated += acc.tokens
         self.learn(self._last, acc)
         remaining = MAX_TREE_SIZE + 1 if self.n_predict is None else self.n_predict - self._emitted
         if self.lookup is not None:
             self.lookup.extend(acc.tokens)  # the root, the text's last token, is the newest of them
-        free = FreeSources(self.lookup, self.lookup_tables) if self.lookup is not None else None
+        free = FreeSources(self.lookup, self.lookup_tables, self._allowed()) if self.lookup is not None else None
         self._shape = TREE
         if self.fallback is not None:
             self._shape = self.fallback.choose(self.priced_by, self.acceptance.first_child())

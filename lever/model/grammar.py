@@ -186,7 +186,10 @@ def compile_args(tok: Tokenizer, grammar=None, json_schema=None) -> Grammar | No
 
 
 def _one_line(e) -> str:
-    return " ".join(str(e).split())[:300]
+    """An engine's message in one line: its state dump (" <state> ...", llguidance's debug
+    print of the parser) cut off, at most 300 characters."""
+    text = " ".join(str(e).split())
+    return text.split(" <state>")[0][:300]
 
 
 @attrs.define

@@ -118,7 +118,7 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
     compute = ComputeSlot(plan.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
     expand = TreeExpand("tree_expand", tree, list(request.ids), plan.cost or FlatCost(), plan.n_ctx, tracer,
                         gen.n_predict, acceptance=plan.new_acceptance(), ahead_beside=bool(compute.ahead_cores),
-                        committed=n_past, greedy=params.greedy, free_sources=constraint is None)
+                        committed=n_past, greedy=params.greedy, constraint=constraint)
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(plan.flash.queue_depth), tracer)
     predictor = predictor_for(plan.pruning, target.model, plan.cost) if plan.pruning is not None else None

@@ -35,6 +35,7 @@ from lever.api import LLM, Cancelled, Chunk, Completion, Session, with_call_stre
 from lever.errors import LeverError
 from lever.gguf.chat_template import Rendered, check_messages
 from lever.gguf.render_child import RenderProcess
+from lever.model.grammar import GrammarError
 from lever.model.stop import StopReason
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.watch import LIVE_BYTES, Watch
@@ -259,6 +260,7 @@ class Server:
 
     async def _handle(self, request: Request, endpoint: str) -> Response:
         chat = endpoint == "chat"
+        data: dict = {}
         try:
             if self.closing:
                 raise BadRequest(*SHUTTING_DOWN[:1], status=503, kind=SHUTTING_DOWN[2])
@@ -277,21 +279,23 @@ class Server:
         except LeverError as e:
             if self.closing:  # a render cut by shutdown
                 return error(*SHUTTING_DOWN)
-            msg = str(e)
+            msg = _named(str(e), data)
             return error(msg, 400, "invalid_request_error", _param(msg))
         reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat, self.model_id,
                       self.llm.tokenizer)
         client = request.scope.get("state", {}).get("client")
         if data.get("stream"):
             usage = bool((data.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._stream(request, ids, args, reply, usage, client, bool(data.get("tools"))),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._stream(request, ids, args, reply, usage, client, bool(data.get("tools")),
+                                                  data), media_type="text/event-stream")
         try:
             c = await self._generate(request, ids, args, client)
         except Cancelled as e:  # its client left while it waited (nobody reads this), or shutdown
             if self.closing:
                 return error(*SHUTTING_DOWN)
             return error(str(e), 499, "cancelled")
+        except LeverError as e:  # the generation failed: a grammar the engine gave up on, NaN in a model
+            return error(**failure(e, data))
         finally:
             self.release()
         self._finished(c.stats)
@@ -330,7 +334,7 @@ class Server:
             await anyio.sleep(DISCONNECT_POLL_S)
 
     async def _stream(self, request: Request, ids: list[int], args: dict, reply: Reply, usage: bool, client,
-                      tools: bool = False):
+                      tools: bool = False, data: dict | None = None):
         cancel = threading.Event()
         self._watch(cancel)
         it = with_call_stream(self.llm.stream_ids(ids, {**args, "cancel": cancel}, session=self.session,
@@ -346,6 +350,11 @@ class Server:
                     chunk = None if not self.closing else Chunk("", 0, StopReason.CANCELLED)
                     if chunk is None:
                         return
+                except LeverError as e:  # failed mid-stream: an error event ends it, as OpenAI's do; no [DONE]
+                    f = failure(e, data or {})
+                    yield sse({"error": {"message": f["message"], "type": f["kind"], "param": f["param"],
+                                         "code": None}})
+                    return
                 if chunk is None:
                     break
                 n_out += chunk.n_tokens
@@ -377,6 +386,23 @@ class Server:
                 await anyio.to_thread.run_sync(it.close)
             self._unwatch(cancel)
             self.release()
+
+
+def failure(e: LeverError, data: dict) -> dict:
+    """`error`'s arguments for a generation that failed: a grammar the engine gave up on is the
+    request's (400 naming its field), anything else (NaN in a model's numbers) the server's."""
+    msg = _named(str(e), data)
+    if isinstance(e, GrammarError):
+        return {"message": msg, "status": 400, "kind": "invalid_request_error", "param": _param(msg)}
+    return {"message": msg, "status": 500, "kind": "server_error", "param": None}
+
+
+def _named(message: str, data: dict) -> str:
+    """A line about the call's json_schema, named by the field the request gave it in."""
+    rf = data.get("response_format")
+    if message.startswith("json_schema:") and isinstance(rf, dict) and rf.get("type") != "text":
+        return "response_format" + message[len("json_schema"):]
+    return message
 
 
 def _param(message: str) -> str | None:

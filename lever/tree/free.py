@@ -19,6 +19,7 @@ fewer tokens a pass than the model's alone on text that repeats (docs/measuremen
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from typing import Protocol
 
 import attrs
@@ -63,6 +64,9 @@ class FreeSources:
 
     lookup: Lookup
     tables: dict[Source, AcceptanceTable | None] = attrs.field(factory=dict)  # None or missing: the identity
+    # under a grammar: the tokens it allows after a path below the root (lever.model.grammar);
+    # a source's proposal it refuses never joins, as the draft's children are masked
+    allowed: Callable[[list[int]], object] | None = None
     heap: list[Candidate] = attrs.field(factory=list)  # best first
     _seq: int = 0
     _proposed: set[int] = attrs.field(factory=set)  # nodes whose children the sources have proposed
@@ -86,7 +90,12 @@ class FreeSources:
             return  # the model's node, and no source proposed its token
         self._proposed.add(node)
         below = self._below.setdefault(node, [])
-        for source, t, q, rank in self.lookup.propose(nodes.path(node)):
+        path = nodes.path(node)
+        proposed = self.lookup.propose(path)
+        mask = self.allowed(path) if self.allowed is not None and proposed else None
+        for source, t, q, rank in proposed:
+            if mask is not None and not mask[t]:
+                continue
             c = Candidate(-nodes.gain[node] * self.p(source, q, rank), self._seq, node, int(t), float(q), rank, source)
             heapq.heappush(self.heap, c)
             below.append(c)
