@@ -117,6 +117,10 @@ class StopStrings:
     logprobs: list[TokenLogprob] = attrs.field(factory=list)  # of `tokens`, when the run computes them
     unsent_tokens: int = 0
     stopped_at: int = -1  # where the first stop string starts in `text`
+    # under a grammar, a stop string ends the text only where the grammar accepts what comes
+    # before it: a reply that stops is one the grammar accepts, as one that ends by EOS is
+    grammar: Grammar | None = None
+    _ends: list[int] = attrs.field(factory=list)  # len(text) after each of `tokens`
     _decoder: StreamDecoder = attrs.field(init=False)
 
     def __attrs_post_init__(self):
@@ -133,6 +137,7 @@ class StopStrings:
             before = len(self.text)
             if t not in self.eos_ids:  # the end-of-turn token is not text
                 self.text += self._decoder.push(t)
+            self._ends.append(len(self.text))
             self._find(before)
         if self.stopped_at >= 0:
             self._hand_on(self.stopped_at)
@@ -156,9 +161,16 @@ class StopStrings:
         """A match must end in the text added after `before` chars: it starts at most the
         longest stop string's length - 1 before them."""
         lo = max(0, before - max((len(s) for s in self.stops), default=0) + 1)
-        hits = [i for i in (self.text.find(s, lo) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped_at = min(hits)
+        hits = sorted(i for s in self.stops for i in _occurrences(self.text, s, lo))
+        self.stopped_at = next((i for i in hits if self._ends_here(i)), -1)
+
+    def _ends_here(self, at: int) -> bool:
+        """Whether the text may end before `at` chars: always without a grammar; under one, at
+        a token boundary where the grammar accepts the tokens before it."""
+        if self.grammar is None:
+            return True
+        k = next((k for k, end in enumerate(self._ends) if end == at), None)  # the first: pending bytes are after
+        return k is not None and self.grammar.accepts(self.tokens[: k + 1] if at else [])
 
     def _held(self) -> int:
         """Chars at the end of the text that begin a stop string: not final yet."""
@@ -188,6 +200,13 @@ def _stops(stop) -> tuple[str, ...]:
         if not s or len(s) > MAX_STOP_CHARS:
             raise LeverError(f"stop: each string must be 1-{MAX_STOP_CHARS} characters, got {s!r:.40}")
     return tuple(stops)
+
+
+def _occurrences(text: str, s: str, lo: int) -> Iterator[int]:
+    i = text.find(s, lo)
+    while i >= 0:
+        yield i
+        i = text.find(s, i + 1)
 
 
 def _toml(value) -> str:
@@ -400,7 +419,7 @@ class LLM:
         gen, stops, cancel = self.check(sampling, len(ids))
         logprobs, grammar = sampling.get("logprobs"), self.grammar(sampling)
         rule = StopStrings(self.engine.tok, stops, on_text, frozenset(self.engine.tok.eos_ids),
-                           cancel if cancel is not None else threading.Event())
+                           cancel if cancel is not None else threading.Event(), grammar=grammar)
         with self._lock:
             if rule.cancel.is_set():  # its caller left while it waited
                 raise Cancelled("the generation was cancelled before it started")

@@ -167,6 +167,11 @@ class Grammar:
         """A matcher at the start of the text."""
         return self._matcher.deep_copy()
 
+    def accepts(self, tokens: Sequence[int]) -> bool:
+        """Whether the grammar accepts `tokens` as a whole text (no end token among them)."""
+        m = self.fresh_matcher()
+        return m.consume_tokens(list(tokens)) and m.is_accepting()
+
     def constraint(self, n_vocab: int) -> Constraint:
         """A fresh state for one generation, masks over a model's `n_vocab` logits (rows past the
         tokenizer's vocabulary, padding, are never allowed)."""
