@@ -318,14 +318,14 @@ class LLM:
         function makes the reply a call, enforced by a grammar; "none" offers no tools."""
         shown, sampling = self.tools(tools, tool_choice, sampling)
         c = self.complete(self.encode_chat(messages, tools=shown), sampling)
-        return with_tool_calls(c) if shown else c
+        return with_tool_calls(c, shown)
 
     def stream_chat(self, messages: Sequence[dict], *, tools: list[dict] | None = None, tool_choice=None,
                     **sampling) -> Iterator[Chunk]:
         """`chat`, streamed: with `tools`, text streams until a call may begin and the calls come
         whole on the last chunk (`Chunk.tool_calls`)."""
         shown, sampling = self.tools(tools, tool_choice, sampling)
-        return with_call_stream(self.stream_ids(self.encode_chat(messages, tools=shown), sampling), bool(shown))
+        return with_call_stream(self.stream_ids(self.encode_chat(messages, tools=shown), sampling), shown)
 
     def tools(self, tools: list[dict] | None, tool_choice, sampling: dict) -> tuple[list[dict] | None, dict]:
         """The functions the template offers (checked; None: none) and the sampling arguments
@@ -509,7 +509,7 @@ class Session:
         shown, sampling = self.llm.tools(tools, tool_choice, sampling)
         ids = self._turn(messages, shown)
         c = self.llm.complete(ids, sampling, session=self)
-        c = with_tool_calls(c) if shown else c
+        c = with_tool_calls(c, shown)
         self.messages.append(_reply(c.text, c.tool_calls))
         return c
 
@@ -518,7 +518,7 @@ class Session:
         shown, sampling = self.llm.tools(tools, tool_choice, sampling)
         ids = self._turn(messages, shown)
         text = []
-        for chunk in with_call_stream(self.llm.stream_ids(ids, sampling, session=self), bool(shown)):
+        for chunk in with_call_stream(self.llm.stream_ids(ids, sampling, session=self), shown):
             text.append(chunk.text)
             if chunk.finish_reason is not None:
                 self.messages.append(_reply("".join(text), chunk.tool_calls))
@@ -610,19 +610,22 @@ class Session:
         return res, common
 
 
-def with_tool_calls(c: Completion) -> Completion:
-    """The completion with the tool calls in its text parsed out (lever.model.tool_calls)."""
-    text, calls = parse_calls(c.text)
-    return attrs.evolve(c, text=text, tool_calls=tuple(calls)) if calls else c
+def with_tool_calls(c: Completion, tools: Sequence[dict] | None) -> Completion:
+    """The completion with the calls of the functions `tools` offers parsed out of its text
+    (lever.model.tool_calls); None: no tools, the completion as it is."""
+    if not tools:
+        return c
+    text, calls = parse_calls(c.text, _names(tools))
+    return attrs.evolve(c, text=text, tool_calls=tuple(calls))
 
 
-def with_call_stream(chunks: Iterator[Chunk], tools: bool) -> Iterator[Chunk]:
+def with_call_stream(chunks: Iterator[Chunk], tools: Sequence[dict] | None) -> Iterator[Chunk]:
     """A stream whose text stops where a tool call may begin; the last chunk carries the rest
-    of the text and the calls parsed from it (lever.model.tool_calls.CallStream)."""
+    of the text and the calls of the functions `tools` offers (lever.model.tool_calls.CallStream)."""
     if not tools:
         yield from chunks
         return
-    calls = CallStream()
+    calls = CallStream(_names(tools))
     for chunk in chunks:
         text = calls.push(chunk.text)
         if chunk.finish_reason is not None:
@@ -630,6 +633,10 @@ def with_call_stream(chunks: Iterator[Chunk], tools: bool) -> Iterator[Chunk]:
             text += rest
             chunk = attrs.evolve(chunk, tool_calls=tuple(found))
         yield attrs.evolve(chunk, text=text)
+
+
+def _names(tools: Sequence[dict]) -> frozenset[str]:
+    return frozenset(t["function"]["name"] for t in tools)
 
 
 def _reply(text: str, calls: tuple[ToolCall, ...]) -> dict:

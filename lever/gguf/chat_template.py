@@ -27,6 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lever.errors import LeverError, shown
 from lever.gguf.file import GGUFFile
+from lever.nesting import depth, text_depth
 
 TEMPLATE_KEY = "tokenizer.chat_template"
 ROLES = ("system", "user", "assistant", "tool")
@@ -34,6 +35,7 @@ MAX_RENDER_CHARS = 16 << 20  # what any context a model has could hold, many tim
 # stands in for the first character of special-token text inside a message while the template
 # is rendered a second time (a private-use character: no vocabulary's special token holds it)
 DEFUSE = "\ue000"
+MAX_NESTING = 64  # levels of a call's arguments or a tool's schema: parsers and templates recurse per level
 
 
 class TemplateError(LeverError):
@@ -72,34 +74,33 @@ class ChatTemplate:
                       tools: list[dict] | None = None) -> Rendered:
         """The prompt, and where special-token text came from the messages' content (`foreign`:
         the offsets of those occurrences, to be tokenized as text). Found by rendering again
-        with each such occurrence defused (its first character replaced): what the template
-        wrote itself is the same in both; a template that changes length with the content's
-        characters cannot be told apart, and the conversation is refused. Special-token text in
-        a tool's definition or a call's arguments is refused outright (the template writes those
-        as JSON, where no offset survives)."""
+        with each such occurrence defused (its first character replaced) in every string the
+        template may write: contents, a tool message's `tool_call_id`, a call's id, name and
+        arguments, the tools' definitions. What the template wrote itself is the same in both;
+        a template that changes length with those characters (an escaping `tojson`) cannot be
+        told apart, and the conversation is refused."""
         checked = check_messages(messages)
+        if tools is not None and depth(tools) > MAX_NESTING + 4:  # [{function: {parameters: ...}}]
+            raise TemplateError(f"tools: nest deeper than {MAX_NESTING} levels")
         text = self._render(checked, add_generation_prompt, max_chars, tools)
         pattern = special_pattern(specials)
-        if pattern is not None:
-            structured = json.dumps([tools, [m.get("tool_calls") for m in checked]], ensure_ascii=False)
-            if pattern.search(structured):
-                raise TemplateError(f"{self.source}: chat template: special-token text inside tools or tool calls; "
-                                    "refused (it would be read as control tokens)")
-        if pattern is None or not any(pattern.search(m["content"]) for m in checked):
+        if pattern is None:
             return Rendered(text, ())
-        defused = [{**m, "content": pattern.sub(lambda x: DEFUSE + x.group()[1:], m["content"])} for m in checked]
-        other = self._render(defused, add_generation_prompt, max_chars, tools)
+        defused_messages, defused_tools = _defused(checked, pattern), _defused(tools, pattern)
+        if defused_messages == checked and defused_tools == tools:
+            return Rendered(text, ())
+        other = self._render(defused_messages, add_generation_prompt, max_chars, defused_tools)
+        refused = TemplateError(f"{self.source}: chat template: a message or tool holds special-token text the "
+                                "template rewrites; refused (it would be read as control tokens)")
         if len(other) != len(text):
-            raise TemplateError(f"{self.source}: chat template: a message holds special-token text the template "
-                                "rewrites; refused (it would be read as control tokens)")
+            raise refused
         foreign = []
         for m in pattern.finditer(text):
             i = m.start()
             if other[i] == DEFUSE:
                 foreign.append(i)
             elif other[i : m.end()] != m.group():
-                raise TemplateError(f"{self.source}: chat template: a message holds special-token text the "
-                                    "template rewrites; refused (it would be read as control tokens)")
+                raise refused
         return Rendered(text, tuple(foreign))
 
     def _render(self, checked: list[dict], add_generation_prompt: bool, max_chars: int,
@@ -161,6 +162,8 @@ def _tool_calls(i: int, calls) -> list[dict]:
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise LeverError(f"{where}: must be {{id, type: function, function: {{name, arguments}}}}")
         args = f.get("arguments", {})
+        if (text_depth(args) if isinstance(args, str) else depth(args)) > MAX_NESTING:
+            raise LeverError(f"{where}.function.arguments: nests deeper than {MAX_NESTING} levels")
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
@@ -197,6 +200,18 @@ def check_messages(messages) -> list[dict]:
             checked["tool_call_id"] = str(m["tool_call_id"])
         out.append(checked)
     return out
+
+
+def _defused(value, pattern: re.Pattern):
+    """`value` with the first character of every special-token text in its strings (keys too)
+    replaced by DEFUSE; its nesting is bounded before (MAX_NESTING)."""
+    if isinstance(value, str):
+        return pattern.sub(lambda x: DEFUSE + x.group()[1:], value)
+    if isinstance(value, dict):
+        return {_defused(k, pattern): _defused(v, pattern) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_defused(v, pattern) for v in value]
+    return value
 
 
 def _raise(message: str) -> None:

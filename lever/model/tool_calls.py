@@ -19,13 +19,15 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 
 from lever.errors import LeverError
+from lever.gguf.chat_template import MAX_NESTING
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.grammar import Grammar
+from lever.nesting import depth, text_depth
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
@@ -62,6 +64,8 @@ def check_tools(tools) -> list[dict]:
         params = f.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
             raise LeverError(f"tools[{i}].function.parameters: must be a JSON Schema object")
+        if depth(params) > MAX_NESTING:
+            raise LeverError(f"tools[{i}].function.parameters: nests deeper than {MAX_NESTING} levels")
         if "description" in f and not isinstance(f["description"], str):
             raise LeverError(f"tools[{i}].function.description: must be a string")
         out.append({"type": "function", "function": {**f, "parameters": params}})
@@ -71,24 +75,36 @@ def check_tools(tools) -> list[dict]:
     return out
 
 
-def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """The reply's text outside its tool-call blocks (stripped), and its calls; a block whose
-    JSON is not {"name": str, "arguments": ...} stays text (the model did not call)."""
+def parse_calls(text: str, names: Collection[str] | None = None) -> tuple[str, list[ToolCall]]:
+    """The reply's text outside its tool-call blocks (stripped), and its calls. A block whose
+    JSON is not {"name": str, "arguments": ...}, or names a function not in `names` (the ones
+    offered; None: any), stays text: the model did not call. A call begun and never closed (a
+    reply cut by its token limit) is neither: no call, and its markup is not text either."""
     calls, kept, at = [], [], 0
     for m in BLOCK.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        obj = _json(m.group(1))
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or \
+                (names is not None and obj["name"] not in names):
             continue
         args = obj.get("arguments", {})
         kept.append(text[at : m.start()])
         at = m.end()
         calls.append(ToolCall("call_" + uuid.uuid4().hex[:24], obj["name"],
                               args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
-    kept.append(text[at:])
+    rest = text[at:]
+    cut = rest.find(OPEN)
+    kept.append(rest if cut < 0 or CLOSE in rest[cut:] else rest[:cut])
     return "".join(kept).strip(), calls
+
+
+def _json(text: str):
+    """The JSON value of `text`; None when it is not JSON or nests past MAX_NESTING."""
+    if text_depth(text) > MAX_NESTING:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def required(tok: Tokenizer, tools: Sequence[dict], name: str | None = None, parallel: bool = True) -> Grammar:
@@ -148,6 +164,7 @@ class CallStream:
     start marker, or a tail that could grow into it), held from there, and parsed at the end:
     text before the calls streams, the calls come whole (as OpenAI's deltas may)."""
 
+    names: Collection[str] | None = None  # the functions offered (None: any)
     held: str = ""
     in_call: bool = False
 
@@ -167,8 +184,7 @@ class CallStream:
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """The held text not sent (untouched when no call parsed) and the calls."""
+        """The held text not sent and the calls (parse_calls: of `names`)."""
         if not self.in_call:
             return self.held, []
-        text, calls = parse_calls(self.held)
-        return (text, calls) if calls else (self.held, [])
+        return parse_calls(self.held, self.names)

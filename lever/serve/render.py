@@ -64,7 +64,8 @@ class Reply:
             if c.tool_calls:  # OpenAI's shape: no text is null, and the reason says why it ended
                 choice["message"] = {"role": "assistant", "content": c.text or None,
                                      "tool_calls": [tc.as_openai() for tc in c.tool_calls]}
-                choice["finish_reason"] = "tool_calls"
+                if c.finish_reason is not StopReason.LENGTH:  # a reply cut by its limit says so
+                    choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = c.text
         return {"id": self.rid, "object": self.object(False), "created": int(time.time()), "model": self.model_id,

@@ -286,8 +286,8 @@ class Server:
         client = request.scope.get("state", {}).get("client")
         if data.get("stream"):
             usage = bool((data.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._stream(request, ids, args, reply, usage, client, bool(data.get("tools")),
-                                                  data), media_type="text/event-stream")
+            return StreamingResponse(self._stream(request, ids, args, reply, usage, client, data.get("tools"), data),
+                                     media_type="text/event-stream")
         try:
             c = await self._generate(request, ids, args, client)
         except Cancelled as e:  # its client left while it waited (nobody reads this), or shutdown
@@ -302,7 +302,7 @@ class Server:
         if c.finish_reason is StopReason.CANCELLED and self.closing:  # cut: never reported as finished
             return error(f"the server is shutting down: the generation was cut after {len(c.tokens)} tokens",
                          503, SHUTTING_DOWN[2])
-        return JSONResponse(reply.body(with_tool_calls(c) if data.get("tools") else c))
+        return JSONResponse(reply.body(with_tool_calls(c, data.get("tools"))))
 
     async def _generate(self, request: Request, ids: list[int], args: dict, client) -> Completion:
         cancel = threading.Event()
@@ -334,7 +334,7 @@ class Server:
             await anyio.sleep(DISCONNECT_POLL_S)
 
     async def _stream(self, request: Request, ids: list[int], args: dict, reply: Reply, usage: bool, client,
-                      tools: bool = False, data: dict | None = None):
+                      tools: list[dict] | None = None, data: dict | None = None):
         cancel = threading.Event()
         self._watch(cancel)
         it = with_call_stream(self.llm.stream_ids(ids, {**args, "cancel": cancel}, session=self.session,
@@ -372,7 +372,7 @@ class Server:
                 if chunk.finish_reason is not None:  # llama.cpp's timings ride on the last chunk
                     finish = OPENAI_FINISH[chunk.finish_reason]
                     if chunk.tool_calls:
-                        finish = "tool_calls"
+                        finish = finish if chunk.finish_reason is StopReason.LENGTH else "tool_calls"
                         yield reply.chunk({"tool_calls": [tc.as_openai(i) for i, tc in enumerate(chunk.tool_calls)]},
                                           None)
                     extra = {"timings": timings(chunk.stats, chunk.usage.cached_tokens)} if chunk.stats else {}

@@ -42,6 +42,27 @@ def test_calls_are_parsed_out_of_the_text():
     assert parse_calls("no call") == ("no call", [])
 
 
+def test_only_offered_functions_become_calls_and_a_cut_call_is_neither_call_nor_text():
+    offered = {"get_weather"}
+    other = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    text, calls = parse_calls("ok " + other, offered)
+    assert calls == [] and text == "ok " + other  # the model wrote it: text, not a call of a function never offered
+    cut = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    assert parse_calls(cut, offered) == ("Sure.", [])
+    whole = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+    text, calls = parse_calls(whole + cut[6:], offered)  # one call, then a second begun and cut
+    assert text == "" and [c.name for c in calls] == ["get_weather"]
+    stream = CallStream(frozenset(offered))
+    assert stream.push("Sure.\n") == "Sure.\n" and stream.push(cut[6:]) == "" and stream.finish() == ("", [])
+
+
+@pytest.mark.parametrize("depth", [65, 100_000])
+def test_arguments_nested_past_the_bound_are_no_call_and_no_crash(depth):
+    args = "[" * depth + "]" * depth
+    text = f'<tool_call>{{"name": "get_weather", "arguments": {args}}}</tool_call>'
+    assert parse_calls(text, {"get_weather"}) == (text, [])
+
+
 def test_a_stream_holds_a_call_whole_and_sends_the_text_before_it():
     s = CallStream()
     pieces = ["Sure", ", one moment.<tool", "_call>\n{\"name\": \"get_time\", ", "\"arguments\": {}}\n</tool_call>"]
@@ -57,6 +78,8 @@ def test_a_stream_holds_a_call_whole_and_sends_the_text_before_it():
     ([], None, "^tools: must be a non-empty list"), ([{"type": "function"}], None, r"^tools\[0\]: must be"),
     ([{"type": "function", "function": {"name": "a b"}}], None, r"^tools\[0\]\.function\.name"),
     ([WEATHER, WEATHER], None, "^tools: two functions share a name"),
+    ([{"type": "function", "function": {"name": "deep", "parameters": json.loads('{"a":' * 500 + "1" + "}" * 500)}}],
+     None, r"^tools\[0\]\.function\.parameters: nests deeper than 64"),
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "^tool_choice: no function named 'nope'"),
     ([WEATHER], "sometimes", "^tool_choice: must be none, auto, required"),
     (None, "required", "^tool_choice: needs tools"),
@@ -101,6 +124,18 @@ def test_streamed_and_session_calls_are_the_one_shot_calls(llm):
         fresh = llm.chat([*s.messages[:2], result], tools=[WEATHER, TIME], max_tokens=12)
         assert "".join(x.text for x in streamed) + "".join(t.name for t in streamed[-1].tool_calls) == \
             fresh.text + "".join(t.name for t in fresh.tool_calls)
+
+
+def test_a_cut_required_call_finishes_by_length_with_no_markup(llm):
+    for stream in (False, True):
+        kw = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 6}
+        if stream:
+            chunks = list(llm.stream_chat(ASK, **kw))
+            text, finish, calls = "".join(c.text for c in chunks), chunks[-1].finish_reason, chunks[-1].tool_calls
+        else:
+            c = llm.chat(ASK, **kw)
+            text, finish, calls = c.text, c.finish_reason, c.tool_calls
+        assert finish == "length" and calls == () and "<tool_call>" not in text, (stream, text)
 
 
 def test_check_tools_keeps_a_default_parameters_schema():
