@@ -31,10 +31,16 @@ import numpy as np
 
 from lever.errors import LeverError
 from lever.gguf.tokenizer import Tokenizer
+from lever.model import bounds, gbnf
+from lever.nesting import text_depth
 
 # whitespace between JSON tokens bounded as llama.cpp's json-schema-to-grammar bounds it (a space,
 # or a newline and up to 20 of indent), so a model fond of blank space still closes its object
 JSON_OPTIONS = {"whitespace_pattern": r"[ ]?|\n[ \t]{0,20}"}
+# a matcher's lexer states (the engine's default is 250,000: up to ~500 MB) and the lexer work of
+# one mask (its default, ~15 ms); a generation past either ends with a GrammarError
+MAX_LEXER_STATES = 10_000
+STEP_LEXER_FUEL = 200_000
 MAX_CACHED_MASKS = 512  # masks kept per generation (each n_vocab / 8 bytes: 19 KB for a 152k vocabulary)
 _ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> Adapter, built once
 
@@ -117,12 +123,18 @@ class Grammar:
     def json_schema(cls, tok: Tokenizer, schema: dict | str, where: str = "json_schema") -> Grammar:
         """JSON that a JSON Schema accepts (OpenAI's `response_format` json_schema)."""
         if isinstance(schema, str):
+            if len(schema) > bounds.MAX_GRAMMAR_BYTES:  # chars: at least as many bytes
+                raise GrammarError(where, f"{len(schema)} characters of JSON, over the bound of "
+                                          f"{bounds.MAX_GRAMMAR_BYTES} bytes")
+            if text_depth(schema) > bounds.MAX_SCHEMA_DEPTH:  # before json.loads recurses into it
+                raise GrammarError(where, f"nests over {bounds.MAX_SCHEMA_DEPTH} levels deep")
             try:
                 schema = json.loads(schema)
             except ValueError as e:
                 raise GrammarError(where, f"not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise GrammarError(where, f"a JSON Schema is an object, got {type(schema).__name__}")
+        _bounded(where, bounds.check_schema, schema)
         return cls._compiled(tok, where, lambda g: g.LLMatcher.grammar_from_json_schema(schema,
                                                                                          overrides=JSON_OPTIONS))
 
@@ -133,21 +145,23 @@ class Grammar:
 
     @classmethod
     def lark(cls, tok: Tokenizer, grammar: str, where: str = "grammar") -> Grammar:
-        """A Lark grammar (llguidance's dialect: `start: ...`); GBNF (llama.cpp's) is converted."""
+        """A Lark grammar (llguidance's dialect: `start: ...`); GBNF (llama.cpp's) is converted
+        (lever.model.gbnf, linear in its size). Both are held to lever.model.bounds first."""
         if not isinstance(grammar, str) or not grammar.strip():
             raise GrammarError(where, "must be a non-empty string")
+        size = len(grammar.encode("utf-8", "replace"))
+        if size > bounds.MAX_GRAMMAR_BYTES:
+            raise GrammarError(where, f"{size} bytes, over the bound of {bounds.MAX_GRAMMAR_BYTES}")
         if "::=" in grammar:  # llama.cpp's GBNF
+            n_rules = grammar.count("::=")
+            if n_rules > bounds.MAX_RULES:
+                raise GrammarError(where, f"{n_rules} rules, over the bound of {bounds.MAX_RULES}")
             try:
-                from llguidance.gbnf_to_lark import gbnf_to_lark
-
-                grammar = gbnf_to_lark(grammar)
-            except Exception as e:  # its parser's own messages
-                raise GrammarError(where, _one_line(e)) from None
+                grammar = gbnf.to_lark(grammar, max_depth=bounds.MAX_GROUP_DEPTH)
+            except gbnf.GbnfError as e:
+                raise GrammarError(where, f"GBNF: {e}") from None
+        _bounded(where, bounds.check_lark, grammar)
         return cls._compiled(tok, where, lambda g: g.LLMatcher.grammar_from_lark(grammar))
-
-    @classmethod
-    def regex(cls, tok: Tokenizer, pattern: str, where: str = "regex") -> Grammar:
-        return cls._compiled(tok, where, lambda g: g.LLMatcher.grammar_from_regex(pattern))
 
     @classmethod
     def _compiled(cls, tok: Tokenizer, where: str, build) -> Grammar:
@@ -158,7 +172,7 @@ class Grammar:
             text = build(llg)
         except Exception as e:  # llguidance raises ValueError (and others) with its reason
             raise GrammarError(where, _one_line(e)) from None
-        matcher = llg.LLMatcher(Adapter.of(tok).ll, text, log_level=0)
+        matcher = llg.LLMatcher(Adapter.of(tok).ll, text, log_level=0, limits=limits())
         if matcher.is_error():
             raise GrammarError(where, _one_line(matcher.get_error() or "not a grammar llguidance accepts"))
         return cls(where, text, tok, matcher=matcher)
@@ -188,6 +202,19 @@ def compile_args(tok: Tokenizer, grammar=None, json_schema=None) -> Grammar | No
     if grammar is not None:
         return Grammar.lark(tok, grammar)
     return Grammar.json_schema(tok, json_schema) if json_schema is not None else None
+
+
+def _bounded(where: str, check, value) -> None:
+    try:
+        check(value)
+    except bounds.BoundError as e:
+        raise GrammarError(where, str(e)) from None
+
+
+def limits():
+    """The engine's own limits on a matcher: lexer states (its memory grows by them as a
+    generation goes, 1-2 kB each), fuel per mask step (its time)."""
+    return _llg().LLParserLimits(max_lexer_states=MAX_LEXER_STATES, step_lexer_fuel=STEP_LEXER_FUEL)
 
 
 def _one_line(e) -> str:
