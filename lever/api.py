@@ -17,7 +17,6 @@ phone's whole compute); calls from several threads queue on a lock.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import queue
@@ -33,7 +32,8 @@ from lever.errors import LeverError
 from lever.gguf.chat_template import ChatTemplate, Rendered, check_messages
 from lever.gguf.identity import ModelIdentity
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
-from lever.model.grammar import Grammar, compile_args
+from lever.model.grammar import Grammar
+from lever.model.grammar_cache import GrammarCache
 from lever.model.stop import StopReason
 from lever.model.tool_calls import CallStream, ToolCall, parse_calls, plan
 from lever.pipelines import saved_session
@@ -47,7 +47,6 @@ from lever.policy.memory import mem_overrides
 MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs bounds them
-MAX_GRAMMARS = 32  # compiled grammars an LLM keeps
 
 # load()'s keywords: each is one config key (the rest go through `overrides`, as --set does); the
 # generation knobs by their call names (lever.config.KNOBS), as the [generate] defaults
@@ -242,7 +241,7 @@ def load(config: str | os.PathLike | None = None, *, overrides: Sequence[str] = 
     if config is None and "kind" not in settings:  # no file: speculative with a draft, else Flash-AR
         sets.insert(0, 'pipeline.kind="speculative"' if settings.get("draft") else 'pipeline.kind="flash-ar"')
     cfg = load_config(config, [*sets, *overrides])
-    return LLM(cfg, Engine.open(cfg), chat_template)
+    return LLM(cfg, Engine.open(cfg, grammars=True), chat_template)  # structured output is in the plan
 
 
 @attrs.define
@@ -254,8 +253,11 @@ class LLM:
     chat_template_text: str | None = None
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
     _template: ChatTemplate | None = None
-    _grammars: dict = attrs.field(factory=dict)  # compiled grammars by their text, oldest first
+    grammars: GrammarCache = attrs.field(init=False)  # compiled grammars, bounded by bytes (lever.model.grammar_cache)
     watch: Watch | None = None  # sees every generation's cycles as they run (a live page: lever.pipelines.watch)
+
+    def __attrs_post_init__(self):
+        self.grammars = GrammarCache(self.engine.tok)  # its compiler's child starts with the first grammar
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -342,6 +344,7 @@ class LLM:
         return shown, sampling
 
     def close(self) -> None:
+        self.grammars.close()  # a compile under way (a server's request thread) fails at once
         with self._lock:
             self.engine.close()
 
@@ -365,18 +368,7 @@ class LLM:
         """The call's `grammar` or `json_schema`, compiled for this tokenizer (one line naming
         the argument when it is not one); compiled grammars are kept, so a server's repeated
         schema is checked once."""
-        g, schema = sampling.get("grammar"), sampling.get("json_schema")
-        if (g is None) == (schema is None) or isinstance(g, Grammar):
-            return compile_args(self.engine.tok, g, schema)  # none, both (refused), or already compiled
-        key = ("grammar", g) if g is not None else ("json_schema", json.dumps(schema, sort_keys=True)
-                                                     if not isinstance(schema, str) else schema)
-        got = self._grammars.get(key)
-        if got is None:
-            got = compile_args(self.engine.tok, g, schema)
-            self._grammars[key] = got
-            while len(self._grammars) > MAX_GRAMMARS:
-                self._grammars.pop(next(iter(self._grammars)))
-        return got
+        return self.grammars.get(sampling.get("grammar"), sampling.get("json_schema"))
 
     def check(self, sampling: dict, n_prompt: int):
         """A call's arguments as this call's [generate], stop strings and cancel event; one line

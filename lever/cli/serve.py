@@ -140,9 +140,11 @@ def main(args) -> int:
                              f"{run_bytes >> 20} MiB, {server_state.bodies.capacity_bytes >> 20} MiB of request "
                              f"bodies and the live page's {live_bytes >> 20} MiB passes [memory] limit "
                              f"({limit >> 20} MiB); give less")
+        llm.grammars.start()  # the grammar compiler's child, before the first schema waits for it
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
               f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}, "
-              f"memory plan {plan_bytes >> 20} MiB (a run {run_bytes >> 20} + bodies "
+              f"memory plan {plan_bytes >> 20} MiB (a run {run_bytes >> 20}, its grammars "
+              f"{llm.engine.plan.grammar_bytes >> 20} among them + bodies "
               f"{server_state.bodies.capacity_bytes >> 20} + kept conversations {server_state.cache_bytes >> 20}"
               f" + live page {live_bytes >> 20})" + (f"; the live page: http://{args.host}:{args.port}/"
                                                       if server_state.page is not None else ""),

@@ -32,6 +32,7 @@ import numpy as np
 from lever.errors import LeverError
 from lever.gguf.tokenizer import Tokenizer
 from lever.model import bounds, gbnf
+from lever.model.grammar_child import CompileProcess, CompileRefused
 from lever.nesting import text_depth
 
 # whitespace between JSON tokens bounded as llama.cpp's json-schema-to-grammar bounds it (a space,
@@ -41,6 +42,7 @@ JSON_OPTIONS = {"whitespace_pattern": r"[ ]?|\n[ \t]{0,20}"}
 # one mask (its default, ~15 ms); a generation past either ends with a GrammarError
 MAX_LEXER_STATES = 10_000
 STEP_LEXER_FUEL = 200_000
+MAX_COMPILED_BYTES = 16 << 20  # what one compiled grammar may hold (1,000 properties: 4 MB)
 MAX_CACHED_MASKS = 512  # masks kept per generation (each n_vocab / 8 bytes: 19 KB for a 152k vocabulary)
 _ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> Adapter, built once
 
@@ -118,10 +120,13 @@ class Grammar:
     text: str = attrs.field(repr=False)  # llguidance's grammar (its JSON form)
     tok: Tokenizer = attrs.field(repr=False, eq=False)
     _matcher: object = attrs.field(repr=False, eq=False, default=None, alias="matcher")  # compiled, never advanced
+    nbytes: int = 0  # what the compiled grammar holds, measured in the compiler's child (0: compiled without one)
 
     @classmethod
-    def json_schema(cls, tok: Tokenizer, schema: dict | str, where: str = "json_schema") -> Grammar:
-        """JSON that a JSON Schema accepts (OpenAI's `response_format` json_schema)."""
+    def json_schema(cls, tok: Tokenizer, schema: dict | str, where: str = "json_schema",
+                    compiler: CompileProcess | None = None) -> Grammar:
+        """JSON that a JSON Schema accepts (OpenAI's `response_format` json_schema). With a
+        `compiler`, the grammar is compiled in its child first (lever.model.grammar_child)."""
         if isinstance(schema, str):
             if len(schema) > bounds.MAX_GRAMMAR_BYTES:  # chars: at least as many bytes
                 raise GrammarError(where, f"{len(schema)} characters of JSON, over the bound of "
@@ -135,16 +140,18 @@ class Grammar:
         if not isinstance(schema, dict):
             raise GrammarError(where, f"a JSON Schema is an object, got {type(schema).__name__}")
         _bounded(where, bounds.check_schema, schema)
-        return cls._compiled(tok, where, lambda g: g.LLMatcher.grammar_from_json_schema(schema,
-                                                                                         overrides=JSON_OPTIONS))
+        return cls._compiled(tok, where, lambda g: g.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS),
+                             compiler)
 
     @classmethod
-    def json_object(cls, tok: Tokenizer, where: str = "response_format") -> Grammar:
+    def json_object(cls, tok: Tokenizer, where: str = "response_format",
+                    compiler: CompileProcess | None = None) -> Grammar:
         """Any JSON object (OpenAI's `response_format` json_object)."""
-        return cls.json_schema(tok, {"type": "object"}, where)
+        return cls.json_schema(tok, {"type": "object"}, where, compiler)
 
     @classmethod
-    def lark(cls, tok: Tokenizer, grammar: str, where: str = "grammar") -> Grammar:
+    def lark(cls, tok: Tokenizer, grammar: str, where: str = "grammar",
+             compiler: CompileProcess | None = None) -> Grammar:
         """A Lark grammar (llguidance's dialect: `start: ...`); GBNF (llama.cpp's) is converted
         (lever.model.gbnf, linear in its size). Both are held to lever.model.bounds first."""
         if not isinstance(grammar, str) or not grammar.strip():
@@ -161,21 +168,31 @@ class Grammar:
             except gbnf.GbnfError as e:
                 raise GrammarError(where, f"GBNF: {e}") from None
         _bounded(where, bounds.check_lark, grammar)
-        return cls._compiled(tok, where, lambda g: g.LLMatcher.grammar_from_lark(grammar))
+        return cls._compiled(tok, where, lambda g: g.LLMatcher.grammar_from_lark(grammar), compiler)
 
     @classmethod
-    def _compiled(cls, tok: Tokenizer, where: str, build) -> Grammar:
-        """The engine's grammar text from `build`, compiled once into a matcher each generation
-        copies (a copy is a microsecond; a compile, from a third of a millisecond up)."""
+    def _compiled(cls, tok: Tokenizer, where: str, build, compiler: CompileProcess | None) -> Grammar:
+        """The engine's grammar text from `build`, compiled (in `compiler`'s child first, which
+        measures it) once into a matcher each generation copies (a copy is a microsecond; a
+        compile, from a third of a millisecond up)."""
         llg = _llg()
         try:
             text = build(llg)
         except Exception as e:  # llguidance raises ValueError (and others) with its reason
             raise GrammarError(where, _one_line(e)) from None
-        matcher = llg.LLMatcher(Adapter.of(tok).ll, text, log_level=0, limits=limits())
+        nbytes = 0
+        if compiler is not None:
+            try:
+                nbytes = compiler.check(text)
+            except CompileRefused as e:
+                raise GrammarError(where, str(e)) from None
+            if nbytes > MAX_COMPILED_BYTES:
+                raise GrammarError(where, f"compiled, it holds {nbytes >> 20} MiB, over the bound of "
+                                          f"{MAX_COMPILED_BYTES >> 20} MiB")
+        matcher = llg.LLMatcher(Adapter.of(tok).ll, text, log_level=0, limits=llg.LLParserLimits(**matcher_limits()))
         if matcher.is_error():
             raise GrammarError(where, _one_line(matcher.get_error() or "not a grammar llguidance accepts"))
-        return cls(where, text, tok, matcher=matcher)
+        return cls(where, text, tok, matcher=matcher, nbytes=nbytes)
 
     def fresh_matcher(self):
         """A matcher at the start of the text."""
@@ -192,16 +209,28 @@ class Grammar:
         return Constraint(self, n_vocab)
 
 
-def compile_args(tok: Tokenizer, grammar=None, json_schema=None) -> Grammar | None:
-    """A call's `grammar` (Lark or GBNF text, or a Grammar) or `json_schema` (a dict, or its
-    JSON text), compiled; None when neither is given."""
+@attrs.frozen
+class Source:
+    """A Lark (or GBNF) grammar's text and the argument it came in, for errors: what a tool
+    call's plan hands on (lever.model.tool_calls), to be compiled where grammars are."""
+
+    text: str
+    where: str
+
+
+def compile_args(tok: Tokenizer, grammar=None, json_schema=None, compiler: CompileProcess | None = None
+                 ) -> Grammar | None:
+    """A call's `grammar` (Lark or GBNF text, a Source, or a Grammar) or `json_schema` (a
+    dict, or its JSON text), compiled; None when neither is given."""
     if grammar is not None and json_schema is not None:
-        raise LeverError("grammar: give a grammar or a json_schema, not both")
+        raise GrammarError("grammar", "give a grammar or a json_schema, not both")
     if isinstance(grammar, Grammar):
         return grammar
+    if isinstance(grammar, Source):
+        return Grammar.lark(tok, grammar.text, grammar.where, compiler)
     if grammar is not None:
-        return Grammar.lark(tok, grammar)
-    return Grammar.json_schema(tok, json_schema) if json_schema is not None else None
+        return Grammar.lark(tok, grammar, compiler=compiler)
+    return Grammar.json_schema(tok, json_schema, compiler=compiler) if json_schema is not None else None
 
 
 def _bounded(where: str, check, value) -> None:
@@ -211,10 +240,10 @@ def _bounded(where: str, check, value) -> None:
         raise GrammarError(where, str(e)) from None
 
 
-def limits():
-    """The engine's own limits on a matcher: lexer states (its memory grows by them as a
-    generation goes, 1-2 kB each), fuel per mask step (its time)."""
-    return _llg().LLParserLimits(max_lexer_states=MAX_LEXER_STATES, step_lexer_fuel=STEP_LEXER_FUEL)
+def matcher_limits() -> dict:
+    """The engine's own limits on a matcher (LLParserLimits' keywords): lexer states (its
+    memory grows by them as a generation goes, 1-2 kB each), fuel per mask step (its time)."""
+    return {"max_lexer_states": MAX_LEXER_STATES, "step_lexer_fuel": STEP_LEXER_FUEL}
 
 
 def _one_line(e) -> str:

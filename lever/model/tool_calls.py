@@ -26,7 +26,7 @@ import attrs
 from lever.errors import LeverError
 from lever.gguf.chat_template import MAX_NESTING
 from lever.gguf.tokenizer import Tokenizer
-from lever.model.grammar import Grammar
+from lever.model.grammar import Source
 from lever.nesting import depth, text_depth
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -107,7 +107,7 @@ def _json(text: str):
         return None
 
 
-def required(tok: Tokenizer, tools: Sequence[dict], name: str | None = None, parallel: bool = True) -> Grammar:
+def required(tok: Tokenizer, tools: Sequence[dict], name: str | None = None, parallel: bool = True) -> Source:
     """The grammar of a reply that is one or more calls (exactly one unless `parallel`; of `name`
     alone, when given), each's
     arguments valid under its function's parameters schema. The markers are the tokenizer's own
@@ -127,10 +127,10 @@ def required(tok: Tokenizer, tools: Sequence[dict], name: str | None = None, par
     lark = (f"start: call {more}\"\\n\"?\n"  # a newline may end it, as the models write
             f"call: {marker(OPEN)} \"\\n\" body \"\\n\" {marker(CLOSE)}\n"
             f"body: %json {json.dumps(schema)}\n")
-    return Grammar.lark(tok, lark, where="tool_choice")
+    return Source(lark, "tool_choice")
 
 
-def plan(tok: Tokenizer, tools, tool_choice, parallel: bool = True) -> tuple[list[dict] | None, Grammar | None]:
+def plan(tok: Tokenizer, tools, tool_choice, parallel: bool = True) -> tuple[list[dict] | None, Source | None]:
     """What a request's `tools` and `tool_choice` (OpenAI's) mean for one generation: the
     functions the template shows (none for "none") and the grammar that enforces a call
     ("required", or {"type": "function", "function": {"name": ...}}; None for "auto").

@@ -28,7 +28,8 @@ from lever.config import Config
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
-from lever.model.grammar import compile_args
+from lever.model.grammar import compile_args, matcher_limits
+from lever.model.grammar_child import CompileProcess
 from lever.model.transformer import Model
 from lever.pipelines.compose import KVState, Request, compose
 from lever.pipelines.plan import RunPlan
@@ -54,8 +55,12 @@ def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None, observ
 
 def _run_kind(cfg: Config, name: str, prompt: str, *, on_text=None, trace_path=None, observer=None,
               constrain: dict | None = None) -> RunResult:
-    with Engine.open(cfg, name, prompt=prompt) as engine:
-        grammar = compile_args(engine.tok, **constrain) if constrain else None
+    with Engine.open(cfg, name, prompt=prompt, grammars=bool(constrain)) as engine:
+        grammar = None
+        if constrain:  # compiled in a child first: its time and memory bounded (lever.model.grammar_child)
+            tok = engine.tok
+            with CompileProcess(tok.vocab_size, dict(tok.specials), tok.eos_id, limits=matcher_limits()) as compiler:
+                grammar = compile_args(engine.tok, **constrain, compiler=compiler)
         return engine.run(Request(engine.encode(prompt), observer=observer, grammar=grammar), on_text=on_text,
                           trace_path=trace_path)
 
@@ -74,10 +79,12 @@ class Engine:
     process_bytes: int | None = None
 
     @classmethod
-    def open(cls, cfg: Config, name: str | None = None, *, prompt: str | None = None) -> Engine:
+    def open(cls, cfg: Config, name: str | None = None, *, prompt: str | None = None, grammars: bool = False
+             ) -> Engine:
         """The plan first (headers and tokenizer, nothing loaded), then the memory plan for
-        `prompt` (or for a tree pass when none is known yet) is checked, then the models load."""
-        plan = RunPlan.resolve(cfg, name)
+        `prompt` (or for a tree pass when none is known yet) is checked, then the models load.
+        `grammars`: structured output may run (its part of the plan: RunPlan.resolve)."""
+        plan = RunPlan.resolve(cfg, name, grammars=grammars)
         for line in plan.warnings:
             print(f"lever: warning: {line}", file=sys.stderr)
         engine = cls(plan, process_bytes=psutil.Process().memory_info().rss)

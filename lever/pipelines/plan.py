@@ -33,6 +33,7 @@ from lever.gguf.file import GGUFFile
 from lever.gguf.spec import ModelSpec, read_spec
 from lever.gguf.tokenizer import Tokenizer
 from lever.gguf.vocab_map import VocabMap, pair_vocabularies
+from lever.model.grammar_cache import plan_bytes
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.cost_model import CostModel, cost_model_for
 from lever.policy.memory import (
@@ -75,12 +76,14 @@ class RunPlan:
     runtime_bytes: int = 0  # an accelerator runtime's own DRAM, for the memory plan
     warnings: tuple[str, ...] = ()  # one line each, for the caller to print
     fill: MemoryPlan | None = None  # [flash] dram_budget = "fill": the plan the resident layers were placed by
+    grammar_bytes: int = 0  # structured output's part of the memory plan (lever.model.grammar_cache); 0: none runs
 
     def memory_plan(self, n_prompt: int, process_bytes: int | None = None) -> MemoryPlan:
         """This run's memory plan for a prompt of n_prompt tokens (run_memory)."""
         return run_memory(target=self.target_file, spec=self.spec, flash=self.flash, tree=self.tree, n_ctx=self.n_ctx,
                           draft_file=self.draft_file, draft_spec=self.draft_spec, runtime_bytes=self.runtime_bytes,
-                          n_prompt=n_prompt, resident=self.resident, process_bytes=process_bytes)
+                          n_prompt=n_prompt, resident=self.resident, process_bytes=process_bytes,
+                          grammar_bytes=self.grammar_bytes)
 
     @property
     def drafts(self) -> bool:
@@ -102,9 +105,10 @@ class RunPlan:
 
     @classmethod
     def resolve(cls, cfg: Config, kind: str | None = None, *, target: GGUFFile | None = None,
-                tok: Tokenizer | None = None) -> RunPlan:
+                tok: Tokenizer | None = None, grammars: bool = False) -> RunPlan:
         """The plan of `kind` (default [pipeline] kind) under `cfg`; `target` and `tok` when the
-        caller has them open already (else read from [model] target)."""
+        caller has them open already (else read from [model] target); `grammars`: structured
+        output may run (a grammar cache's bytes in the memory plan: grammar_cache.plan_bytes)."""
         pk = PIPELINE_KINDS[kind or cfg.pipeline.kind]
         if not cfg.model.target:
             raise LeverError(f"{cfg.where}: [model] target: no target model given")
@@ -126,9 +130,10 @@ class RunPlan:
             # special ids that differ are warned (lever.gguf.vocab_map)
             vocab, warnings = pair_vocabularies(f, draft_file)
         fill = None
+        grammar_bytes = plan_bytes(spec.n_vocab) if grammars else 0
         if parse_budget(flash.dram_budget).kind == "fill":
             resident, fill = _fill(cfg, f, spec, flash=flash, tree=tree, n_ctx=n_ctx, draft_file=draft_file,
-                                   draft_spec=draft_spec)
+                                   draft_spec=draft_spec, grammar_bytes=grammar_bytes)
         else:
             resident = plan_residency([e.buffer_bytes for e in layer_extents(f)], flash.dram_budget)
         cost = pruning = acceptance = None
@@ -141,22 +146,23 @@ class RunPlan:
                                   draft_spec=draft_spec, n_ctx=n_ctx)
         return cls(cfg.where, pk, tree, flash, resident, n_ctx, cfg.generate, cfg.channels, cfg.runtime, cfg.memory,
                    f, spec, tok, draft_file, draft_spec, vocab, cost, pruning, acceptance, placement,
-                   runtime_bytes_for(cfg.placement), tuple(warnings), fill)
+                   runtime_bytes_for(cfg.placement), tuple(warnings), fill, grammar_bytes)
 
 
 def run_memory(*, target: GGUFFile, spec: ModelSpec, flash: FlashConfig, tree: TreeExpandConfig, n_ctx: int,
                draft_file: GGUFFile | None, draft_spec: ModelSpec | None, runtime_bytes: int, n_prompt: int,
-               resident: frozenset[int], process_bytes: int | None = None) -> MemoryPlan:
+               resident: frozenset[int], process_bytes: int | None = None, grammar_bytes: int = 0) -> MemoryPlan:
     """A run's memory plan (lever.policy.memory.plan_memory) for a prompt of n_prompt tokens:
     the one wiring of its parts, for Engine's check and for fill's placement alike."""
     return plan_memory(target, spec, flash, n_ctx=n_ctx, n_pass_tokens=max(n_prompt, tree.max_nodes),
                        tree_rows=tree.max_nodes, draft=draft_file, draft_spec=draft_spec,
                        draft_rows=tree.draft_rows if tree.drafts else 0, runtime_bytes=runtime_bytes,
-                       resident=resident, process_bytes=process_bytes)
+                       resident=resident, process_bytes=process_bytes, grammar_bytes=grammar_bytes)
 
 
 def _fill(cfg: Config, f: GGUFFile, spec: ModelSpec, *, flash: FlashConfig, tree: TreeExpandConfig, n_ctx: int,
-          draft_file: GGUFFile | None, draft_spec: ModelSpec | None) -> tuple[frozenset[int], MemoryPlan]:
+          draft_file: GGUFFile | None, draft_spec: ModelSpec | None,
+          grammar_bytes: int = 0) -> tuple[frozenset[int], MemoryPlan]:
     """[flash] dram_budget = "fill": the layers [memory] limit holds beside everything else
     the run plans (run_memory's parts, for a prompt of up to FILL_PROMPT_TOKENS)."""
     limit = cfg.memory.limit_bytes
@@ -168,7 +174,8 @@ def _fill(cfg: Config, f: GGUFFile, spec: ModelSpec, *, flash: FlashConfig, tree
     def plan(resident: frozenset[int]) -> MemoryPlan:
         return run_memory(target=f, spec=spec, flash=flash, tree=tree, n_ctx=n_ctx, draft_file=draft_file,
                           draft_spec=draft_spec, runtime_bytes=runtime_bytes_for(cfg.placement),
-                          n_prompt=FILL_PROMPT_TOKENS, resident=resident, process_bytes=process_bytes)
+                          n_prompt=FILL_PROMPT_TOKENS, resident=resident, process_bytes=process_bytes,
+                          grammar_bytes=grammar_bytes)
 
     try:
         return fill_residency(limit, spec.n_layer, plan)

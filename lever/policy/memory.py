@@ -77,6 +77,7 @@ class MemoryPlan:
     process_bytes: int  # the process before loading: interpreter, libraries, tokenizer
     slack_bytes: int = RUNTIME_SLACK_BYTES
     runtime_bytes: int = 0  # an accelerator runtime's own allocations (QNN_RUNTIME_BYTES when a stage is on qnn)
+    grammar_bytes: int = 0  # structured output: compiled grammars, a generation's matcher, the compiler's child
 
     @property
     def total_bytes(self) -> int:
@@ -86,7 +87,8 @@ class MemoryPlan:
         parts = (("resident layers", self.resident_layer_bytes), ("head", self.head_bytes),
                  ("window", self.window_bytes), ("KV cache", self.kv_cache_bytes), ("draft", self.draft_bytes),
                  ("activations", self.activation_bytes), ("process", self.process_bytes),
-                 ("slack", self.slack_bytes)) + ((("QNN runtime", self.runtime_bytes),) if self.runtime_bytes else ())
+                 ("slack", self.slack_bytes)) + ((("QNN runtime", self.runtime_bytes),) if self.runtime_bytes else ()) \
+            + ((("grammars", self.grammar_bytes),) if self.grammar_bytes else ())
         return f"{mib(self.total_bytes)} = " + " + ".join(f"{name} {mib(n)}" for name, n in parts)
 
     @property
@@ -126,10 +128,11 @@ def activation_bytes(spec: ModelSpec, n_tok: int, n_rows: int, n_logit_rows: int
 def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx: int, n_pass_tokens: int,
                 tree_rows: int = 1, draft: GGUFFile | None = None, draft_spec: ModelSpec | None = None,
                 draft_rows: int = 0, process_bytes: int | None = None, runtime_bytes: int = 0,
-                resident: frozenset[int] | None = None) -> MemoryPlan:
+                resident: frozenset[int] | None = None, grammar_bytes: int = 0) -> MemoryPlan:
     """The plan of one run: n_ctx context rows, passes of at most n_pass_tokens tokens (the
     prompt's prefill or a tree of tree_rows), a draft's cache of n_ctx + draft_rows rows, and
-    `runtime_bytes` of an accelerator runtime (`runtime_bytes_for(cfg.placement)`); `resident`:
+    `runtime_bytes` of an accelerator runtime (`runtime_bytes_for(cfg.placement)`), and
+    `grammar_bytes` of structured output (lever.model.grammar_cache.plan_bytes); `resident`:
     the layers kept in DRAM (a RunPlan's), else planned from `flash`."""
     extents = layer_extents(target)
     layer_bytes = [e.buffer_bytes for e in extents]
@@ -149,7 +152,8 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx:
     if process_bytes is None:
         process_bytes = psutil.Process().memory_info().rss
     return MemoryPlan(sum(resident_layer_bytes(target, spec, i) for i in resident), head, window,
-                      KVCache.bytes_for(spec, n_rows), draft_total, acts, process_bytes, runtime_bytes=runtime_bytes)
+                      KVCache.bytes_for(spec, n_rows), draft_total, acts, process_bytes, runtime_bytes=runtime_bytes,
+                      grammar_bytes=grammar_bytes)
 
 
 # A prompt a plan that fills [memory] limit leaves room for: its prefill's activations are the
@@ -186,6 +190,7 @@ KEYS = {"resident_layer_bytes": ("resident layers", "[flash] dram_budget"), "hea
         "kv_cache_bytes": ("KV cache", "[model] n_ctx or [tree_expand] max_nodes"),
         "draft_bytes": ("draft", "[model] draft or [model] n_ctx"),
         "activation_bytes": ("activations", "the prompt or [tree_expand] max_nodes")}
+# (grammar_bytes is not a config's to size: it is fixed where structured output may run)
 
 
 def largest(plan: MemoryPlan) -> str:

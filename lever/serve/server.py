@@ -79,6 +79,9 @@ class Server:
     # at most a body's bound of memory); renders one at a time, the renderer's child being one
     _prep: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(PREP_THREADS))
     _renders: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
+    # grammars compile one at a time in their own thread: a slow one holds other grammars'
+    # requests, never plain completions or /tokenize (lever.model.grammar_cache)
+    _compiles: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))
     max_prompt_bytes: int = attrs.field(init=False)
     bodies: BodyPool = attrs.field(factory=BodyPool)  # bodies being read and parsed, bounded together
     metrics: Metrics | None = None  # running totals for /metrics; None: not served
@@ -113,6 +116,7 @@ class Server:
         with self._lock:
             self.closing = True
         self.renderer.close()
+        self.llm.grammars.close()  # a grammar compiling in its child fails at once
         timer = threading.Timer(grace_s, self._cancel_all)
         timer.daemon = True
         timer.start()
@@ -166,7 +170,6 @@ class Server:
         ids = self.llm.encode_chat(messages, rendered) if messages is not None else self.llm.encode_prompt(
             data["prompt"])
         self.llm.check(args, len(ids))
-        self.llm.grammar(args)  # compiled (and kept) here, so a bad one is a 400 before the queue
         return ids
 
     def _check_bytes(self, n_bytes: int, field: str) -> None:
@@ -273,6 +276,8 @@ class Server:
             rendered = None if messages is None else \
                 await anyio.to_thread.run_sync(self.render, messages, data.get("tools"), limiter=self._renders)
             ids = await anyio.to_thread.run_sync(self.encode, data, args, messages, rendered, limiter=self._prep)
+            # compiled (and kept) here, so a bad grammar is a 400 before the queue
+            await anyio.to_thread.run_sync(self.llm.grammar, args, limiter=self._compiles)
             self.admit()
         except BadRequest as e:
             return error(e.message, e.status, e.kind, e.param)
