@@ -57,3 +57,33 @@ def write_deep_target(src: Path, dst: Path, factor: int) -> Path:
         w.write_tensor_data(np.zeros(int(t.n_bytes), np.uint8) if zeroed else t.data, tensor_endianess=r.endianess)
     w.close()
     return dst
+
+
+def write_shallow_copy(src: Path, dst: Path, n_block: int) -> Path:
+    """The first `n_block` blocks of a GGUF, its head and tokenizer the same: a draft that
+    shares its target's vocabulary and disagrees with it often (its last blocks are gone)."""
+    r = gguf.GGUFReader(src)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    count_key = f"{arch}.block_count"
+    w = _Writer(dst, "", endianess=r.endianess)
+    w.kv_data[0].clear()
+    for key, field in r.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if key == count_key:
+            w.add_uint32(key, n_block)
+            continue
+        value, vtype, item_type = _field_value(src, field)
+        w.add_key_value(key, value, vtype, sub_type=item_type)
+    w.data_alignment = r.alignment
+    kept = [t for t in r.tensors if not (m := _BLOCK.match(t.name)) or int(m[1]) < n_block]
+    for t in kept:
+        shape = [int(d) for d in reversed(t.shape.tolist())]
+        w.add_tensor_info(t.name, shape, np.dtype(np.float32), int(t.n_bytes), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in kept:
+        w.write_tensor_data(t.data, tensor_endianess=r.endianess)
+    w.close()
+    return dst

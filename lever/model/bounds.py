@@ -11,7 +11,8 @@ what a tool's or an app's schema needs (OpenAI's structured outputs allow 5,000 
 all, 10 levels of nesting). A grammar past one is refused with its field, the bound and its figure.
 
 Counts the engine keeps as counters are not bounded: a schema's minLength / maxLength /
-minItems / maxItems (a million each compiled in a millisecond), and repetitions of a Lark rule.
+minItems / maxItems (a million each compiled in a millisecond). A Lark grammar's counts are
+multiplied through the rules they repeat (a conservative bound: the engine inlines many rules).
 """
 
 from __future__ import annotations
@@ -96,10 +97,9 @@ def _escaped(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def longest_chain(edges: dict[str, list[str]]) -> int:
-    """The most nodes a path through `edges` visits, a cycle's nodes all counted (its strongly
-    connected component weighs its size): iterative Tarjan, then the longest path over the
-    components, which form a DAG."""
+def components(edges: dict[str, list[str]]) -> tuple[dict[str, int], list[int]]:
+    """Each node's strongly connected component and the components' sizes, numbered so that a
+    component comes after every one it reaches (iterative Tarjan: no recursion per node)."""
     nodes = list(dict.fromkeys([*edges, *(t for ts in edges.values() for t in ts)]))
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -139,12 +139,18 @@ def longest_chain(edges: dict[str, list[str]]) -> int:
                     if x == node:
                         break
                 sizes.append(size)
-    # Tarjan numbers components in reverse topological order: successors first
-    best = [0] * len(sizes)
+    return comp, sizes
+
+
+def longest_chain(edges: dict[str, list[str]]) -> int:
+    """The most nodes a path through `edges` visits, a cycle's nodes all counted (its strongly
+    connected component weighs its size): the longest path over the components, a DAG."""
+    comp, sizes = components(edges)
     members: dict[int, list[str]] = collections.defaultdict(list)
     for n, c in comp.items():
         members[c].append(n)
-    for c in range(len(sizes)):
+    best = [0] * len(sizes)
+    for c in range(len(sizes)):  # successors first
         after = max((best[comp[t]] for n in members[c] for t in edges.get(n, ()) if comp[t] != c), default=0)
         best[c] = sizes[c] + after
     return max(best, default=0)
@@ -249,40 +255,25 @@ def check_lark(text: str) -> None:
     if longest > MAX_REFERENCE_CHAIN:
         raise BoundError(f"a chain of {longest} rules, each referring to the next, over the bound of "
                          f"{MAX_REFERENCE_CHAIN}")
-    # a terminal (capitals) is one lexeme with the terminals it refers to inlined: their
-    # repetitions multiply; a rule's are the parser's (counted, not unrolled)
+    # the engine inlines what a definition refers to where it can (a terminal always, a rule
+    # of one literal too: `start: a{100000}` with `a: "a"` cost as much as `"a"{100000}`), so
+    # counts multiply through every reference but those within a cycle
+    comp, _ = components(refs)
+    by_comp: dict[int, list[str]] = collections.defaultdict(list)
+    for name, c in comp.items():
+        by_comp[c].append(name)
     weights: dict[str, int] = {}
-    for name in _terminals_in_order(refs):
-        w = local.get(name, 1)
-        for ref, count in counted.get(name, ()):
-            if ref.isupper():
-                w = max(w, count * weights.get(ref, 1))
-        weights[name] = w
-    for name, w in {**local, **weights}.items():
+    for c in sorted(by_comp):  # successors first
+        for name in by_comp[c]:
+            w = local.get(name, 1)
+            for ref, count in counted.get(name, ()):
+                if comp[ref] != c:
+                    w = max(w, count * weights.get(ref, 1))
+            weights[name] = w
+    for name, w in weights.items():
         if w > MAX_REPEAT:
             raise BoundError(f"{name}: repeats {w} times over (counts nested, multiplied), over the bound of "
                              f"{MAX_REPEAT}")
-
-
-def _terminals_in_order(refs: dict[str, list[str]]) -> list[str]:
-    """The terminals, each after those it refers to (a cycle among terminals is the engine's
-    error to report; its members are taken once, in any order)."""
-    order, seen = [], set()
-    for root in refs:
-        if not root.isupper() or root in seen:
-            continue
-        stack = [(root, iter([r for r in refs.get(root, ()) if r.isupper()]))]
-        seen.add(root)
-        while stack:
-            node, children = stack[-1]
-            child = next(children, None)
-            if child is None:
-                stack.pop()
-                order.append(node)
-            elif child not in seen:
-                seen.add(child)
-                stack.append((child, iter([r for r in refs.get(child, ()) if r.isupper()])))
-    return order
 
 
 _TILDE = re.compile(r"~\s*(\d+)(?:\s*\.\.\s*(\d+))?")

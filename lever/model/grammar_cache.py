@@ -27,7 +27,7 @@ from lever.model.grammar import (
     compile_args,
     matcher_limits,
 )
-from lever.model.grammar_child import CHILD_BYTES, CompileProcess, CompileRefused
+from lever.model.grammar_child import CompileProcess, CompileRefused, child_bytes
 from lever.nesting import depth
 
 CACHE_BYTES = 32 << 20  # compiled grammars kept (a tool's schema: tens of kB; 1,000 properties: 4 MB)
@@ -44,7 +44,7 @@ def generation_bytes(n_vocab: int) -> int:
 def plan_bytes(n_vocab: int, cache_bytes: int = CACHE_BYTES) -> int:
     """Structured output's part of a memory plan: a cache of `cache_bytes` full, one
     generation's matcher and masks, the compiler's child."""
-    return cache_bytes + generation_bytes(n_vocab) + CHILD_BYTES
+    return cache_bytes + generation_bytes(n_vocab) + child_bytes(n_vocab)
 
 
 @attrs.define
