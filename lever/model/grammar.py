@@ -5,8 +5,8 @@ every token it emits (so greedy output is constrained autoregressive greedy outp
 is drawn from the constrained distribution exactly), and Draft masks the draft's logits at every
 node it expands (so no tree grows a branch the grammar forbids). A tree's nodes are paths, not
 one text: `Constraint.mask(path)` answers for any token sequence since the generation began, by
-moving one matcher there (rolling back to the common prefix, consuming the rest) and caching the
-masks it computed, so Accept finds the masks Draft already paid for.
+moving one matcher there (back to the common prefix from a saved copy, forward over the rest)
+and caching the masks it computed, so Accept finds the masks Draft already paid for.
 
 The grammar engine is llguidance (Microsoft's, in Rust, on PyPI with no dependencies): it takes
 JSON schemas, Lark grammars and regular expressions, builds its token trie from the vocabulary
@@ -43,6 +43,8 @@ JSON_OPTIONS = {"whitespace_pattern": r"[ ]?|\n[ \t]{0,20}"}
 MAX_LEXER_STATES = 10_000
 STEP_LEXER_FUEL = 200_000
 MAX_COMPILED_BYTES = 16 << 20  # what one compiled grammar may hold (1,000 properties: 4 MB)
+CHECKPOINT_EVERY = 8  # tokens of a path between saved copies of the matcher (Constraint._walk)
+MAX_CHECKPOINTS = 16  # copies kept (each 60-100 kB at hundreds of tokens): back 128 tokens from copies
 MAX_CACHED_MASKS = 512  # masks kept per generation (each n_vocab / 8 bytes: 19 KB for a 152k vocabulary)
 _ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> Adapter, built once
 
@@ -276,6 +278,7 @@ class Constraint:
     stats: ConstraintStats = attrs.field(factory=ConstraintStats)
     _matcher: object = attrs.field(init=False, repr=False)
     _at: list[int] = attrs.field(factory=list)  # the tokens the matcher has consumed (never an end token)
+    _marks: dict = attrs.field(factory=dict, repr=False)  # len(_at[:p]) -> a copy of the matcher there
     _cache: collections.OrderedDict = attrs.field(factory=collections.OrderedDict, repr=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
     _eos: frozenset = attrs.field(init=False, repr=False)
@@ -314,38 +317,51 @@ class Constraint:
 
     def _walk(self, key: tuple[int, ...]) -> bytes:
         """Moves the matcher to `key` (back to the common prefix, then forward), checking each
-        token against the mask before it is consumed: a refused token makes a dead path, and
-        the matcher never enters its error state.
+        new token against the mask before it is consumed: a refused token makes a dead path,
+        and the matcher never enters its error state.
 
-        An end token is never consumed: where the grammar has stopped, llguidance takes one
-        without counting it, so a rollback past it undid one token too many and every mask after
-        was one token behind the path (a second string of blanks allowed, a `0` allowed and then
-        refused: the texts that differed call to call and ended unclosed, issue 44). Whether an
-        end token may come is the mask's own bit; after one, nothing comes."""
+        Back is never llguidance's rollback. After one, a matcher that consumed several tokens
+        before its next mask could sit in another state than a fresh matcher given the same
+        tokens (a key's closing quote and a newline in one token, `"\\n`), and an end token
+        taken where the grammar had stopped was not counted, so a rollback past it undid one
+        token too many: masks one token behind the path, texts that differed call to call
+        (issue 44). Back is a copy of the matcher saved at or before the common prefix (every
+        CHECKPOINT_EVERY tokens of the path, the last MAX_CHECKPOINTS of them), or a fresh one,
+        moved forward over tokens it took before: forward only, a microsecond a token.
+        An end token is never consumed: whether it may come is the mask's own bit, and after
+        one, nothing comes."""
         if any(t in self._eos for t in key):
             return b""
-        m, at = self._matcher, self._at
+        at = self._at
         k = 0
         while k < min(len(at), len(key)) and at[k] == key[k]:
             k += 1
-        if len(at) > k and not m.rollback(len(at) - k):
-            self._restart(key[:k])
-        del at[k:]
+        if len(at) > k:
+            self._back_to(k)
         n_tok = self.grammar.tok.vocab_size
         for t in key[k:]:
             here = self._here()
             if not (0 <= t < n_tok and here[t >> 3] >> (t & 7) & 1):
                 return b""  # dead: nothing follows a refused token
-            if not m.consume_token(t):
+            if not self._matcher.consume_token(t):
                 raise self._gave_up(f"refused token {t} that its own mask allowed")
             at.append(t)
+            if len(at) % CHECKPOINT_EVERY == 0:
+                self._marks[len(at)] = self._matcher.deep_copy()
+                while len(self._marks) > MAX_CHECKPOINTS:
+                    del self._marks[min(self._marks)]
         return self._here()
 
-    def _restart(self, prefix: tuple[int, ...]) -> None:
-        """A new matcher at `prefix` (each of its tokens was allowed on the way here)."""
-        self._matcher = self.grammar.fresh_matcher()
-        if not self._matcher.consume_tokens(list(prefix)):
+    def _back_to(self, k: int) -> None:
+        """The matcher at the first `k` tokens of the path it is on."""
+        for p in [p for p in self._marks if p > k]:
+            del self._marks[p]
+        c = max(self._marks, default=0)
+        m = self._marks[c].deep_copy() if c else self.grammar.fresh_matcher()
+        if not m.consume_tokens(self._at[c:k]):  # each was consumed on the way here before
             raise self._gave_up("could not return to the text generated so far")
+        self._matcher = m
+        del self._at[k:]
 
     def _here(self) -> bytes:
         key = tuple(self._at)

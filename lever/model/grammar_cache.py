@@ -20,6 +20,7 @@ from lever.gguf.tokenizer import Tokenizer
 from lever.model import bounds
 from lever.model.grammar import (
     MAX_CACHED_MASKS,
+    MAX_CHECKPOINTS,
     MAX_LEXER_STATES,
     Grammar,
     GrammarError,
@@ -33,12 +34,14 @@ from lever.nesting import depth
 CACHE_BYTES = 32 << 20  # compiled grammars kept (a tool's schema: tens of kB; 1,000 properties: 4 MB)
 MAX_GRAMMARS = 64  # and at most this many
 LEXER_STATE_BYTES = 2 << 10  # the engine's figure for one lexer state (1-2 kB)
+CHECKPOINT_BYTES = 256 << 10  # a saved copy of a matcher (58 kB at 700 tokens of JSON, measured; it grows with them)
 
 
 def generation_bytes(n_vocab: int) -> int:
     """What one constrained generation adds beside its grammar: the matcher's lexer states at
-    their limit, and the masks it keeps (n_vocab / 8 bytes each)."""
-    return MAX_LEXER_STATES * LEXER_STATE_BYTES + MAX_CACHED_MASKS * (n_vocab // 8 + 1)
+    their limit, the masks it keeps (n_vocab / 8 bytes each), its saved copies."""
+    return MAX_LEXER_STATES * LEXER_STATE_BYTES + MAX_CACHED_MASKS * (n_vocab // 8 + 1) + \
+        MAX_CHECKPOINTS * CHECKPOINT_BYTES
 
 
 def plan_bytes(n_vocab: int, cache_bytes: int = CACHE_BYTES) -> int:

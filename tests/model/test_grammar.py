@@ -15,7 +15,7 @@ import lever
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.model.generate import prefill
-from lever.model.grammar import Adapter, Grammar
+from lever.model.grammar import Adapter, Grammar, GrammarError
 from lever.model.transformer import Model
 from lever.shipped import shipped
 
@@ -77,6 +77,97 @@ def test_a_random_tree_of_paths_gets_a_fresh_matchers_masks(llm):
         if got.any():
             paths.append([*p, int(rng.choice(np.flatnonzero(got)))])
     assert any(p and p[-1] in eos for p in paths) and max(map(len, paths)) > 6
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_masks_along_random_trees_equal_a_fresh_matchers_for_generated_schemas(llm, seed):
+    """Grammars that stop (a closed object allows only the end token), paths that end in one
+    and are walked back from: every mask equals that of a fresh matcher walking the path (the
+    end token never given to it). llguidance's rollback past an end token it took where the
+    grammar had stopped undid one token too many (issue 44): this walk found it."""
+    import random
+
+    from tests.model.schemas import schemas
+
+    tok = llm.tokenizer
+    eos = set(tok.eos_ids)
+    rng = random.Random(seed)
+    closing = np.array([bool(tok.token_bytes(i)) and set(tok.token_bytes(i)) <= set(b'"}],: 0123456789')
+                        for i in range(tok.vocab_size)])
+    ended = 0
+    for schema in schemas(seed, 4):
+        g = llm.grammar({"json_schema": schema})
+        c = g.constraint(tok.vocab_size)
+        paths: list[list[int]] = [[]]
+        for _ in range(150):
+            p = paths[-1] if rng.random() < 0.7 else rng.choice(paths)  # deep, and back and forth
+            got = c.mask(p)
+            ended = any(t in eos for t in p)
+            assert np.array_equal(got, np.zeros_like(got) if ended else fresh_mask(g, p, tok.vocab_size)), p
+            if got.any():
+                allowed = np.flatnonzero(got)
+                ends = [t for t in allowed if t in eos]
+                shut = allowed[closing[allowed]]
+                # the end token when it may come, half the time, and tokens that close strings and
+                # objects often: the walk goes through stopped grammars and back
+                if ends and rng.random() < 0.5:
+                    t = rng.choice(ends)
+                else:
+                    t = rng.choice(shut) if len(shut) and rng.random() < 0.7 else rng.choice(allowed)
+                paths.append([*p, int(t)])
+        ended += sum(bool(p) and p[-1] in eos for p in paths)
+    assert ended  # the walks went through texts the grammar accepts whole
+
+
+class GivesUp:
+    """A matcher that enters the engine's error state after `after` tokens, as a grammar past
+    the engine's limits does mid-generation."""
+
+    def __init__(self, real, after: int):
+        self.real, self.after, self.n = real, after, 0
+
+    def consume_token(self, t):
+        self.n += 1
+        return self.real.consume_token(t)
+
+    def consume_tokens(self, ts):
+        self.n += len(ts)
+        return self.real.consume_tokens(ts)
+
+    def deep_copy(self):
+        copy = GivesUp(self.real.deep_copy(), self.after)
+        copy.n = self.n
+        return copy
+
+    def compute_bitmask(self):
+        return self.real.compute_bitmask()
+
+    def is_error(self):
+        return self.n >= self.after
+
+    def get_error(self):
+        return "lexer error: too many expressions constructed" if self.is_error() else ""
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_the_engine_gives_up_on_is_an_error_never_free_text(llm, monkeypatch, temperature):
+    g = llm.grammar({"json_schema": SCHEMA})
+    monkeypatch.setattr(Grammar, "fresh_matcher", lambda self: GivesUp(self._matcher.deep_copy(), 3))
+    with pytest.raises(GrammarError) as e:
+        llm.generate(PROMPT, max_tokens=24, grammar=g, temperature=temperature, seed=3)
+    assert str(e.value) == ("json_schema: the grammar engine gave up after 3 generated tokens: lexer error: too many "
+                            "expressions constructed")
+
+
+def test_a_sentencepiece_vocabulary_follows_the_grammar(stories):
+    """Its tokens carry SentencePiece's space: the engine sees the GGUF's bytes, and forced
+    text is tokenized without a space it never had (it allowed " a" for "a", issue 44)."""
+    with lever.load(target=stories, draft=stories, n_ctx=256) as s:
+        assert s.generate("Once upon a time", max_tokens=12, grammar='root ::= "a"{5,5}').text == "aaaaa"
+        c = s.generate("Once upon a time", max_tokens=24, json_schema={
+            "type": "object", "properties": {"done": {"type": "boolean"}}, "required": ["done"],
+            "additionalProperties": False})
+        assert json.loads(c.text).keys() == {"done"}
 
 
 def constrained_ar(model: Model, ids: list[int], grammar: Grammar, n: int, eos: frozenset[int]) -> list[int]:
