@@ -285,3 +285,99 @@ def test_sigterm_while_big_prompts_arrive_stops_within_a_second():
     assert rc == 143 and took < 1.5, took
     assert all(g in (400, 503) or isinstance(g, str) for g in got), got
     assert stderr_text(proc).strip().splitlines()[-1] == "lever: interrupted (SIGTERM)"
+
+
+def ref_chain(n: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def rule_chain(n: int, gbnf: bool = False) -> str:
+    if gbnf:
+        return "root ::= r0\n" + "\n".join(f'r{i} ::= r{i + 1} "a"' for i in range(n)) + f'\nr{n} ::= "b"'
+    return "start: r0\n" + "\n".join(f'r{i}: r{i + 1} "a"' for i in range(n)) + f'\nr{n}: "b"'
+
+
+# issue 44's inputs: they crashed the server (SIGSEGV), held its threads for minutes, or
+# exhausted its memory; now each is a 400 naming the field and the bound
+HOSTILE_GRAMMARS = [
+    ({"json_schema": ref_chain(20_000)}, "json_schema", "bytes of JSON, over the bound"),
+    ({"json_schema": ref_chain(3000)}, "json_schema", "a chain of 3002 $refs, over the bound"),
+    ({"grammar": rule_chain(20_000)}, "grammar", "bytes, over the bound"),
+    ({"grammar": rule_chain(1900)}, "grammar", "a chain of 1902 rules"),
+    ({"grammar": rule_chain(16_000, gbnf=True)}, "grammar", "bytes, over the bound"),
+    ({"grammar": rule_chain(1900, gbnf=True)}, "grammar", "a chain of 1902 rules"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string",
+                                                                          "pattern": "^(a{1000}){1000}$"}}}},
+     "response_format", "repeats 1000000 times over"),
+    ({"grammar": 'start: "a"{1000000}'}, "grammar", "repeats 1000000 times over"),
+]
+
+
+def test_grammars_past_the_bounds_are_400_naming_field_and_bound_and_the_server_goes_on(server):
+    url = server[1]
+    for body, field, words in HOSTILE_GRAMMARS:
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **body},
+                       headers=auth(KEYS[0]), timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and words in err["message"], r.text
+        assert err["message"].startswith(f"{field}: ")
+    ok = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "json_schema": {
+        "type": "array", "items": {"type": "integer"}}}, headers=auth(KEYS[0]), timeout=30)
+    assert ok.status_code == 200 and json.loads(ok.json()["choices"][0]["text"] or "[]") is not None, ok.text
+
+
+async def test_a_grammar_the_engine_gives_up_on_mid_stream_is_an_error_event(monkeypatch):
+    """A grammar the engine gives up on after a few tokens (its matcher made to, in-process):
+    a plain request gets 400 naming the field, a stream ends with an `error` event and no
+    [DONE], and the server answers the next request."""
+    from lever.model.grammar import Grammar
+    from lever.serve import app
+    from tests.model.test_grammar import GivesUp
+
+    monkeypatch.setattr(Grammar, "fresh_matcher", lambda self: GivesUp(self._matcher.deep_copy(), 4))
+    with lever.load(shipped("default.toml")) as llm:
+        asgi = app(llm, model_id="m", page=False)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://127.0.0.1") as c:
+            body = {"prompt": PROMPT, "max_tokens": 24, "json_schema": {"type": "array", "items": {"type": "string"},
+                                                                         "minItems": 3}}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "json_schema", r.text
+            assert "gave up after 4 generated tokens" in r.json()["error"]["message"]
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+                lines = [ln async for ln in s.aiter_lines() if ln]
+            assert s.status_code == 200 and "gave up" in lines[-1] and '"param": "json_schema"' in lines[-1], lines
+            assert not any("[DONE]" in ln for ln in lines)
+            assert (await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).status_code == 200
+        asgi.app.state.server.renderer.close()
+
+
+def test_sigterm_during_grammar_compiles_stops_within_two_seconds():
+    """Schemas within the bounds that each take the engine a fraction of a second (objects of
+    900 properties), one after another in the server's compile thread: SIGTERM kills the
+    compiler's child at once, the requests get 503, the server exits 143."""
+    proc, url = start_server()
+    got = []
+
+    def slow(k: int):
+        inner = {"type": "object", "properties": {f"q{k}_{j}": {"type": "integer"} for j in range(900)}}
+        schema = {"type": "object", "properties": {f"p{i}": inner for i in range(4)}}
+        try:
+            got.append(httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2,
+                                                                 "json_schema": schema}, timeout=60).status_code)
+        except httpx.HTTPError as e:
+            got.append(type(e).__name__)
+
+    threads = [threading.Thread(target=slow, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    rc = stop(proc, signal.SIGTERM, timeout_s=10)
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(30)
+    assert rc == 143 and took < 2.0, took
+    assert 503 in got and all(g in (200, 503) or isinstance(g, str) for g in got), got
+    assert stderr_text(proc).strip().splitlines()[-1] == "lever: interrupted (SIGTERM)"
