@@ -274,7 +274,6 @@ class TreeExpand(Stage):
     _lag: tuple[tuple[int, ...], list[int]] | None = None
     _committed: int = 0  # target rows committed, to keep trees inside the context
     _emitted: int = 0  # tokens Accept has emitted
-    _generated: list[int] = attrs.field(factory=list)  # those tokens, under a grammar (its paths start there)
     _bar_rate: float = 0.0  # moving estimate of the predicted rate of the trees sent, tokens/s
     _last: TreeBuilder | None = None
     _last_accepted_t: float | None = None  # when the previous Accepted arrived
@@ -292,12 +291,6 @@ class TreeExpand(Stage):
             self.lookup.extend(self.prompt)
             if self.config.growth.learns_acceptance:
                 self.lookup_tables = {x: AcceptanceTable(pooled_prior=FREE_PRIOR) for x in self.config.lookup_sources}
-
-    def _allowed(self):
-        """The grammar's mask after a path below this cycle's root (the newest generated token);
-        None: free text."""
-        generated, constraint = list(self._generated), self.constraint
-        return None if constraint is None else lambda path: constraint.mask([*generated, *path])
 
     @property
     def prices_by_table(self) -> bool:
@@ -407,13 +400,11 @@ class TreeExpand(Stage):
         """A new tree rooted at the newest token, and the draft request that starts it."""
         self._committed += len(acc.keep)
         self._emitted += len(acc.tokens)
-        if self.constraint is not None:
-            self._generated += acc.tokens
         self.learn(self._last, acc)
         remaining = MAX_TREE_SIZE + 1 if self.n_predict is None else self.n_predict - self._emitted
         if self.lookup is not None:
             self.lookup.extend(acc.tokens)  # the root, the text's last token, is the newest of them
-        free = FreeSources(self.lookup, self.lookup_tables, self._allowed()) if self.lookup is not None else None
+        free = _free_sources(self)
         self._shape = TREE
         if self.fallback is not None:
             self._shape = self.fallback.choose(self.priced_by, self.acceptance.first_child())
@@ -499,3 +490,15 @@ class TreeExpand(Stage):
             self.sent(b, tree)
             await tree_out.send(tree)
             acc = await self.draft_ahead(b, expand_out, expansions, accepted)
+
+
+def _free_sources(expand: TreeExpand) -> FreeSources | None:
+    """A cycle's free sources, their proposals masked under a grammar by its mask after the
+    generated text (the lookup's, past the prompt) and the path below the root."""
+    if expand.lookup is None:
+        return None
+    allowed, constraint = None, expand.constraint
+    if constraint is not None:
+        generated = expand.lookup.tokens[len(expand.prompt):]
+        allowed = lambda path: constraint.mask([*generated, *path])  # noqa: E731
+    return FreeSources(expand.lookup, expand.lookup_tables, allowed)

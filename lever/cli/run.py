@@ -25,6 +25,7 @@ from lever.cli.common import (
 )
 from lever.config import load_config
 from lever.errors import LeverError, read_text
+from lever.model.grammar import GrammarError
 from lever.pipelines.engine import run_pipeline
 from lever.policy.memory import FILL_PROMPT_TOKENS
 from lever.shipped import shipped
@@ -96,7 +97,11 @@ def main(args) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    res = run_pipeline(cfg, prompt, None if args.json else on_text, args.trace, constrain=constraint_args(args))
+    try:
+        res = run_pipeline(cfg, prompt, None if args.json else on_text, args.trace, constrain=constraint_args(args))
+    except GrammarError as e:  # named by the flag and file it came in
+        flag, path = constraint_file(args)
+        raise LeverError(f"{flag} {path}: {e.why}") from None
     if args.json:
         print(json.dumps(res.as_json()))
     else:

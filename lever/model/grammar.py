@@ -55,7 +55,7 @@ class GrammarError(LeverError):
 
     def __init__(self, field: str, why: str):
         super().__init__(f"{field}: {why}")
-        self.field = field
+        self.field, self.why = field, why
 
 
 def _llg():

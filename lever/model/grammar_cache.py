@@ -50,6 +50,12 @@ def plan_bytes(n_vocab: int, cache_bytes: int = CACHE_BYTES) -> int:
     return cache_bytes + generation_bytes(n_vocab) + child_bytes(n_vocab)
 
 
+def one_grammar_bytes(g: Grammar, n_vocab: int) -> int:
+    """One compiled grammar's part of a memory plan (`lever run`: compiled before the models
+    load, its child gone): what it holds and one generation's matcher and masks."""
+    return g.nbytes + generation_bytes(n_vocab)
+
+
 @attrs.define
 class GrammarCache:
     """Compiled grammars by their text, for one tokenizer; safe from several threads (a

@@ -28,7 +28,7 @@ from lever.config import Config
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
-from lever.model.grammar import compile_args, matcher_limits
+from lever.model.grammar import Grammar, compile_args, matcher_limits
 from lever.model.grammar_child import CompileProcess
 from lever.model.transformer import Model
 from lever.pipelines.compose import KVState, Request, compose
@@ -44,23 +44,31 @@ def run_pipeline(cfg: Config, prompt: str, on_text=None, trace_path=None, observ
                  constrain: dict | None = None) -> RunResult:
     """One generation through the configured pipeline; then its [pipeline] baseline, if any,
     on the same prompt (not streamed to on_text), attached to the result. `constrain`: a
-    `grammar` or `json_schema` the text must follow (lever.model.grammar.compile_args)."""
+    `grammar` or `json_schema` the text must follow (lever.model.grammar.compile_args),
+    compiled once for both, before the plan that counts what it holds."""
+    grammar = compiled(cfg, constrain) if constrain else None
     res = _run_kind(cfg, cfg.pipeline.kind, prompt, on_text=on_text, trace_path=trace_path, observer=observer,
-                    constrain=constrain)
+                    grammar=grammar)
     if not cfg.pipeline.baseline:
         return res
-    base = _run_kind(cfg, cfg.pipeline.baseline, prompt, constrain=constrain)
+    base = _run_kind(cfg, cfg.pipeline.baseline, prompt, grammar=grammar)
     return attrs.evolve(res, baseline=base)
 
 
+def compiled(cfg: Config, constrain: dict) -> Grammar:
+    """A run's grammar for the config's target, compiled in a child first (its time, memory
+    and crashes bounded: lever.model.grammar_child), before any model loads."""
+    if not cfg.model.target:
+        raise LeverError(f"{cfg.where}: [model] target: no target model given")
+    tok = Tokenizer.from_gguf(cfg.model.target)
+    with CompileProcess(tok.vocab_size, dict(tok.specials), tok.eos_id, limits=matcher_limits()) as compiler:
+        return compile_args(tok, **constrain, compiler=compiler)
+
+
 def _run_kind(cfg: Config, name: str, prompt: str, *, on_text=None, trace_path=None, observer=None,
-              constrain: dict | None = None) -> RunResult:
-    with Engine.open(cfg, name, prompt=prompt, grammars=bool(constrain)) as engine:
-        grammar = None
-        if constrain:  # compiled in a child first: its time and memory bounded (lever.model.grammar_child)
-            tok = engine.tok
-            with CompileProcess(tok.vocab_size, dict(tok.specials), tok.eos_id, limits=matcher_limits()) as compiler:
-                grammar = compile_args(engine.tok, **constrain, compiler=compiler)
+              grammar: Grammar | None = None) -> RunResult:
+    with Engine.open(cfg, name, prompt=prompt, grammars=grammar or False,
+                     tok=grammar.tok if grammar is not None else None) as engine:
         return engine.run(Request(engine.encode(prompt), observer=observer, grammar=grammar), on_text=on_text,
                           trace_path=trace_path)
 
@@ -79,12 +87,13 @@ class Engine:
     process_bytes: int | None = None
 
     @classmethod
-    def open(cls, cfg: Config, name: str | None = None, *, prompt: str | None = None, grammars: bool = False
-             ) -> Engine:
+    def open(cls, cfg: Config, name: str | None = None, *, prompt: str | None = None,
+             grammars: bool | Grammar = False, tok: Tokenizer | None = None) -> Engine:
         """The plan first (headers and tokenizer, nothing loaded), then the memory plan for
         `prompt` (or for a tree pass when none is known yet) is checked, then the models load.
-        `grammars`: structured output may run (its part of the plan: RunPlan.resolve)."""
-        plan = RunPlan.resolve(cfg, name, grammars=grammars)
+        `grammars`: structured output may run, or this grammar will (its part of the plan:
+        RunPlan.resolve); `tok`: the target's tokenizer, when the caller has it already."""
+        plan = RunPlan.resolve(cfg, name, grammars=grammars, tok=tok)
         for line in plan.warnings:
             print(f"lever: warning: {line}", file=sys.stderr)
         engine = cls(plan, process_bytes=psutil.Process().memory_info().rss)

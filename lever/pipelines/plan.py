@@ -33,7 +33,8 @@ from lever.gguf.file import GGUFFile
 from lever.gguf.spec import ModelSpec, read_spec
 from lever.gguf.tokenizer import Tokenizer
 from lever.gguf.vocab_map import VocabMap, pair_vocabularies
-from lever.model.grammar_cache import plan_bytes
+from lever.model.grammar import Grammar
+from lever.model.grammar_cache import one_grammar_bytes, plan_bytes
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.cost_model import CostModel, cost_model_for
 from lever.policy.memory import (
@@ -105,10 +106,11 @@ class RunPlan:
 
     @classmethod
     def resolve(cls, cfg: Config, kind: str | None = None, *, target: GGUFFile | None = None,
-                tok: Tokenizer | None = None, grammars: bool = False) -> RunPlan:
+                tok: Tokenizer | None = None, grammars: bool | Grammar = False) -> RunPlan:
         """The plan of `kind` (default [pipeline] kind) under `cfg`; `target` and `tok` when the
         caller has them open already (else read from [model] target); `grammars`: structured
-        output may run (a grammar cache's bytes in the memory plan: grammar_cache.plan_bytes)."""
+        output may run (a grammar cache's bytes in the memory plan: grammar_cache.plan_bytes), or
+        this one grammar will (its bytes and one generation's: grammar_cache.one_grammar_bytes)."""
         pk = PIPELINE_KINDS[kind or cfg.pipeline.kind]
         if not cfg.model.target:
             raise LeverError(f"{cfg.where}: [model] target: no target model given")
@@ -130,7 +132,8 @@ class RunPlan:
             # special ids that differ are warned (lever.gguf.vocab_map)
             vocab, warnings = pair_vocabularies(f, draft_file)
         fill = None
-        grammar_bytes = plan_bytes(spec.n_vocab) if grammars else 0
+        grammar_bytes = one_grammar_bytes(grammars, spec.n_vocab) if isinstance(grammars, Grammar) else \
+            plan_bytes(spec.n_vocab) if grammars else 0
         if parse_budget(flash.dram_budget).kind == "fill":
             resident, fill = _fill(cfg, f, spec, flash=flash, tree=tree, n_ctx=n_ctx, draft_file=draft_file,
                                    draft_spec=draft_spec, grammar_bytes=grammar_bytes)
