@@ -17,7 +17,7 @@ def test_bench_serve_reports_a_good_client_answered_through_every_attack(tmp_pat
         assert p["good"] > 0 and p["failed"] == 0, (name, p["status"])
     seen = phases["hostile"]["hostile"]
     for kind in ("bodies 400", "bodies 413", "no key 401", "rebound host 421", "cross-site 403", "form body 415",
-                 "forged turn 200"):
+                 "forged turn 200", "grammar refs 400", "grammar GBNF 400", "grammar repeats 400"):
         assert seen.get(kind, 0) > 0, (kind, seen)
     assert any(k.startswith("crowd") for k in seen) and any(k.startswith("slow headers") for k in seen)
     assert phases["template"]["hostile"].get("endless template 400", 0) > 0

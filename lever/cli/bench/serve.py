@@ -231,13 +231,45 @@ def leavers(live: Live, stop: threading.Event, seen: Counter) -> None:
         stop.wait(0.3)
 
 
+def _chain(n: int, gbnf: bool = False) -> str:
+    if gbnf:
+        return "root ::= r0\n" + "\n".join(f'r{i} ::= r{i + 1} "a"' for i in range(n)) + f'\nr{n} ::= "b"'
+    return "start: r0\n" + "\n".join(f'r{i}: r{i + 1} "a"' for i in range(n)) + f'\nr{n}: "b"'
+
+
+def _refs(n: int) -> dict:
+    return {"$ref": "#/$defs/d0", "$defs": {**{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)},
+                                            f"d{n}": {"type": "integer"}}}
+
+
+def grammars(live: Live, stop: threading.Event, seen: Counter) -> None:
+    """Issue 44's grammars: chains of $refs and rules that overflowed the engine's stack, GBNF
+    its converter took minutes over, repetitions that exhausted it; then schemas within the
+    bounds, each new (the compiled-grammar cache, bounded by bytes, turns over). Counted by
+    status, with the slowest answer."""
+    attacks = {"refs": _refs(3000), "0.7 MB refs": _refs(20_000), "rules": _chain(1900), "GBNF": _chain(16_000, True),
+               "repeats": {"type": "string", "pattern": "^(a{1000}){1000}$"}}
+    k = 0
+    while not stop.is_set():
+        for name, g in attacks.items():
+            body = {"prompt": PROMPT, "max_tokens": 2, "grammar" if isinstance(g, str) else "json_schema": g}
+            t0 = time.monotonic()
+            seen[f"grammar {name} {_post(live, '/v1/completions', body)}"] += 1
+            seen["grammar slowest ms"] = max(seen["grammar slowest ms"], round((time.monotonic() - t0) * 1e3))
+        schema = {"type": "object", "properties": {f"k{k}_{i}": {"enum": [f"v{j}" for j in range(40)]}
+                                                   for i in range(300)}}
+        status = _post(live, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "json_schema": schema})
+        seen[f"grammar new schema {status}"] += 1
+        k += 1
+
+
 def endless_renders(live: Live, stop: threading.Event, seen: Counter) -> None:
     while not stop.is_set():
         status = _post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
         seen[f"endless template {status}"] += 1
 
 
-HOSTILE = (bodies, slow_headers, crowd, trespass, leavers)
+HOSTILE = (bodies, slow_headers, crowd, trespass, leavers, grammars)
 
 
 def phase(live: Live, seconds: float, workers=()) -> dict:
