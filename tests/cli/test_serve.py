@@ -67,11 +67,12 @@ def test_kept_conversations_are_in_the_plan_and_held_to_the_limit(capsys):
     proc, _ = start_server("--cache-ram", "64")
     stop(proc)
     line = next(x for x in stderr_text(proc).splitlines() if "memory plan" in x)
-    m = re.search(r"memory plan (\d+) MiB \(a run (\d+) \+ bodies (\d+) \+ kept conversations 64 \+ live page (\d+)\)",
-                  line)
+    m = re.search(r"memory plan (\d+) MiB \(a run (\d+), its grammars (\d+) among them \+ bodies (\d+) \+ kept "
+                  r"conversations 64 \+ live page (\d+)\)", line)
     assert m, line
-    plan, *parts = map(int, m.groups())
-    assert abs(plan - (sum(parts) + 64)) <= 3 and int(m.group(4)) > 0  # each part rounded down to MiB
+    plan, run, grammars, *parts = map(int, m.groups())
+    assert abs(plan - (run + sum(parts) + 64)) <= 3 and int(m.group(5)) > 0  # each part rounded down to MiB
+    assert 0 < grammars < run
     rc = main(["serve", "--cache-ram", "4096", "--set", 'memory.limit="1GiB"', "--port", "1"])
     err = capsys.readouterr().err
     assert rc != 0 and "--cache-ram: 4096 MiB of kept conversations" in err and "[memory] limit" in err

@@ -127,13 +127,13 @@ def run_cases(llms: dict[str, lever.LLM], target: Model, prompts: list[str], see
                 TALLY["sampled"] += 1
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_any_schema_through_any_pipeline_byte_level_bpe(shipped_pair, seed):
     llms, target = shipped_pair
     run_cases(llms, target, ["def f(x):\n    return ", 'config = {"'], seed, n_schemas=10, sampled_every=2)
 
 
-@pytest.mark.parametrize("seed", [10, 11, 12])
+@pytest.mark.parametrize("seed", [10, 11])
 def test_any_schema_through_any_pipeline_sentencepiece(spm_pair, seed):
     llms, target = spm_pair
     run_cases(llms, target, ["Once upon a time", "Lily had a"], seed, n_schemas=8, sampled_every=2)
@@ -145,5 +145,5 @@ def test_the_cases_were_not_vacuous():
     if not TALLY:
         pytest.skip("run with the cases above")
     print("structured output cases:", dict(TALLY))
-    assert TALLY["greedy"] >= len(PIPELINES) * (4 * 10 * 2 + 3 * 8 * 2), dict(TALLY)
+    assert TALLY["greedy"] >= len(PIPELINES) * (3 * 10 * 2 + 2 * 8 * 2), dict(TALLY)
     assert TALLY["eos"] > TALLY["length"], dict(TALLY)
