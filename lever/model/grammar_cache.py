@@ -22,6 +22,7 @@ from lever.model.grammar import (
     MAX_CACHED_MASKS,
     MAX_CHECKPOINTS,
     MAX_LEXER_STATES,
+    Adapter,
     Grammar,
     GrammarError,
     Source,
@@ -117,8 +118,10 @@ class GrammarCache:
         return self._compiler
 
     def start(self) -> None:
-        """Starts the compiler's child now (a server, before its first request); one that does
-        not start is each grammar's refusal later, in its own words."""
+        """Starts the compiler's child and builds the engine's view of the vocabulary now (a
+        server, before its first request: a second on Qwen's vocabulary); a child that does not
+        start is each grammar's refusal later, in its own words."""
+        Adapter.of(self.tok)
         try:
             self._child().check('start: "a"')
         except CompileRefused:
