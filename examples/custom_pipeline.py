@@ -21,7 +21,9 @@ from lever.pipelines.target import FlashTarget
 from lever.stages.accept import Accept, AcceptConfig
 from lever.stages.prefetch import Prefetch
 from lever.stages.pruned_verify import PrunedVerify
-from lever.stages.tree_expand import TreeExpand, TreeExpandConfig
+from lever.stages.tree_expand import TreeExpand
+from lever.tree.config import TreeExpandConfig
+from lever.tree.cycle import TreeCycle
 
 
 @attrs.define
@@ -43,7 +45,7 @@ def main(model_path: str, prompt: str, n: int = 32) -> list[int]:
     target = FlashTarget.open(model_path, FlashConfig(mode="mmap", dram_budget=0.5))
     tok = Tokenizer.from_gguf(target.model.file)
     spec = target.model.spec
-    expand = TreeExpand("expand", TreeExpandConfig(policy="none"), tok.encode(prompt))  # no draft: Flash-AR
+    expand = TreeExpand("expand", TreeCycle.for_run(TreeExpandConfig(policy="none"), tok.encode(prompt)))  # Flash-AR
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec, anyio.CapacityLimiter(4))
     verify = PrunedVerify("verify", spec, target.embed, KVCache(spec, 512), target.resident)
     accept = Accept("accept", AcceptConfig(n_predict=n), SamplingParams(), target.model.logits)

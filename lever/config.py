@@ -2,7 +2,7 @@
 
 A config names the models, the storage of the target, the pipeline to compose and the sizes of
 its channels. Section classes live beside what they configure (FlashConfig in the flash
-backend, TreeExpandConfig in its stage, the policies' in lever.policy); `Config` has one typed
+backend, TreeExpandConfig in lever.tree.config, the policies' in lever.policy); `Config` has one typed
 field per section, named as the [section], so adding a section is adding a field. Every key is
 checked: an unknown or mistyped key or a bad value is one LeverError naming the file, section
 and key. `--set section.key=value` overrides are parsed as TOML values and checked the same
@@ -30,7 +30,7 @@ from lever.policy.memory import MemoryConfig
 from lever.policy.placement import PlacementConfig, QnnConfig
 from lever.policy.predictor import PredictorConfig
 from lever.policy.profile import ProfileConfig
-from lever.stages.tree_expand import TreeExpandConfig
+from lever.tree.config import TreeExpandConfig
 
 # Generation's bounds, shared with lever.api and every command's flags (lever.cli.common): the
 # sampling fields' from lever.model.sampling, the lengths here. A context past 2^20 rows is no

@@ -40,7 +40,8 @@ from lever.stages.drain import Drain
 from lever.stages.output import Output
 from lever.stages.prefetch import Prefetch
 from lever.stages.pruned_verify import PrunedVerify
-from lever.stages.tree_expand import FlatCost, TreeExpand
+from lever.stages.tree_expand import TreeExpand
+from lever.tree.cycle import TreeCycle
 
 
 @attrs.define
@@ -116,9 +117,10 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
         tree = attrs.evolve(tree, adapt=False)
     constraint = request.grammar.constraint(spec.n_vocab) if request.grammar is not None else None
     compute = ComputeSlot(plan.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
-    expand = TreeExpand("tree_expand", tree, list(request.ids), plan.cost or FlatCost(), plan.n_ctx, tracer,
-                        gen.n_predict, acceptance=plan.new_acceptance(), ahead_beside=bool(compute.ahead_cores),
-                        committed=n_past, greedy=params.greedy, constraint=constraint)
+    cycle = TreeCycle.for_run(tree, list(request.ids), cost=plan.cost, n_ctx=plan.n_ctx, n_predict=gen.n_predict,
+                              acceptance=plan.new_acceptance(), ahead_beside=bool(compute.ahead_cores),
+                              committed=n_past, greedy=params.greedy, constraint=constraint)
+    expand = TreeExpand("tree_expand", cycle, tracer)
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(plan.flash.queue_depth), tracer)
     predictor = predictor_for(plan.pruning, target.model, plan.cost) if plan.pruning is not None else None

@@ -4,7 +4,7 @@
 when the draft model runs) and settles what every later step would otherwise re-derive:
 
 - the pipeline kind, and whether the draft model runs (`drafts`: answered here only, from the
-  kind, the tree policy and its sources; lever.stages.tree_expand.TreeExpandConfig.drafts);
+  kind, the tree policy and its sources; lever.tree.config.TreeExpandConfig.drafts);
 - the tree config, normalised: policy "none" for a kind that grows no trees;
 - the flash config, with the kind's all-resident override applied;
 - the target layers kept in DRAM: one `plan_residency` call, which the memory plan, the flash
@@ -47,7 +47,7 @@ from lever.policy.memory import (
 )
 from lever.policy.placement import Placement, placement_for
 from lever.policy.predictor import Artifact, Pruning, artifact_path, pruning_for
-from lever.stages.tree_expand import TreeExpandConfig
+from lever.tree.config import TreeExpandConfig
 
 
 @attrs.frozen(eq=False)

@@ -17,7 +17,7 @@ from lever.policy.memory import MemoryPlan
 from lever.stages.draft import DraftStats
 from lever.stages.output import OutputStats
 from lever.stages.pruned_verify import VerifyStats
-from lever.stages.tree_expand import TreeStats
+from lever.tree.cycle import TreeStats
 
 
 @attrs.frozen

@@ -87,7 +87,7 @@ class Fallback:
 
     def rates(self, cost, first_child: float) -> dict[Shape, float]:
         """Tokens per second of each simple shape replayed on the window, by `cost` (the Cost
-        protocol of stages/tree_expand.py); `first_child`: the table's estimate, for sampling."""
+        protocol, lever.policy.cost); `first_child`: the table's estimate, for sampling."""
         recent = sorted(self.hits)[-WINDOW:]
         hits = [self.hits[i] for i in recent]
         out = {ROOT: 1.0 / cost.cycle_s(1, 0.0, 1.0)}

@@ -24,6 +24,8 @@ from typing import ClassVar, Protocol
 
 import attrs
 
+from lever.policy.cost import Cost
+
 
 class Source(enum.StrEnum):
     """Who proposes a child: the draft model, or a free source (lever.policy.lookup). The
@@ -52,12 +54,23 @@ class Candidate:
         return -self.neg_gain
 
 
+class GrowthConfig(Protocol):
+    """What the policies read of [tree_expand] (lever.tree.config.TreeExpandConfig, on the floor
+    above: a policy is chosen by its name there)."""
+
+    max_depth: int  # draft tokens on one path
+    round_nodes: int  # nodes added per round
+    chain_length: int  # chain: draft tokens per cycle
+    kary_depth: int  # kary: the full tree's depth
+    confidence: float  # confidence: the path probability a node keeps above
+
+
 class Builder(Protocol):
     """What a policy reads and does on a tree under construction (lever.tree.builder.TreeBuilder)."""
 
-    config: object  # TreeExpandConfig
-    cost: object  # verify_s(n), expand_s(batch), idle_s(n)
-    nodes: object  # lever.tree.nodes.Nodes: the arrays (gain, depth, ...) by node
+    config: GrowthConfig
+    cost: Cost
+    nodes: object  # lever.tree.nodes.Nodes (the floor above): the arrays (gain, depth, ...) by node
     bar_rate: float  # tokens/s a node must bring: what the last trees reached (0: none yet)
 
     @property
@@ -92,7 +105,7 @@ class GrowthPolicy:
     full_lm_head: ClassVar[bool] = False  # Accept runs the output head over the whole tree
     learns_acceptance: ClassVar[bool] = False  # gains go through the acceptance table, learned online
 
-    def limit(self, config, cap: int) -> int:
+    def limit(self, config: GrowthConfig, cap: int) -> int:
         """Nodes a tree may reach, given the caps and the context (`cap`)."""
         return cap
 
@@ -100,7 +113,7 @@ class GrowthPolicy:
         """The nodes that join this round (added to the tree by `b.take`)."""
         return []
 
-    def expandable(self, config, depth: int) -> bool:
+    def expandable(self, config: GrowthConfig, depth: int) -> bool:
         """Whether a node at `depth` may have children."""
         return depth < config.max_depth
 

@@ -22,13 +22,12 @@ import numpy as np
 
 from lever.dataflow.messages import ExpandRequest, Expansion, Proposals, TokenTree
 from lever.policy.acceptance import AcceptanceTable
+from lever.policy.cost import Cost
 from lever.policy.growth import Candidate, Source
+from lever.tree.config import MAX_TREE_SIZE, TreeExpandConfig
 from lever.tree.free import FreeSources
 from lever.tree.lookahead import Lookahead
 from lever.tree.nodes import Nodes
-
-# bound on a tree's nodes, depth and fan-out: one pass verifies it, one draft forward expands a round
-MAX_TREE_SIZE = 1024
 
 
 @attrs.define
@@ -36,8 +35,8 @@ class TreeBuilder:
     """One cycle's tree (no event loop). After it is sent (`n_sent` nodes), drafting ahead
     (lever.tree.lookahead) may grow it further, into rows the next tree may start from."""
 
-    config: object  # TreeExpandConfig (stages/tree_expand.py)
-    cost: object  # the Cost protocol of stages/tree_expand.py: verify_s, expand_s, idle_s, cycle_s
+    config: TreeExpandConfig
+    cost: Cost
     cycle: int
     room: int  # nodes the context still has space for
     # tokens the generation may still emit: a path deeper than remaining - 1 cannot pay

@@ -27,6 +27,8 @@ import attrs
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.growth import Candidate, Source
 from lever.policy.lookup import Lookup
+from lever.tree.config import TreeExpandConfig
+from lever.tree.nodes import Nodes
 
 FREE_PRIOR = 0.1  # a free source's acceptance before its first trial: pessimistic, one cycle corrects it
 JUMP_TOKENS = 16  # free tokens one forward reads ahead below a node it expands
@@ -36,10 +38,10 @@ JUMP_P = 0.5  # the least estimated acceptance of each of them
 class Growing(Protocol):
     """What the free sources need of the tree being built (lever.tree.builder.TreeBuilder)."""
 
-    nodes: object  # lever.tree.nodes.Nodes
+    nodes: Nodes
     picking: list[Candidate]  # the heap the growth policy picks from
     model_rate: float
-    config: object  # TreeExpandConfig
+    config: TreeExpandConfig
 
     @property
     def n_nodes(self) -> int: ...

@@ -23,7 +23,7 @@ from lever.model.transformer import Model
 from lever.pipelines.engine import run_pipeline
 from lever.shipped import shipped
 from lever.stages.draft import Drafter
-from lever.stages.tree_expand import TreeExpandConfig
+from lever.tree.config import TreeExpandConfig
 from tests.conftest import QWEN_DRAFT, QWEN_TARGET
 from tests.stages import test_accept as exact
 

@@ -11,7 +11,7 @@ from lever.cli.bench.pipelines import read_prompts
 from lever.errors import LeverError
 from lever.pipelines.engine import run_pipeline
 from lever.shipped import shipped
-from lever.stages.tree_expand import TreeExpandConfig
+from lever.tree.config import TreeExpandConfig
 from tests.pipelines.test_compose import SPEC, config, reference_tokens
 
 FREE = 'tree_expand.sources=["prompt-lookup", "ngram"]'

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from lever.policy.cost import FlatCost
 from lever.policy.fallback import HOLD, MIN_TOKENS, OWN_CYCLES, ROOT, TREE, Fallback, Shape, replay_chain
-from lever.stages.tree_expand import FlatCost
 
 
 def test_a_chain_replayed_takes_each_run_of_first_choices_and_the_targets_token_after():

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import heapq
 
+from lever.policy.cost import FlatCost
 from lever.policy.growth import POLICIES, Candidate
-from lever.stages.tree_expand import FlatCost, TreeExpandConfig
+from lever.tree.config import TreeExpandConfig
 from tests.tree.test_builder import grow
 
 

@@ -6,10 +6,11 @@ import numpy as np
 
 from lever.dataflow.messages import Expansion, TokenTree
 from lever.model.sampling import SamplingParams, draw_without_replacement
+from lever.policy.cost import FlatCost
 from lever.policy.predictor import prune_by_scores
 from lever.stages.accept import accept_tree
-from lever.stages.tree_expand import FlatCost, TreeExpandConfig
 from lever.tree.builder import TreeBuilder
+from lever.tree.config import TreeExpandConfig
 
 VOCAB = 50
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from lever.policy.acceptance import AcceptanceTable
-from lever.stages.tree_expand import FlatCost, TreeExpandConfig
+from lever.policy.cost import FlatCost
 from lever.tree.builder import TreeBuilder
+from lever.tree.config import TreeExpandConfig
 from lever.tree.free import FreeSources
 from tests.tree.fake_draft import FakeDraft
 

@@ -7,9 +7,10 @@ import types
 import numpy as np
 
 from lever.dataflow.messages import Accepted, Proposals
-from lever.stages.tree_expand import FlatCost, TreeExpandConfig
+from lever.policy.cost import FlatCost
 from lever.tree import lookahead
 from lever.tree.builder import TreeBuilder
+from lever.tree.config import TreeExpandConfig
 from lever.tree.lookahead import Lookahead
 from lever.tree.nodes import Nodes
 

@@ -374,7 +374,7 @@ BUDGET = Range(0.0, 1.0)  # a fraction of the layer bytes (1: all resident)
 
 def check_args(args) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """The lists, files and destinations, before the first run; returns (budgets, chain lengths)."""
-    from lever.stages.tree_expand import MAX_TREE_SIZE
+    from lever.tree.config import MAX_TREE_SIZE
 
     budgets = parse_list(args.budgets, "--budgets", BUDGET, max_items=21)
     chain_ks = parse_list(args.chain_ks, "--chain-ks", Range(1, MAX_TREE_SIZE, integer=True), max_items=16)
