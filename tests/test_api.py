@@ -93,7 +93,7 @@ def test_a_cancelled_generation_ends_at_its_next_pass(llm):
 
 def test_chat_renders_the_template_and_generates_from_it(llm):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "import os"}]
-    text = llm.render(msgs)
+    text = llm.chat_template.render(msgs)
     assert text == "<system>Be brief.\n<user>import os\n<assistant>"
     c = llm.chat(msgs, max_tokens=16)
     assert c.tokens == llm.generate(text, max_tokens=16).tokens
@@ -129,7 +129,7 @@ def test_a_model_without_a_template_names_its_file():
         with pytest.raises(LeverError, match=r"stdlib-target.*no chat template"):
             m.chat([{"role": "user", "content": "x"}])
     with lever.load(shipped("default.toml"), overrides=[f"model.chat_template={json.dumps(TEMPLATE)}"]) as m:
-        assert m.render([{"role": "user", "content": "x"}]) == "<user>x\n<assistant>"
+        assert m.chat_template.render([{"role": "user", "content": "x"}]) == "<user>x\n<assistant>"
 
 
 def test_a_template_that_raises_gets_its_message():

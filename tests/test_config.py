@@ -126,11 +126,11 @@ def test_every_key_refuses_or_runs_with_an_absurd_value(item):
 def test_every_generation_knob_reaches_every_surface_from_one_list():
     """A [generate] field is a knob of the API, the server and the commands, and reaches sampling,
     by being a field: the surfaces derive their tables from GenerateConfig (lever.config.KNOBS)."""
-    import types
 
     import attrs
 
-    from lever import api
+    from lever.api import llm as api
+    from lever.api.call import prepare_generate
     from lever.cli.common import knob_values
     from lever.cli.main import build_parser
     from lever.config import KNOBS, GenerateConfig
@@ -140,13 +140,12 @@ def test_every_generation_knob_reaches_every_surface_from_one_list():
     fields = [f.name for f in attrs.fields(GenerateConfig) if f.name != "prompt"]
     assert list(KNOBS) == fields
     assert {f.name for f in attrs.fields(SamplingParams)} <= set(fields)
-    engine = types.SimpleNamespace(n_ctx=1 << 20, n_ctx_source="test")
-    llm = types.SimpleNamespace(config=load_config(None), engine=engine)
+    defaults = load_config(None).generate
     for key in fields:
         k = KNOBS[key]
         value = k.call.lo + 1 if k.call.integer else (k.call.lo + k.call.hi) / 2  # in range, not the default
         assert api.ALIASES[k.arg] == f"generate.{key}"
-        gen, _, _ = api.LLM.check(llm, {k.arg: value}, 1)
+        gen, _, _ = prepare_generate({k.arg: value}, defaults, n_prompt=1, n_ctx=1 << 20, n_ctx_source="test")
         assert getattr(gen, key) == value
         assert serve.sampling(serve.parse(json.dumps({"prompt": "x", k.arg: value}).encode(), "completions")) == \
             {k.arg: value}

@@ -131,7 +131,8 @@ def main(args) -> int:
 
         # the largest request's plan (a prompt filling the context), the bodies being read at
         # once (lever.serve.request.BodyPool) and the kept conversations: what the RSS stays within
-        run_bytes = llm.engine.memory_plan(llm.engine.n_ctx - 1).rss_bound_bytes
+        run_plan = llm.memory_plan()
+        run_bytes = run_plan.rss_bound_bytes
         live_bytes = server_state.page.watch.max_bytes if server_state.page is not None else 0
         plan_bytes = run_bytes + server_state.bodies.capacity_bytes + server_state.cache_bytes + live_bytes
         limit = llm.config.memory.limit_bytes
@@ -144,7 +145,7 @@ def main(args) -> int:
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
               f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}, "
               f"memory plan {plan_bytes >> 20} MiB (a run {run_bytes >> 20}, its grammars "
-              f"{llm.engine.plan.grammar_bytes >> 20} among them + bodies "
+              f"{run_plan.grammar_bytes >> 20} among them + bodies "
               f"{server_state.bodies.capacity_bytes >> 20} + kept conversations {server_state.cache_bytes >> 20}"
               f" + live page {live_bytes >> 20})" + (f"; the live page: http://{args.host}:{args.port}/"
                                                       if server_state.page is not None else ""),

@@ -180,7 +180,7 @@ def _schema(data: dict) -> dict | None:
 
 
 def sampling(data: dict, endpoint: str = "completions") -> dict:
-    """The call's arguments (lever.api.LLM.check) from a request: its knobs and stop strings;
+    """The call's arguments (lever.api.LLM.prepare) from a request: its knobs and stop strings;
     OpenAI's newer max_completion_tokens, when given, for max_tokens; `logprobs` as the count of
     alternatives per token (completions: the number given; chat: `top_logprobs` once
     `logprobs` is true)."""

@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lever.api import LLM, Cancelled, Chunk, Completion, Session, with_call_stream, with_tool_calls
+from lever.api import LLM, Call, Cancelled, Chunk, Completion, Offer, Session
 from lever.errors import LeverError
 from lever.gguf.chat_template import Rendered, check_messages
 from lever.gguf.render_child import RenderProcess
@@ -95,7 +95,7 @@ class Server:
         # a token stands for at most the longest token's bytes: a prompt of more bytes than the
         # context's tokens could hold is over the context before it is counted (twice that, for
         # normalizers that shorten text before the model sees it)
-        self.max_prompt_bytes = 2 * self.llm.engine.n_ctx * tok.max_token_bytes
+        self.max_prompt_bytes = 2 * self.llm.n_ctx * tok.max_token_bytes
 
     def admit(self) -> None:
         with self._lock:
@@ -138,15 +138,15 @@ class Server:
 
     # -- a request's work before it queues: plain functions, run in a worker thread
 
-    def parse(self, body: bytes, endpoint: str) -> tuple[dict, dict, list[dict] | None]:
+    def parse(self, body: bytes, endpoint: str) -> tuple[dict, dict, list[dict] | None, Offer]:
         """The request's fields and call arguments; a chat's messages checked and bounded (their
-        count, their bytes) before any template sees them."""
+        count, their bytes) before any template sees them, and the functions it offers."""
         data = parse(body, endpoint)
         args = sampling(data, endpoint)
         if endpoint != "chat":
             self._check_bytes(len(data["prompt"].encode("utf-8", "replace")), "prompt")
-            return data, args, None
-        n_ctx = self.llm.engine.n_ctx
+            return data, args, None, Offer()
+        n_ctx = self.llm.n_ctx
         if isinstance(data["messages"], list) and len(data["messages"]) > n_ctx:  # each is a token at least
             raise BadRequest(f"messages: {len(data['messages'])} messages cannot fit a context of {n_ctx} tokens",
                              "messages")
@@ -154,9 +154,8 @@ class Server:
         self._check_bytes(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "replace")) for m in messages)
                           + len(json.dumps(data.get("tools") or [], ensure_ascii=False).encode()), "messages")
         # the functions the template shows, and the grammar a required call brings (as LLM.chat's)
-        data["tools"], args = self.llm.tools(data.get("tools"), data.get("tool_choice"),
-                                             {**args, "parallel_tool_calls": data.get("parallel_tool_calls")})
-        return data, args, messages
+        offer = self.llm.offer(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
+        return data, args, messages, offer
 
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> Rendered:
         """The conversation through the template, in the child process, bounded in time and output."""
@@ -165,18 +164,18 @@ class Server:
         self._check_bytes(len(rendered.text.encode("utf-8", "replace")), "messages")
         return rendered
 
-    def encode(self, data: dict, args: dict, messages: list[dict] | None, rendered: Rendered | None) -> list[int]:
-        """The prompt ids, checked against the context and the knobs' ranges."""
-        ids = self.llm.encode_chat(messages, rendered) if messages is not None else self.llm.encode_prompt(
-            data["prompt"])
-        self.llm.check(args, len(ids))
-        return ids
+    def prepare(self, data: dict, args: dict, messages: list[dict] | None, rendered: Rendered | None,
+                offer: Offer) -> Call:
+        """The call, checked once (LLM.prepare): the prompt ids within the context, the knobs in
+        their ranges, the grammar compiled (and kept)."""
+        if messages is None:
+            return self.llm.prepare(data["prompt"], **args)
+        return self.llm.prepare(messages=messages, rendered=rendered, offer=offer, **args)
 
     def _check_bytes(self, n_bytes: int, field: str) -> None:
         if n_bytes > self.max_prompt_bytes:
-            n_ctx = self.llm.engine.n_ctx
-            raise BadRequest(f"{field}: {n_bytes} bytes of text is more than the context of {n_ctx} tokens can hold "
-                             f"({self.llm.engine.n_ctx_source})", field)
+            raise BadRequest(f"{field}: {n_bytes} bytes of text is more than the context of {self.llm.n_ctx} tokens "
+                             f"can hold ({self.llm.n_ctx_source})", field)
 
     def tokenize(self, data: dict) -> dict:
         """llama.cpp's /tokenize: the ids of `content` (special-token text read as its token, as a
@@ -221,7 +220,7 @@ class Server:
         except LeverError:
             template = ""
         return JSONResponse({"model_alias": self.model_id, "chat_template": template, "total_slots": 1,
-                             "default_generation_settings": {"n_ctx": self.llm.engine.n_ctx},
+                             "default_generation_settings": {"n_ctx": self.llm.n_ctx},
                              "build_info": "lever"})
 
     async def tokens(self, request: Request) -> Response:
@@ -271,13 +270,15 @@ class Server:
             # a render apart from the rest: a slow template holds up chats, never completions
             with self.bodies.reserve(request.headers.get("content-length")):
                 body = await read_body(request, timeout_s=self.timeout_s)
-                data, args, messages = await anyio.to_thread.run_sync(self.parse, body, endpoint, limiter=self._prep)
+                data, args, messages, offer = await anyio.to_thread.run_sync(self.parse, body, endpoint,
+                                                                             limiter=self._prep)
                 del body
             rendered = None if messages is None else \
-                await anyio.to_thread.run_sync(self.render, messages, data.get("tools"), limiter=self._renders)
-            ids = await anyio.to_thread.run_sync(self.encode, data, args, messages, rendered, limiter=self._prep)
-            # compiled (and kept) here, so a bad grammar is a 400 before the queue
-            await anyio.to_thread.run_sync(self.llm.grammar, args, limiter=self._compiles)
+                await anyio.to_thread.run_sync(self.render, messages, offer.tools, limiter=self._renders)
+            # prepared here, so a bad call is a 400 before the queue; a grammar compiles in its own thread
+            grammar = args.get("grammar") is not None or args.get("json_schema") is not None or offer.grammar
+            call = await anyio.to_thread.run_sync(self.prepare, data, args, messages, rendered, offer,
+                                                  limiter=self._compiles if grammar else self._prep)
             self.admit()
         except BadRequest as e:
             return error(e.message, e.status, e.kind, e.param)
@@ -291,10 +292,10 @@ class Server:
         client = request.scope.get("state", {}).get("client")
         if data.get("stream"):
             usage = bool((data.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._stream(request, ids, args, reply, usage, client, data.get("tools"), data),
+            return StreamingResponse(self._stream(request, call, reply, usage, client, data),
                                      media_type="text/event-stream")
         try:
-            c = await self._generate(request, ids, args, client)
+            c = await self._generate(request, call, client)
         except Cancelled as e:  # its client left while it waited (nobody reads this), or shutdown
             if self.closing:
                 return error(*SHUTTING_DOWN)
@@ -307,10 +308,10 @@ class Server:
         if c.finish_reason is StopReason.CANCELLED and self.closing:  # cut: never reported as finished
             return error(f"the server is shutting down: the generation was cut after {len(c.tokens)} tokens",
                          503, SHUTTING_DOWN[2])
-        return JSONResponse(reply.body(with_tool_calls(c, data.get("tools"))))
+        return JSONResponse(reply.body(c))
 
-    async def _generate(self, request: Request, ids: list[int], args: dict, client) -> Completion:
-        cancel = threading.Event()
+    async def _generate(self, request: Request, call: Call, client) -> Completion:
+        cancel = call.cancel
         self._watch(cancel)
         outcome: list = []  # the completion or the error, raised outside the task group (no ExceptionGroup)
         try:
@@ -318,8 +319,7 @@ class Server:
                 tg.start_soon(self._watch_client, request, cancel)
                 try:
                     outcome.append(await anyio.to_thread.run_sync(
-                        lambda: self.llm.complete(ids, {**args, "cancel": cancel}, session=self.session,
-                                                  client=client)))
+                        lambda: self.llm.run(call, session=self.session, client=client)))
                 except LeverError as e:
                     outcome.append(e)
                 finally:
@@ -338,12 +338,10 @@ class Server:
                 cancel.set()
             await anyio.sleep(DISCONNECT_POLL_S)
 
-    async def _stream(self, request: Request, ids: list[int], args: dict, reply: Reply, usage: bool, client,
-                      tools: list[dict] | None = None, data: dict | None = None):
-        cancel = threading.Event()
+    async def _stream(self, request: Request, call: Call, reply: Reply, usage: bool, client, data: dict):
+        cancel = call.cancel
         self._watch(cancel)
-        it = with_call_stream(self.llm.stream_ids(ids, {**args, "cancel": cancel}, session=self.session,
-                                                  client=client), tools)  # a tool call is held whole
+        it = self.llm.stream_call(call, session=self.session, client=client)  # a tool call is held whole
         n_out, n_chars = 0, 0
         try:
             if reply.chat:
@@ -365,7 +363,7 @@ class Server:
                 n_out += chunk.n_tokens
                 self._finished(chunk.stats)
                 if chunk.text or chunk.logprobs:
-                    lps = reply.logprobs(chunk.logprobs, n_chars) if "logprobs" in args else None
+                    lps = reply.logprobs(chunk.logprobs, n_chars) if call.logprobs is not None else None
                     yield reply.chunk({"content": chunk.text} if reply.chat else chunk.text, None, lps)
                     n_chars += len(chunk.text)
                 if chunk.finish_reason is StopReason.CANCELLED and self.closing:
@@ -383,7 +381,7 @@ class Server:
                     extra = {"timings": timings(chunk.stats, chunk.usage.cached_tokens)} if chunk.stats else {}
                     yield reply.chunk({} if reply.chat else "", finish, extra=extra)
             if usage:
-                yield reply.usage_chunk(len(ids), n_out)
+                yield reply.usage_chunk(len(call.ids), n_out)
             yield "data: [DONE]\n\n"
         finally:
             cancel.set()  # a client gone mid-stream: the generation ends at its next pass

@@ -5,11 +5,10 @@ sampling bounds are the same table for the flags, the config, the API and Sampli
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 
-from lever.api import LLM
+from lever.api.call import prepare_generate
 from lever.cli.common import knob_values
 from lever.cli.main import build_parser
 from lever.config import GenerateConfig, load_config
@@ -150,9 +149,8 @@ def toml(v) -> str:
 
 
 def _api_check(value_name: str, value):
-    fake = types.SimpleNamespace(config=load_config(None),
-                                 engine=types.SimpleNamespace(n_ctx=4096, n_ctx_source="[model] n_ctx"))
-    return LLM.check(fake, {value_name: value}, 1)
+    return prepare_generate({value_name: value}, load_config(None).generate, n_prompt=1, n_ctx=4096,
+                            n_ctx_source="[model] n_ctx")
 
 
 @pytest.mark.parametrize("name", list(LIMITS))

@@ -96,7 +96,7 @@ def test_masks_along_random_trees_equal_a_fresh_matchers_for_generated_schemas(l
                         for i in range(tok.vocab_size)])
     ended = 0
     for schema in schemas(seed, 4):
-        g = llm.grammar({"json_schema": schema})
+        g = llm.grammars.get(json_schema=schema)
         c = g.constraint(tok.vocab_size)
         paths: list[list[int]] = [[]]
         for _ in range(150):
@@ -151,7 +151,7 @@ class GivesUp:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_grammar_the_engine_gives_up_on_is_an_error_never_free_text(llm, monkeypatch, temperature):
-    g = llm.grammar({"json_schema": SCHEMA})
+    g = llm.grammars.get(json_schema=SCHEMA)
     monkeypatch.setattr(Grammar, "fresh_matcher", lambda self: GivesUp(self._matcher.deep_copy(), 3))
     with pytest.raises(GrammarError) as e:
         llm.generate(PROMPT, max_tokens=24, grammar=g, temperature=temperature, seed=3)
@@ -193,7 +193,7 @@ def constrained_ar(model: Model, ids: list[int], grammar: Grammar, n: int, eos: 
 def test_speculative_output_under_a_grammar_is_constrained_autoregressive_output(llm, which):
     kw = {"grammar": DIGITS} if which == "lark" else {"json_schema": SCHEMA}
     spec = llm.generate(PROMPT, max_tokens=40, **kw)
-    grammar = llm.grammar(kw)
+    grammar = llm.grammars.get(**kw)
     model = Model(load_config(shipped("default.toml")).model.target)
     ref = constrained_ar(model, llm.tokenizer.encode(PROMPT), grammar, 40, frozenset(llm.tokenizer.eos_ids))
     assert list(spec.tokens) == ref
@@ -265,5 +265,5 @@ def test_qwen_json_schema_is_valid_json_and_constrained_greedy(qwen_target, qwen
         assert set(data) == {"name", "n"} and isinstance(data["n"], int)
         model = Model(qwen_target)
         ids = q.encode_chat(messages)
-        ref = constrained_ar(model, ids, q.grammar({"json_schema": SCHEMA}), n_gen, frozenset(q.tokenizer.eos_ids))
+        ref = constrained_ar(model, ids, q.grammars.get(json_schema=SCHEMA), n_gen, frozenset(q.tokenizer.eos_ids))
         assert list(c.tokens) == ref

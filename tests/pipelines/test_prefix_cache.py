@@ -75,8 +75,8 @@ def test_restored_rows_give_the_tokens_a_fresh_prefill_gives(llm):
 def test_a_client_never_gets_anothers_rows(llm):
     with llm.session() as s:
         s.cache = PrefixCache(64 << 20)
-        first = llm.complete(llm.encode_prompt(A), {"max_tokens": 8}, session=s, client="alice")
-        other = llm.complete(llm.encode_prompt(A), {"max_tokens": 8}, session=s, client="bob")
-        again = llm.complete(llm.encode_prompt(A), {"max_tokens": 8}, session=s, client="alice")
+        first = llm.run(llm.prepare(A, max_tokens=8), session=s, client="alice")
+        other = llm.run(llm.prepare(A, max_tokens=8), session=s, client="bob")
+        again = llm.run(llm.prepare(A, max_tokens=8), session=s, client="alice")
         assert first.usage.cached_tokens == 0 and other.usage.cached_tokens == 0
         assert again.usage.cached_tokens > 0 and again.tokens == first.tokens

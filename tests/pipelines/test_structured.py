@@ -109,7 +109,7 @@ def run_cases(llms: dict[str, lever.LLM], target: Model, prompts: list[str], see
     any_llm = next(iter(llms.values()))
     tok = any_llm.tokenizer
     for i, schema in enumerate(schemas(seed, n_schemas)):
-        grammar = any_llm.grammar({"json_schema": schema})
+        grammar = any_llm.grammars.get(json_schema=schema)
         for prompt in prompts:
             where = f"schema {i} {json.dumps(schema)[:200]} prompt {prompt!r}"
             want = constrained_ar(target, any_llm.engine.encode(prompt), grammar, MAX_TOKENS, frozenset(tok.eos_ids))

@@ -76,8 +76,8 @@ def taking_turns(llm, turns: list[str], max_tokens: int, cache_bytes: int) -> li
         for k, history in enumerate(histories):
             msg = [*history, {"role": "user", "content": text if k == 0 else f"Another question. {text}"}]
             t0, first, parts = time.perf_counter(), None, []
-            for chunk in llm.stream_ids(llm.encode_chat(msg), {"max_tokens": max_tokens, "temperature": 0.0},
-                                        session=s):
+            for chunk in llm.stream_call(llm.prepare(messages=msg, max_tokens=max_tokens, temperature=0.0),
+                                         session=s):
                 if first is None and chunk.n_tokens:
                     first = time.perf_counter() - t0
                 parts.append(chunk.text)

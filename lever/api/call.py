@@ -1,0 +1,154 @@
+"""A generation call, checked once: what `LLM.prepare` makes and `LLM.run` runs, and what comes back.
+
+The bottom of lever.api. A call's arguments (the [generate] knobs by their call names, stop
+strings, logprobs, a grammar or a JSON schema, the functions offered, a cancel event) are checked
+against their bounds and the context in one place, `prepare_generate` here with `LLM.prepare`,
+and travel as one frozen `Call` from there: to the engine's Request (`Call.request`), a
+conversation's run, the server's worker threads. What a call gives back is a `Completion`, or
+`Chunk`s when it is streamed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import attrs
+
+from lever.config import KNOBS, GenerateConfig
+from lever.dataflow.messages import TokenLogprob
+from lever.errors import LeverError
+from lever.model.grammar import Grammar, Source
+from lever.model.stop import StopReason
+from lever.model.tool_calls import ToolCall
+from lever.pipelines.compose import KVState, Request
+from lever.pipelines.result import RunResult
+from lever.pipelines.watch import RunWatch
+
+MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
+MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs bounds them
+# a call's keywords beside the functions offered (tools, tool_choice, parallel_tool_calls)
+CALL_ARGS = (*(k.arg for k in KNOBS.values()), "stop", "logprobs", "grammar", "json_schema", "cancel")
+
+
+class Cancelled(LeverError):
+    """A generation whose cancel event was set before it could start."""
+
+
+@attrs.frozen
+class Offer:
+    """The functions a call offers (OpenAI's `tools`, checked; None: none) and the grammar a
+    required or named call brings (lever.model.tool_calls.plan; None under "auto")."""
+
+    tools: tuple[dict, ...] | None = None
+    grammar: Source | None = None
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools or ())
+
+
+@attrs.frozen(kw_only=True)
+class Call:
+    """One generation, checked: the prompt's ids, the knobs as this call's [generate], its stop
+    strings, logprobs (alternatives per token; None: not computed), its compiled grammar, the
+    functions it offers (their calls are parsed out of the reply), its cancel event."""
+
+    ids: tuple[int, ...] = attrs.field(converter=tuple)
+    generate: GenerateConfig
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    grammar: Grammar | None = None
+    tools: tuple[dict, ...] | None = None
+    cancel: threading.Event = attrs.field(factory=threading.Event, eq=False)
+
+    def request(self, stop_rule, *, watch: RunWatch | None = None, kv: KVState | None = None,
+                cached: int = 0) -> Request:
+        """The engine's request: the ids past the `cached` ones `kv` already holds (a
+        conversation's), the rest as the text before them (the repeat penalty reads it)."""
+        return Request(self.ids[cached:], self.generate, stop_rule, kv=kv, history=self.ids[:cached],
+                       logprobs=self.logprobs, grammar=self.grammar, watch=watch)
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # of the prompt, already in a session's KV caches: not prefilled again
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class Completion:
+    """One generation: its text (stop string excluded), tokens, why it ended, and its figures."""
+
+    text: str
+    tokens: tuple[int, ...]  # generated ids, up to the one that completed a stop string
+    finish_reason: StopReason
+    usage: Usage
+    stats: RunResult  # the run's figures, as `lever run --json` prints them
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the call asked for `logprobs`
+    tool_calls: tuple[ToolCall, ...] = ()  # a chat with `tools`: the calls in the reply (`text` is the rest)
+
+
+@attrs.frozen
+class Chunk:
+    """A piece of a streamed generation: text now final, and how many tokens it took."""
+
+    text: str
+    n_tokens: int
+    finish_reason: StopReason | None = None  # set on the last chunk only
+    logprobs: tuple[TokenLogprob, ...] = ()  # of this chunk's tokens, when the call asked for `logprobs`
+    usage: Usage | None = None  # the last chunk only, as the completion's
+    stats: RunResult | None = None  # the last chunk only: the run's figures
+    tool_calls: tuple[ToolCall, ...] = ()  # the last chunk only, of a chat with `tools`: the reply's calls
+
+
+def prepare_generate(args: dict, defaults: GenerateConfig, *, n_prompt: int, n_ctx: int, n_ctx_source: str
+                     ) -> tuple[GenerateConfig, tuple[str, ...], int | None]:
+    """A call's knobs as this call's [generate] (each within its call bound: [generate]'s, and
+    max_tokens at least 1), its stop strings and logprobs; the prompt and max_tokens within the
+    context. One line naming the argument at fault."""
+    unknown = [k for k in args if k not in CALL_ARGS]
+    if unknown:
+        raise LeverError(f"unknown argument {unknown[0]!r} (known: {', '.join(CALL_ARGS)}, tools, tool_choice, "
+                         f"parallel_tool_calls)")
+    changes = {}
+    for k in KNOBS.values():
+        v = args.get(k.arg)
+        if v is None:
+            continue
+        problem = k.call.problem(v)
+        if problem is not None:
+            raise LeverError(f"{k.arg}: {problem}")
+        changes[k.key] = int(v) if k.call.integer else float(v)
+    gen = attrs.evolve(defaults, **changes)
+    logprobs = args.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise LeverError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
+                         f"got {logprobs!r}")
+    if n_prompt >= n_ctx:  # the prompt alone: no max_tokens would help
+        raise LeverError(f"prompt: {n_prompt} tokens, over the context of {n_ctx} ({n_ctx_source})")
+    if n_prompt + gen.n_predict > n_ctx:
+        raise LeverError(f"max_tokens: {gen.n_predict} tokens after a prompt of {n_prompt} pass the context of "
+                         f"{n_ctx} ({n_ctx_source})")
+    return gen, stop_strings(args.get("stop")), logprobs
+
+
+def stop_strings(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
+        raise LeverError(f"stop: must be a string or a list of strings, got {type(stop).__name__}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise LeverError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise LeverError(f"stop: each string must be 1-{MAX_STOP_CHARS} characters, got {s!r:.40}")
+    return tuple(stops)
