@@ -10,11 +10,12 @@ import threading
 import pytest
 
 import lever
-from lever.api import Cancelled, StopStrings
+from lever.api import Cancelled
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.gguf.chat_template import ChatTemplate
 from lever.pipelines.engine import run_pipeline
+from lever.pipelines.text import TextStream
 from lever.shipped import shipped
 
 PROMPT = "def parse_args(argv):"
@@ -155,7 +156,7 @@ def test_load_from_settings_alone_and_unknown_settings(full):
 
 def test_stop_strings_hold_back_only_what_could_still_match(llm):
     got = []
-    rule = StopStrings(llm.tokenizer, ("abc", "xyz"), lambda text, n, lps: got.append(text))
+    rule = TextStream(llm.tokenizer, ("abc", "xyz"), lambda text, n, lps: got.append(text))
     ids = llm.tokenizer.encode("hello ab", add_bos=False)
     assert llm.tokenizer.decode(ids) == "hello ab"
     assert rule(tuple(ids)) is None
@@ -183,7 +184,7 @@ def test_a_long_token_that_completes_a_short_stop_string_stops(llm):
     ids = llm.tokenizer.encode("  # 2-bit characters and more", add_bos=False)
     long_piece = max(range(len(ids)), key=lambda i: len(llm.tokenizer.decode(ids[i : i + 1])))
     assert len(llm.tokenizer.decode(ids[long_piece : long_piece + 1])) > 4  # the case: one token of many chars
-    rule = StopStrings(llm.tokenizer, ("t c",))
+    rule = TextStream(llm.tokenizer, ("t c",))
     for t in ids:
         if rule((t,)):
             break

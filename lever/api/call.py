@@ -23,6 +23,7 @@ from lever.model.stop import StopReason
 from lever.model.tool_calls import ToolCall
 from lever.pipelines.compose import KVState, Request
 from lever.pipelines.result import RunResult
+from lever.pipelines.text import TextStream
 from lever.pipelines.watch import RunWatch
 
 MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
@@ -63,11 +64,11 @@ class Call:
     tools: tuple[dict, ...] | None = None
     cancel: threading.Event = attrs.field(factory=threading.Event, eq=False)
 
-    def request(self, stop_rule, *, watch: RunWatch | None = None, kv: KVState | None = None,
+    def request(self, text: TextStream, *, watch: RunWatch | None = None, kv: KVState | None = None,
                 cached: int = 0) -> Request:
-        """The engine's request: the ids past the `cached` ones `kv` already holds (a
-        conversation's), the rest as the text before them (the repeat penalty reads it)."""
-        return Request(self.ids[cached:], self.generate, stop_rule, kv=kv, history=self.ids[:cached],
+        """The engine's request, its text leaving by `text`: the ids past the `cached` ones `kv`
+        already holds (a conversation's), the rest as the text before them (the repeat penalty)."""
+        return Request(self.ids[cached:], self.generate, text, kv=kv, history=self.ids[:cached],
                        logprobs=self.logprobs, grammar=self.grammar, watch=watch)
 
 

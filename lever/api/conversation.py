@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import attrs
 
 from lever.api.call import Call, Chunk, Completion
-from lever.api.text import reply_message
 from lever.errors import LeverError
 from lever.gguf.chat_template import check_messages
 from lever.gguf.identity import ModelIdentity
@@ -22,6 +21,7 @@ from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState
 from lever.pipelines.prefix_cache import MIN_REUSE_TOKENS, KVSnapshot, PrefixCache, shared
 from lever.pipelines.result import RunResult
+from lever.pipelines.text import TextStream
 from lever.pipelines.watch import RunWatch
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class Session:
         self.messages.extend(added)
         return call
 
-    def run(self, call: Call, stop_rule, watch: RunWatch | None = None) -> tuple[RunResult, int]:
+    def run(self, call: Call, text: TextStream, watch: RunWatch | None = None) -> tuple[RunResult, int]:
         """The engine's run of `call` from what the caches share with its ids (called under the
         LLM's lock). Returns the run and how many prompt tokens came from the caches."""
         ids = list(call.ids)
@@ -156,8 +156,15 @@ class Session:
         if kv is not None:
             kv.truncate(common)
         self.ids, self.kv = [], None  # until the run ends well, the caches are in flux
-        res = self.llm.engine.run(call.request(stop_rule, watch=watch, kv=kv, cached=common), on_kv=kept.append)
+        res = self.llm.engine.run(call.request(text, watch=watch, kv=kv, cached=common), on_kv=kept.append)
         self.kv = kept[0]
         self.ids = (ids + res.tokens)[: self.kv.n_rows]
         self.last_cached = common
         return res, common
+
+
+def reply_message(text: str, calls) -> dict:
+    """The assistant's message of a reply, as the conversation keeps it."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": [tc.as_openai() for tc in calls]}

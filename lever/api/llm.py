@@ -28,7 +28,6 @@ import attrs
 
 from lever.api.call import Call, Cancelled, Chunk, Completion, Offer, Usage, prepare_generate
 from lever.api.conversation import Session
-from lever.api.text import StopStrings, with_call_stream, with_tool_calls
 from lever.config import KNOBS, Config, load_config
 from lever.dataflow.messages import TokenLogprob
 from lever.errors import LeverError
@@ -38,6 +37,7 @@ from lever.model.grammar_cache import GrammarCache
 from lever.model.stop import StopReason
 from lever.model.tool_calls import plan
 from lever.pipelines.engine import Engine
+from lever.pipelines.text import TextStream
 from lever.pipelines.watch import Watch
 from lever.policy.memory import MemoryPlan, mem_overrides
 
@@ -219,27 +219,28 @@ class LLM:
         """One prepared call (`on_text(text, n_tokens, logprobs)`: each piece as it is final); in
         `session`, the prefix its caches already hold is not prefilled again, when the
         session's last call was `client`'s (a server's clients never share a prefix)."""
-        rule = StopStrings(self.engine.tok, call.stop, on_text, frozenset(self.engine.tok.eos_ids), call.cancel,
-                           grammar=call.grammar)
+        text = TextStream(self.engine.tok, call.stop, on_text, frozenset(self.engine.tok.eos_ids), call.cancel,
+                          grammar=call.grammar, offered=Offer(call.tools).names if call.tools else None)
         with self._lock:
             if call.cancel.is_set():  # its caller left while it waited
                 raise Cancelled("the generation was cancelled before it started")
             watch = self.watch.run(client) if self.watch is not None else None
             if session is None:
-                res, cached = self.engine.run(call.request(rule, watch=watch)), 0
+                res, cached = self.engine.run(call.request(text, watch=watch)), 0
             else:
                 session.switch(list(call.ids), client)
-                res, cached = session.run(call, rule, watch=watch)
-        rule.finish()
-        reason = StopReason.STOP if rule.stopped_at >= 0 else res.stop_reason or StopReason.LENGTH
-        tokens = tuple(rule.tokens)
-        c = Completion(rule.final_text, tokens, reason, Usage(len(call.ids), len(tokens), cached), res,
-                       tuple(rule.logprobs) if call.logprobs is not None else None)
-        return with_tool_calls(c, call.tools)
+                res, cached = session.run(call, text, watch=watch)
+        text.finish()
+        reason = StopReason.STOP if text.stopped_at >= 0 else res.stop_reason or StopReason.LENGTH
+        tokens = tuple(text.tokens)
+        reply, calls = text.reply()
+        return Completion(reply, tokens, reason, Usage(len(call.ids), len(tokens), cached), res,
+                          tuple(text.logprobs) if call.logprobs is not None else None, tuple(calls))
 
     def stream_call(self, call: Call, *, session: Session | None = None, client: object = None) -> Iterator[Chunk]:
         """One prepared call, streamed (as `stream`): the generation runs in a thread of its own;
-        leaving the loop early cancels it at the end of its current pass."""
+        leaving the loop early cancels it at the end of its current pass. Text from where a tool
+        call may begin is held (lever.pipelines.text); the calls come whole on the last chunk."""
         out: queue.Queue = queue.Queue()
         done = object()
 
@@ -248,8 +249,7 @@ class LLM:
 
         def work():
             try:
-                c = self.run(attrs.evolve(call, tools=None), session=session, client=client, on_text=piece)
-                out.put(c)
+                out.put(self.run(call, session=session, client=client, on_text=piece))
             except BaseException as e:  # handed to the consumer, raised there
                 out.put(e)
             finally:
@@ -263,14 +263,15 @@ class LLM:
                     if isinstance(item, BaseException):
                         raise item
                     if isinstance(item, Completion):
-                        yield Chunk("", 0, item.finish_reason, usage=item.usage, stats=item.stats)
+                        yield Chunk("", 0, item.finish_reason, usage=item.usage, stats=item.stats,
+                                    tool_calls=item.tool_calls)
                     elif item.text or item.n_tokens:
                         yield item
             finally:
                 call.cancel.set()  # a consumer that left early ends the generation at its next pass
                 worker.join()
 
-        return with_call_stream(chunks(), call.tools)
+        return chunks()
 
     def close(self) -> None:
         self.grammars.close()  # a compile under way (a server's request thread) fails at once

@@ -31,10 +31,11 @@ from lever.model.sampling import SamplingParams
 from lever.model.transformer import Model
 from lever.pipelines.plan import RunPlan
 from lever.pipelines.target import FlashTarget
+from lever.pipelines.text import TextStream
 from lever.pipelines.watch import RunWatch
 from lever.policy.predictor import predictor_for
 from lever.signals import run_async
-from lever.stages.accept import Accept, AcceptConfig, StopRule
+from lever.stages.accept import Accept, AcceptConfig
 from lever.stages.draft import Draft, Drafter
 from lever.stages.drain import Drain
 from lever.stages.output import Output
@@ -92,7 +93,7 @@ class Request:
 
     ids: tuple[int, ...] = attrs.field(converter=tuple)  # prefilled this run
     generate: GenerateConfig | None = None  # n_predict and the sampling knobs; None: the plan's [generate]
-    stop: StopRule | None = None  # a caller's reason to end early (stop strings, a cancelled request)
+    text: TextStream | None = None  # the text's one door (stop strings, a cancelled request); None: Engine.run's
     kv: KVState | None = None  # a session's caches, holding the text before `ids`; None: fresh ones
     history: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # the text `kv` holds, for the repeat penalty
     on_tokens: Callable[[tuple[int, ...]], None] | None = None  # each pass's emitted tokens
@@ -129,7 +130,7 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
                           compute, predictor, tracer, request.observer, plan.runtime.emulate_layer_ms_per_token / 1e3,
                           plan.placement.verify_fn)
     stops = AcceptConfig(gen.n_predict, plan.eos_ids, plan.n_ctx, full_lm_head=tree.growth.full_lm_head,
-                         stop=request.stop, logprobs=request.logprobs, constraint=constraint)
+                         stop=request.text, logprobs=request.logprobs, constraint=constraint)
     accept = Accept("accept", stops, params, target.model.logits, tracer, diagnose=target.model.nonfinite_logits,
                     n_ctx_used=n_past,
                     history=list(request.history[-params.repeat_last_n :]) if params.penalizes else [])

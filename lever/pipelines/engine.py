@@ -27,7 +27,7 @@ from lever.backends.flash.device import process_read_bytes
 from lever.config import Config
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
-from lever.gguf.tokenizer import StreamDecoder, Tokenizer
+from lever.gguf.tokenizer import Tokenizer
 from lever.model.grammar import Grammar, compile_args, matcher_limits
 from lever.model.grammar_child import CompileProcess
 from lever.model.transformer import Model
@@ -35,6 +35,7 @@ from lever.pipelines.compose import KVState, Request, compose
 from lever.pipelines.plan import RunPlan
 from lever.pipelines.result import FlashFigures, MemoryFigures, RunResult, Timing
 from lever.pipelines.target import FlashTarget
+from lever.pipelines.text import TextStream
 from lever.policy.memory import MemoryPlan
 from lever.policy.memory import check as check_memory
 from lever.signals import run_async
@@ -208,14 +209,15 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
     """Composes the request's graph, runs it, and measures what the stages cannot: the clocks
     (prefill ends at the first emitted token), the device's bytes, peak RSS."""
     plan, target = engine.plan, engine.target
-    stream = StreamDecoder(engine.tok, at_start=False)
+    text = request.text  # the text's one door (lever.pipelines.text): the caller's, or one printing to on_text
+    if text is None:
+        text = TextStream(engine.tok, on_text=(lambda piece, n, lps: on_text(piece)) if on_text else None,
+                          eos_ids=plan.eos_ids)
     first: list[tuple[float, float]] = []  # (wall, CPU seconds) at the first token: decoding's start
 
     def on_tokens(ts):
         if not first:
             first.append((time.perf_counter(), _cpu_s()))
-        if on_text:
-            on_text("".join(stream.push(t) for t in ts))
         if request.on_tokens is not None:
             request.on_tokens(ts)
 
@@ -224,7 +226,7 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
     if watch is not None:
         watch.begin(t0_s=tracer.t0, pipeline=plan.pipeline, n_prompt=len(request.ids),
                     n_past=request.kv.n_rows if request.kv is not None else 0)
-    h = compose(target, engine.draft, plan, attrs.evolve(request, on_tokens=on_tokens, tracer=tracer))
+    h = compose(target, engine.draft, plan, attrs.evolve(request, on_tokens=on_tokens, tracer=tracer, text=text))
     target.warm_head()
     target.store.reset_stats()
     dev0 = process_read_bytes() or 0
@@ -233,8 +235,8 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
     t1, cpu1 = time.perf_counter(), _cpu_s()
     if on_kv is not None:
         on_kv(h.kv_after())
-    if on_text:
-        on_text(stream.flush())
+    if request.text is None:  # the caller's own is the caller's to finish
+        text.finish()
     dev_bytes = (process_read_bytes() or 0) - dev0
     out = h.output.stats()
     n_passes = len(out.accepted_per_pass)
@@ -262,7 +264,7 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
     gen = request.generate or plan.generate
     return RunResult(
         pipeline=plan.pipeline, prompt_tokens=list(request.ids),
-        text="".join(StreamDecoder(engine.tok, at_start=False).push(t) for t in out.tokens), output=out,
+        text=text.final_text, output=out,
         trees=h.expand.stats(), verify=h.verify.stats(), draft=h.draft.stats() if h.draft is not None else None,
         timing=timing, flash=flash, memory=memory,
         placement=place.where | {f"qnn {i}": _qnn_figures(r) for i, r in enumerate(place.runners)},

@@ -1,21 +1,24 @@
-"""A generation's text as it leaves: decoded, stop strings held back and matched, tool calls parsed.
+"""TextStream: the one door a generation's text leaves by, for `lever run`, the API and the server.
 
-Beside lever.api.call, below the LLM. `StopStrings` is the stop rule Accept asks after every
-pass (lever.stages.accept.StopRule): it decodes the tokens emitted, ends the generation when the
-text holds a stop string (under a grammar, only where the grammar accepts the text before it)
-or the caller cancelled, and hands on the text no stop string can still claim. `with_tool_calls`
-and `with_call_stream` take the calls of the functions offered out of a reply, whole or streamed.
+Beside lever.pipelines.compose, which hands it to Accept as the request's stop rule: after every
+pass Accept gives it the tokens emitted (and their logprobs), and it decodes them (UTF-8 never
+split: lever.gguf.tokenizer.StreamDecoder), holds back text a stop string could still claim, and
+hands on what is final (`on_text(text, n_tokens, logprobs)`) with the logprobs of the tokens it
+covers. Its answer is the only decision it takes: STOP when a stop string completed (under a
+grammar, only where the grammar accepts the text before it: a reply that stops is one the
+grammar accepts, as one that ends by its end token is), CANCELLED when the caller's event is
+set. With the functions a call offers, text from where a tool call may begin is held too and the
+calls come out whole at the end (`reply`, lever.model.tool_calls). `lever run` prints what it
+hands on; RunResult.text, the API's Completion and its Chunks, the server's replies are all it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import attrs
 
-from lever.api.call import Chunk, Completion
-from lever.dataflow.messages import TokenLogprob
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.grammar import Grammar
 from lever.model.stop import StopReason
@@ -23,33 +26,32 @@ from lever.model.tool_calls import CallStream, ToolCall, parse_calls
 
 
 @attrs.define
-class StopStrings:
-    """The stop rule of one generation (lever.stages.accept.StopRule): decodes the tokens each
-    pass emits, ends the generation when the text holds a stop string or the caller cancelled,
-    and hands on the text that no stop string can still claim (`on_text(text, n_tokens,
-    logprobs)`), with the logprobs of the tokens it covers when the generation computes them."""
+class TextStream:
+    """One generation's text. Call it with each pass's tokens (it is a StopRule:
+    lever.stages.accept); `finish()` once the generation ended."""
 
     tok: Tokenizer
     stops: tuple[str, ...] = ()
-    on_text: object = None  # callable(text, n_tokens) or None
-    eos_ids: frozenset[int] = frozenset()
+    on_text: Callable | None = None  # on_text(text, n_tokens, logprobs): each piece as it is final
+    eos_ids: frozenset[int] = frozenset()  # end tokens: not text
     cancel: threading.Event = attrs.field(factory=threading.Event)
+    grammar: Grammar | None = None  # the generation's grammar: a stop string counts only where it accepts
+    offered: frozenset[str] | None = None  # the functions a call offers: their calls are held and parsed
     text: str = ""  # everything decoded, stop string included
     sent: int = 0  # chars of `text` handed on
     tokens: list[int] = attrs.field(factory=list)  # ids kept: past a stop string, none
-    logprobs: list[TokenLogprob] = attrs.field(factory=list)  # of `tokens`, when the run computes them
+    logprobs: list = attrs.field(factory=list)  # TokenLogprob of `tokens`, when the run computes them
     unsent_tokens: int = 0
     stopped_at: int = -1  # where the first stop string starts in `text`
-    # under a grammar, a stop string ends the text only where the grammar accepts what comes
-    # before it: a reply that stops is one the grammar accepts, as one that ends by EOS is
-    grammar: Grammar | None = None
     _ends: list[int] = attrs.field(factory=list)  # len(text) after each of `tokens`
     _decoder: StreamDecoder = attrs.field(init=False)
+    _calls: CallStream | None = attrs.field(init=False)
 
     def __attrs_post_init__(self):
         self._decoder = StreamDecoder(self.tok, at_start=False)
+        self._calls = CallStream(self.offered) if self.offered else None
 
-    def __call__(self, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> StopReason | None:
+    def __call__(self, tokens: tuple[int, ...], logprobs: tuple = ()) -> StopReason | None:
         for i, t in enumerate(tokens):
             if self.stopped_at >= 0:
                 break
@@ -69,16 +71,27 @@ class StopStrings:
         return StopReason.CANCELLED if self.cancel.is_set() else None
 
     def finish(self) -> None:
-        """The generation ended (not by a stop string): what was held back is final."""
+        """The generation ended: what was held back is final (a call, parsed whole)."""
         if self.stopped_at < 0:
             before = len(self.text)
             self.text += self._decoder.flush()
             self._find(before)
         self._hand_on(self.stopped_at if self.stopped_at >= 0 else len(self.text))
+        if self._calls is not None:
+            rest, _ = self._calls.finish()
+            if rest and self.on_text is not None:
+                self.on_text(rest, 0, ())
 
     @property
     def final_text(self) -> str:
+        """The generation's text, a stop string and what followed it excluded."""
         return self.text[: self.stopped_at] if self.stopped_at >= 0 else self.text
+
+    def reply(self) -> tuple[str, list[ToolCall]]:
+        """The text and the calls of the functions offered (none offered: the text, no calls)."""
+        if self.offered is None:
+            return self.final_text, []
+        return parse_calls(self.final_text, self.offered)
 
     def _find(self, before: int) -> None:
         """A match must end in the text added after `before` chars: it starts at most the
@@ -105,9 +118,12 @@ class StopStrings:
 
     def _hand_on(self, upto: int) -> None:
         if upto > self.sent or (self.unsent_tokens and self.stopped_at >= 0):
+            piece = self.text[self.sent : max(upto, self.sent)]
+            if self._calls is not None:
+                piece = self._calls.push(piece)
             if self.on_text is not None:
                 lps = tuple(self.logprobs[len(self.tokens) - self.unsent_tokens :]) if self.logprobs else ()
-                self.on_text(self.text[self.sent : max(upto, self.sent)], self.unsent_tokens, lps)
+                self.on_text(piece, self.unsent_tokens, lps)
             self.sent, self.unsent_tokens = max(upto, self.sent), 0
 
 
@@ -116,39 +132,3 @@ def _occurrences(text: str, s: str, lo: int) -> Iterator[int]:
     while i >= 0:
         yield i
         i = text.find(s, i + 1)
-
-
-def with_tool_calls(c: Completion, tools: Sequence[dict] | None) -> Completion:
-    """The completion with the calls of the functions `tools` offers parsed out of its text
-    (lever.model.tool_calls); None: no tools, the completion as it is."""
-    if not tools:
-        return c
-    text, calls = parse_calls(c.text, _names(tools))
-    return attrs.evolve(c, text=text, tool_calls=tuple(calls))
-
-
-def with_call_stream(chunks: Iterator[Chunk], tools: Sequence[dict] | None) -> Iterator[Chunk]:
-    """A stream whose text stops where a tool call may begin; the last chunk carries the rest
-    of the text and the calls of the functions `tools` offers (lever.model.tool_calls.CallStream)."""
-    if not tools:
-        yield from chunks
-        return
-    calls = CallStream(_names(tools))
-    for chunk in chunks:
-        text = calls.push(chunk.text)
-        if chunk.finish_reason is not None:
-            rest, found = calls.finish()
-            text += rest
-            chunk = attrs.evolve(chunk, tool_calls=tuple(found))
-        yield attrs.evolve(chunk, text=text)
-
-
-def _names(tools: Sequence[dict]) -> frozenset[str]:
-    return frozenset(t["function"]["name"] for t in tools)
-
-
-def reply_message(text: str, calls: tuple[ToolCall, ...]) -> dict:
-    """The assistant's message of a reply, as the conversation keeps it."""
-    if not calls:
-        return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": text or None, "tool_calls": [tc.as_openai() for tc in calls]}
