@@ -37,6 +37,7 @@ from lever.model.grammar_cache import GrammarCache
 from lever.model.stop import StopReason
 from lever.model.tool_calls import plan
 from lever.pipelines.engine import Engine
+from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.text import TextStream
 from lever.pipelines.watch import Watch
 from lever.policy.memory import MemoryPlan, mem_overrides
@@ -211,20 +212,24 @@ class LLM:
         whole on the last chunk (`Chunk.tool_calls`)."""
         return self.stream_call(self.prepare(messages=messages, **args))
 
-    def session(self) -> Session:
-        """A conversation whose text stays in both KV caches between calls (lever.api.conversation)."""
-        return Session(self)
+    def session(self, cache: PrefixCache | None = None) -> Session:
+        """A conversation whose text stays in both KV caches between calls (lever.api.conversation);
+        `cache`: other conversations kept between calls (a server's, by client)."""
+        return Session(self, cache=cache)
 
-    def run(self, call: Call, *, session: Session | None = None, client: object = None, on_text=None) -> Completion:
+    def run(self, call: Call, *, session: Session | None = None, client: object = None, on_text=None,
+            watch: Watch | None = None) -> Completion:
         """One prepared call (`on_text(text, n_tokens, logprobs)`: each piece as it is final); in
         `session`, the prefix its caches already hold is not prefilled again, when the
-        session's last call was `client`'s (a server's clients never share a prefix)."""
+        session's last call was `client`'s (a server's clients never share a prefix); `watch`:
+        who sees its cycles (a live page's; default this LLM's `watch`)."""
         text = TextStream(self.engine.tok, call.stop, on_text, frozenset(self.engine.tok.eos_ids), call.cancel,
                           grammar=call.grammar, offered=Offer(call.tools).names if call.tools else None)
         with self._lock:
             if call.cancel.is_set():  # its caller left while it waited
                 raise Cancelled("the generation was cancelled before it started")
-            watch = self.watch.run(client) if self.watch is not None else None
+            watch = watch or self.watch
+            watch = watch.run(client) if watch is not None else None
             if session is None:
                 res, cached = self.engine.run(call.request(text, watch=watch)), 0
             else:
@@ -237,7 +242,8 @@ class LLM:
         return Completion(reply, tokens, reason, Usage(len(call.ids), len(tokens), cached), res,
                           tuple(text.logprobs) if call.logprobs is not None else None, tuple(calls))
 
-    def stream_call(self, call: Call, *, session: Session | None = None, client: object = None) -> Iterator[Chunk]:
+    def stream_call(self, call: Call, *, session: Session | None = None, client: object = None,
+                    watch: Watch | None = None) -> Iterator[Chunk]:
         """One prepared call, streamed (as `stream`): the generation runs in a thread of its own;
         leaving the loop early cancels it at the end of its current pass. Text from where a tool
         call may begin is held (lever.pipelines.text); the calls come whole on the last chunk."""
@@ -249,7 +255,7 @@ class LLM:
 
         def work():
             try:
-                out.put(self.run(call, session=session, client=client, on_text=piece))
+                out.put(self.run(call, session=session, client=client, on_text=piece, watch=watch))
             except BaseException as e:  # handed to the consumer, raised there
                 out.put(e)
             finally:

@@ -129,26 +129,21 @@ def main(args) -> int:
             server.should_exit = True
             server_state.shutdown(args.grace)
 
-        # the largest request's plan (a prompt filling the context), the bodies being read at
-        # once (lever.serve.request.BodyPool) and the kept conversations: what the RSS stays within
-        run_plan = llm.memory_plan()
-        run_bytes = run_plan.rss_bound_bytes
-        live_bytes = server_state.page.watch.max_bytes if server_state.page is not None else 0
-        plan_bytes = run_bytes + server_state.bodies.capacity_bytes + server_state.cache_bytes + live_bytes
+        # what the RSS stays within: the largest request's plan, the bodies being read at once, the
+        # kept conversations, the live page (Server.memory_plan)
+        plan = {k: v >> 20 for k, v in server_state.memory_plan().items()}
+        plan_mib, grammar_mib = sum(plan.values()), llm.memory_plan().grammar_bytes >> 20
         limit = llm.config.memory.limit_bytes
-        if limit is not None and plan_bytes > limit:
+        if limit is not None and plan_mib << 20 > limit:
             raise LeverError(f"--cache-ram: {args.cache_ram} MiB of kept conversations beside a run's "
-                             f"{run_bytes >> 20} MiB, {server_state.bodies.capacity_bytes >> 20} MiB of request "
-                             f"bodies and the live page's {live_bytes >> 20} MiB passes [memory] limit "
-                             f"({limit >> 20} MiB); give less")
+                             f"{plan['run']} MiB, {plan['bodies']} MiB of request bodies and the live page's "
+                             f"{plan['live page']} MiB passes [memory] limit ({limit >> 20} MiB); give less")
         llm.grammars.start()  # the grammar compiler's child, before the first schema waits for it
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
               f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}, "
-              f"memory plan {plan_bytes >> 20} MiB (a run {run_bytes >> 20}, its grammars "
-              f"{run_plan.grammar_bytes >> 20} among them + bodies "
-              f"{server_state.bodies.capacity_bytes >> 20} + kept conversations {server_state.cache_bytes >> 20}"
-              f" + live page {live_bytes >> 20})" + (f"; the live page: http://{args.host}:{args.port}/"
-                                                      if server_state.page is not None else ""),
+              f"memory plan {plan_mib} MiB (a run {plan['run']}, its grammars {grammar_mib} among them + bodies "
+              f"{plan['bodies']} + kept conversations {plan['kept conversations']} + live page {plan['live page']})"
+              + (f"; the live page: http://{args.host}:{args.port}/" if server_state.page is not None else ""),
               file=sys.stderr, flush=True)
         if not rules.api_keys and args.host.lower() not in LOOPBACK_HOSTS:
             print(f"lever serve: warning: listening on {args.host} without --api-key: anyone who can reach "
@@ -157,7 +152,7 @@ def main(args) -> int:
             server.run()
     finally:
         if server_state is not None:
-            server_state.renderer.close()
+            server_state.prep.close()
         llm.close()
     if (s := signals.pending()) is not None:
         raise signals.Interrupted(s)  # the command ends as every stopped command does: 128 + n

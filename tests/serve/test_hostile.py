@@ -350,7 +350,7 @@ async def test_a_grammar_the_engine_gives_up_on_mid_stream_is_an_error_event(mon
             assert s.status_code == 200 and "gave up" in lines[-1] and '"param": "json_schema"' in lines[-1], lines
             assert not any("[DONE]" in ln for ln in lines)
             assert (await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).status_code == 200
-        asgi.app.state.server.renderer.close()
+        asgi.app.state.server.prep.close()
 
 
 def test_sigterm_during_grammar_compiles_stops_within_two_seconds():
