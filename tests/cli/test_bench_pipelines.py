@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from lever.cli.bench.pipelines import bench_pipelines, llama_cpp_flags, llama_cpp_rows, read_prompts
+from lever.cli.bench.pipelines import bench_pipelines, llama_cpp_flags, llama_cpp_rows
+from lever.cli.bench.report import read_prompts
 from lever.cli.main import main
 from lever.errors import LeverError
 from lever.shipped import shipped
@@ -80,7 +81,7 @@ def fake_llama_cpp(d):
 def test_llama_cpp_tools_must_be_there(stories, tmp_path):
     cfg = tmp_path / "pair.toml"
     cfg.write_text(f'[model]\ntarget = "{stories}"\ndraft = "{stories}"\n')
-    with pytest.raises(LeverError, match="--llama-cpp: .*llama-completion is not an executable file"):
+    with pytest.raises(LeverError, match="--llama-cpp: .* holds no executable llama-completion"):
         llama_cpp_rows(str(tmp_path), str(cfg), [], ["x"], 4)
 
 

@@ -23,8 +23,6 @@ import argparse
 import datetime
 import importlib.util
 import json
-import math
-import os
 import platform
 import re
 import sys
@@ -33,10 +31,11 @@ from pathlib import Path
 import attrs
 
 from lever.backends.flash.config import parse_bytes
+from lever.cli.bench import rows
 from lever.cli.bench.cgroup import Capped, run_capped
-from lever.cli.bench.model import DECODED_LINE, EVAL_LINE, find_llama_bench, find_tool
+from lever.cli.bench.llama_cpp import DECODED_LINE, EVAL_LINE, completion_cmd, find_pair, speculative_cmd
 from lever.cli.bench.paired import paired_speedup
-from lever.cli.bench.pipelines import read_prompts
+from lever.cli.bench.report import figure, geomean, read_prompts
 from lever.cli.common import (
     MAX_PROMPT_BYTES,
     add_common,
@@ -52,7 +51,7 @@ from lever.cli.table import show
 from lever.config import load_config
 from lever.errors import LeverError
 from lever.model.sampling import Range
-from lever.outputs import atomic_path, atomic_write
+from lever.outputs import write_json
 from lever.shipped import shipped
 
 DEFAULT_CAPS = "1536M,2G,3G,4G"
@@ -63,11 +62,8 @@ N_CTX = 1024
 TIMEOUT_S = 3600.0  # one run; llama-completion under a tight cap reads the whole model per token
 # the rows' names; "llama-spec k=K" is llama-speculative with draft length K
 LEVER, FLASH_AR, LLAMA_COMPLETION, LLAMA_SPEC = "lever", "flash-ar", "llama-completion", "llama-spec"
-# Lever with no layer pinned, every layer read through the page cache, which keeps what the cap
-# leaves: the kernel's LRU as the block cache, against the plan's static residency
-LEVER_LRU = "lever-lru"
-LEVER_SETS = {LEVER: ['pipeline.kind="speculative"'], FLASH_AR: ['pipeline.kind="flash-ar"'],
-              LEVER_LRU: ['pipeline.kind="speculative"', 'flash.mode="cached"', "flash.dram_budget=0"]}
+LEVER_LRU = "lever-lru"  # Lever over the page cache instead of its planned residency (lever.cli.bench.rows)
+LEVER_SETS = {LEVER: rows.LEVER, FLASH_AR: rows.FLASH_AR, LEVER_LRU: rows.LEVER_LRU}
 _ACCEPT = re.compile(r"n_predict\s*=\s*(\d+).*?n_accept\s*=\s*(\d+)", re.S)
 
 
@@ -141,16 +137,6 @@ def lever_run(c: Capped, *, name: str, cap_bytes: int, prompt: int) -> CapRun:
                   rss_bytes=d["memory"]["peak_rss_bytes"], tokens=tuple(d["tokens"]), **split, **base)
 
 
-def llama_completion_cmd(binary: str, *, target: str, prompt: str, n: int) -> list[str]:
-    return [binary, "-m", target, "-p", prompt, "-n", str(n), "--temp", "0", "-no-cnv", "--no-display-prompt",
-            "-c", str(N_CTX), "--no-repack"]
-
-
-def llama_speculative_cmd(binary: str, *, target: str, draft: str, prompt: str, n: int, k: int) -> list[str]:
-    return [binary, "-m", target, "-md", draft, "-p", prompt, "-n", str(n), "--temp", "0",
-            "--spec-draft-n-max", str(k), "-c", str(N_CTX), "--no-repack"]
-
-
 def llama_run(c: Capped, *, name: str, cap_bytes: int, prompt: int, prompt_text: str) -> CapRun:
     """llama-completion's 'eval time' or llama-speculative's 'decoded' line, its text after the prompt."""
     status, why = _status(c)
@@ -217,7 +203,7 @@ def bench_cap(*, config: str, prompts: list[str], caps: list[str], n: int, spec_
     """Every row at every cap on every prompt, each in its own capped process; the summary."""
     cfg = load_config(config, [*sets, f"generate.n_predict={n}"])
     target, draft = str(cfg.model.target), str(cfg.model.draft)
-    tools = _llama_tools(llama_dir)
+    tools = find_pair(llama_dir)
     evict = [target, draft]
     runs: list[CapRun] = []
     for cap in caps:
@@ -229,13 +215,13 @@ def bench_cap(*, config: str, prompts: list[str], caps: list[str], n: int, spec_
                                    evict_paths=evict, timeout_s=TIMEOUT_S)
                     r = lever_run(c, name=name, cap_bytes=cap_bytes, prompt=i)
                 elif name == LLAMA_COMPLETION:
-                    c = run_capped(llama_completion_cmd(tools[0], target=target, prompt=p, n=n), cap_bytes,
+                    c = run_capped(completion_cmd(tools[0], target=target, prompt=p, n=n, n_ctx=N_CTX), cap_bytes,
                                    evict_paths=evict, timeout_s=TIMEOUT_S)
                     r = llama_run(c, name=name, cap_bytes=cap_bytes, prompt=i, prompt_text=p)
                 else:
                     k = int(name.rsplit("=", 1)[1])
-                    c = run_capped(llama_speculative_cmd(tools[1], target=target, draft=draft, prompt=p, n=n, k=k),
-                                   cap_bytes, evict_paths=evict, timeout_s=TIMEOUT_S)
+                    cmd = speculative_cmd(tools[1], target=target, draft=draft, prompt=p, n=n, k=k, n_ctx=N_CTX)
+                    c = run_capped(cmd, cap_bytes, evict_paths=evict, timeout_s=TIMEOUT_S)
                     r = llama_run(c, name=name, cap_bytes=cap_bytes, prompt=i, prompt_text=p)
                 out(f"cap {cap} prompt {i + 1}/{len(prompts)} {name}: " +
                     (f"{r.tps:.2f} tok/s, {r.tokens_per_pass:.2f} tok/pass, {r.read_mb_per_token:.0f} MB read/token, "
@@ -253,31 +239,11 @@ def bench_cap(*, config: str, prompts: list[str], caps: list[str], n: int, spec_
            "prompts": prompts, "sets": list(sets), "summary": summary,
            "runs": [attrs.asdict(r) for r in runs]}
     if json_path is not None:
-        with atomic_write(json_path, "w", "--json") as f:
-            f.write(json.dumps(doc, indent=1))
+        write_json(json_path, doc)
         out(f"wrote {json_path}")
     if plot_path is not None:
         plot(summary, plot_path)
     return doc
-
-
-def _llama_tools(llama_dir: str | None) -> tuple[str, str] | None:
-    """llama-completion and llama-speculative: in `llama_dir`, else beside llama-bench as
-    `lever bench model` finds it ($LLAMA_BENCH or PATH), else none (Lever's rows only)."""
-    tools = (("llama-completion", "LLAMA_COMPLETION"), ("llama-speculative", "LLAMA_SPECULATIVE"))
-    if llama_dir:  # the folder named: both tools must be in it (named by this command's flag)
-        for t, _ in tools:
-            p = Path(llama_dir) / t
-            if not (p.is_file() and os.access(p, os.X_OK)):
-                raise LeverError(f"--llama-cpp: {llama_dir} holds no executable {t}")
-        return tuple(str(Path(llama_dir) / t) for t, _ in tools)
-    beside = find_llama_bench(None)
-    found = tuple(find_tool(t, None, env, beside) for t, env in tools)
-    return found if all(found) else None
-
-
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else 0.0
 
 
 SPLIT = ("nodes", "cycle_ms", "read_ms", "verify_ms", "draft_ms", "flash_busy_share")
@@ -298,7 +264,7 @@ def summarize(runs: list[CapRun], caps: list[str], row_names: list[str], n_promp
             rows[name] = {
                 "ok": len(ok), "runs": len(mine), "status": sorted({r.status for r in mine}),
                 "why": next((r.why for r in mine if r.status != "ok"), ""),
-                "tps": _geomean([r.tps for r in ok if r.tps > 0]),
+                "tps": geomean([r.tps for r in ok if r.tps > 0]),
                 "tokens_per_pass": sum(r.tokens_per_pass for r in ok) / len(ok) if ok else 0.0,
                 "read_mb_per_token": sum(r.read_mb_per_token for r in ok) / len(ok) if ok else 0.0,
                 "peak_bytes": max((r.peak_bytes for r in mine), default=0),
@@ -361,34 +327,21 @@ def print_summary(summary: dict, out, *, target: str) -> None:
 
 
 def plot(summary: dict, path) -> None:
-    try:  # an optional dependency: imported only when a plot is asked for
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        raise LeverError("--plot needs matplotlib (pip install matplotlib)") from None
     caps = sorted(summary["per_cap"].values(), key=lambda s: s["cap_bytes"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in caps[0]["rows"]:
-        pts = [(s["cap_bytes"] / 2**30, s["rows"][name]["tps"]) for s in caps if s["rows"][name]["ok"]]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=name)
-    ax.set_xlabel("memory cap (GiB, page cache counted)")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 0.5, 2, 5: not 5x10^0
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        with atomic_path(path, "--plot") as tmp:
-            fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".").lower() or "png")
-    finally:
-        plt.close(fig)
+    with figure(path) as (fig, ax):
+        import matplotlib.ticker  # figure() imported matplotlib, or said it is missing
+
+        for name in caps[0]["rows"]:
+            pts = [(s["cap_bytes"] / 2**30, s["rows"][name]["tps"]) for s in caps if s["rows"][name]["ok"]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xlabel("memory cap (GiB, page cache counted)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 0.5, 2, 5: not 5x10^0
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.legend(fontsize=8)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

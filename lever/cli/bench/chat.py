@@ -13,7 +13,8 @@ import argparse
 import time
 from pathlib import Path
 
-from lever.cli.bench.pipelines import read_prompts
+from lever.cli.bench import rows
+from lever.cli.bench.report import read_prompts
 from lever.cli.common import (
     MAX_PROMPT_BYTES,
     add_common,
@@ -30,8 +31,7 @@ from lever.outputs import write_json
 from lever.shipped import shipped
 
 CACHE_BYTES = 256 << 20  # kept conversations, as `lever serve --cache-ram` keeps by default
-PIPELINES = {"flash-ar": ['pipeline.kind="flash-ar"'],
-             "lever": ['pipeline.kind="speculative"', 'tree_expand.policy="gain-cost"']}
+PIPELINES = {"flash-ar": list(rows.FLASH_AR), "lever": list(rows.LEVER)}
 
 
 def one_conversation(llm, turns: list[str], max_tokens: int, session: bool) -> list[dict]:

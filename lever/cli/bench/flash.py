@@ -13,6 +13,7 @@ from pathlib import Path
 import attrs
 
 from lever.backends.flash import FlashConfig
+from lever.cli.bench import rows
 from lever.cli.bench.child import run_json
 from lever.cli.common import add_common, bench_tokens, check_sets, float_in, input_text_file
 from lever.cli.table import show
@@ -20,7 +21,7 @@ from lever.config import load_config
 from lever.errors import LeverError
 from lever.pipelines.compose import read_pass_s
 
-FLASH_AR = ('pipeline.kind="flash-ar"', 'pipeline.baseline=""')
+FLASH_AR = (*rows.FLASH_AR, *rows.NO_BASELINE)
 
 
 def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75, 1.0), cap_bytes_per_s: float = 0.0,

@@ -12,20 +12,16 @@ kernels' ISA.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
-import shutil
 import statistics
-import subprocess
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from lever.backends.cpu import native
 from lever.backends.cpu.kv_cache import causal_mask
+from lever.cli.bench.llama_cpp import find_llama_bench, find_tool, llama_bench, llama_completion
 from lever.cli.common import (
     add_common,
     add_set,
@@ -42,7 +38,7 @@ from lever.errors import LeverError
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.generate import generate
 from lever.model.transformer import Model
-from lever.outputs import atomic_write
+from lever.outputs import write_json
 from lever.pipelines.engine import run_pipeline
 
 PP_TOKENS = (1, 8, 32)
@@ -67,27 +63,6 @@ def lever_pp(model: Model, n_prompt: int) -> float:
     h = model.forward(ids, np.arange(n_prompt, dtype=np.int32), causal_mask(0, n_prompt), cache)
     model.logits(h[-1:])
     return n_prompt / (time.perf_counter() - t0)
-
-
-def llama_bench(binary: str, model_path: str, pp: tuple[int, ...], n_gen: int, threads: int) -> dict[str, float]:
-    """One llama-bench round of the same tests: {"tg32": tok/s, "pp1": ..., ...}."""
-    cmd = [binary, "-m", model_path, "-p", ",".join(map(str, pp)), "-n", str(n_gen), "-r", "1", "-o", "json"]
-    if threads:
-        cmd += ["-t", str(threads)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=900).stdout
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
-        raise LeverError(f"llama-bench failed ({binary}): {e}") from None
-    return {f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}": float(row["avg_ts"])
-            for row in json.loads(out)}
-
-
-def find_llama_bench(explicit: str | None) -> str | None:
-    if explicit:
-        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
-            raise LeverError(f"--llama-bench: {explicit} is not an executable file")
-        return explicit
-    return os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
 
 
 def bench_model(model_path: str, n_gen: int = 32, pp: tuple[int, ...] = PP_TOKENS, rounds: int = 3,
@@ -121,58 +96,6 @@ def bench_model(model_path: str, n_gen: int = 32, pp: tuple[int, ...] = PP_TOKEN
     if not lb:
         out("(no llama-bench found: pass --llama-bench PATH or set LLAMA_BENCH for the side-by-side ratio)")
     return {"model": model_path, "tests": rows, "samples": samples}
-
-
-def find_tool(name: str, explicit: str | None, env: str, beside: str | None = None) -> str | None:
-    """A llama.cpp tool: the path given, else $env, else next to `beside` (llama-bench), else on PATH."""
-    if explicit:
-        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
-            raise LeverError(f"--{name}: {explicit} is not an executable file")
-        return explicit
-    if os.environ.get(env):
-        return os.environ[env]
-    near = os.path.join(os.path.dirname(beside), name) if beside else None
-    return near if near and os.access(near, os.X_OK) else shutil.which(name)
-
-
-EVAL_LINE = re.compile(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs.*?([\d.]+) tokens per second")
-
-
-def llama_completion(binary: str, model_path: str, prompt: str, n: int, threads: int,
-                     extra: Sequence[str] = ()) -> float:
-    """Decode tokens/s of one greedy llama-completion run (its 'eval time' line: prompt excluded);
-    `extra`: more of its flags (a grammar's)."""
-    cmd = [binary, "-m", model_path, "-p", prompt, "-n", str(n), "--temp", "0", "-no-cnv", "--no-display-prompt",
-           *extra]
-    if threads:
-        cmd += ["-t", str(threads)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-    except (subprocess.TimeoutExpired, OSError) as e:
-        raise LeverError(f"llama-completion failed ({binary}): {e}") from None
-    m = EVAL_LINE.search(proc.stderr)
-    if proc.returncode != 0 or not m:
-        raise LeverError(f"llama-completion failed ({binary}): exit {proc.returncode}, no 'eval time' line")
-    return float(m[2])
-
-
-DECODED_LINE = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
-
-
-def llama_speculative(binary: str, target: str, draft: str, prompt: str, n: int, n_draft: int,
-                      extra: Sequence[str] = ()) -> float:
-    """Decode tokens/s of one greedy llama-speculative run (its 'decoded' line: prompt excluded);
-    `extra`: more of its flags (a grammar's: it constrains the target's and the draft's samplers)."""
-    cmd = [binary, "-m", target, "-md", draft, "-p", prompt, "-n", str(n), "--temp", "0",
-           "--spec-draft-n-max", str(n_draft), *extra]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-    except (subprocess.TimeoutExpired, OSError) as e:
-        raise LeverError(f"llama-speculative failed ({binary}): {e}") from None
-    m = DECODED_LINE.search(proc.stderr + proc.stdout)
-    if proc.returncode != 0 or not m:
-        raise LeverError(f"llama-speculative failed ({binary}): exit {proc.returncode}, no 'decoded' line")
-    return float(m[3])
 
 
 def bench_dram(config: str, sets: list[str], prompt: str, n: int, rounds: int = 3, llama_completion_path=None,
@@ -234,8 +157,7 @@ def bench_models(paths: list[str], n_gen: int = 32, pp: tuple[int, ...] = PP_TOK
         out("")
         report["dram"] = bench_dram(rounds=rounds, threads=threads, out=out, **dram)
     if json_path:
-        with atomic_write(json_path, "w", "--json") as f:
-            json.dump(report, f, indent=1)
+        write_json(json_path, report)
         out(f"\nwrote {json_path}")
     return report
 

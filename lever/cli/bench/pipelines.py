@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import os
 import platform
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,8 +29,10 @@ import attrs
 from rich.progress import Progress
 
 from lever.cli.bench.child import run_json
-from lever.cli.bench.model import llama_completion, llama_speculative
+from lever.cli.bench.llama_cpp import find_pair, llama_completion, llama_speculative
 from lever.cli.bench.paired import paired_speedup
+from lever.cli.bench.report import figure, read_prompts
+from lever.cli.bench.rows import pipelines
 from lever.cli.common import (
     MAX_PROMPT_BYTES,
     add_common,
@@ -47,47 +48,14 @@ from lever.cli.common import (
 )
 from lever.cli.table import show
 from lever.config import load_config
-from lever.errors import LeverError, read_text
+from lever.errors import LeverError
 from lever.model.sampling import Range
-from lever.outputs import atomic_path, write_json
+from lever.outputs import write_json
 from lever.shipped import shipped
 
 DEFAULT_BUDGETS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_CHAIN_KS = (2, 4, 6, 8)
 PAPER = {"flash-ar": 2.93, "chain-sd": 1.50, "edgellm-like": 1.27}  # Lever's speedups in the paper
-
-
-def read_prompts(path: str | Path) -> list[str]:
-    """Prompts separated by lines holding only `---`."""
-    p = Path(path)
-    text = read_text(p, "prompts file")
-    prompts, cur = [], []
-    for line in text.splitlines(keepends=True):
-        if line.strip() == "---":
-            prompts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(line)
-    prompts.append("".join(cur))
-    prompts = [q for q in prompts if q.strip()]
-    if not prompts:
-        raise LeverError(f"{p}: no prompts (separate them with lines holding only ---)")
-    return prompts
-
-
-def pipelines(chain_ks, pruning: bool = False) -> dict[str, list[str]]:
-    """Each pipeline as config overrides of the same config file; with pruning, Lever again
-    with its predictor (from `lever calibrate`)."""
-    spec = ['pipeline.kind="speculative"']
-    runs = {"flash-ar": ['pipeline.kind="flash-ar"']}
-    for k in chain_ks:
-        runs[f"chain-sd k={k}"] = [*spec, 'tree_expand.policy="chain"', f"tree_expand.chain_length={k}",
-                                   "tree_expand.lookahead_nodes=0"]
-    runs["edgellm-like"] = [*spec, 'tree_expand.policy="confidence"', "tree_expand.lookahead_nodes=0"]
-    runs["lever"] = [*spec, 'tree_expand.policy="gain-cost"']
-    if pruning:
-        runs["lever+pruning"] = [*runs["lever"], "predictor.enabled=true"]
-    return runs
 
 
 @attrs.frozen
@@ -149,12 +117,7 @@ def llama_cpp_rows(directory: str, config: str, sets, prompts: list[str], n: int
     LLAMA_SPEC_DRAFT tokens), under the same grammar when `extra` gives one (llama_cpp_flags).
     Per prompt, decode time only, summed as the rows above."""
     cfg = load_config(config, list(sets))
-    tools = {}
-    for name in ("llama-completion", "llama-speculative"):
-        path = Path(directory) / name
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            raise LeverError(f"--llama-cpp: {path} is not an executable file (build llama.cpp's tools there)")
-        tools[name] = str(path)
+    tools = dict(zip(("llama-completion", "llama-speculative"), find_pair(directory)))
     ms = lambda tps: 1000 * sum(1 / t for t in tps) / len(tps)  # noqa: E731  equal tokens per prompt
     rows = {"llama.cpp completion": ms([llama_completion(tools["llama-completion"], cfg.model.target, p, n, 0, extra)
                                         for p in prompts])}
@@ -316,33 +279,18 @@ def _print_summary(summary: dict, mismatches: list[str], out, sampled: bool = Fa
 
 
 def plot(table: dict[float, dict[str, Row]], path) -> None:
-    try:  # an optional dependency: imported only when a plot is asked for
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise LeverError("--plot needs matplotlib (pip install matplotlib)") from None
     budgets = sorted(table)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    names = ["flash-ar", "chain-sd (best k)", "edgellm-like", "lever"]
-    for name in names:
-        ys = []
-        for b in budgets:
-            rows = table[b]
-            key = best_chain(rows) if name.startswith("chain") else name
-            ys.append(rows["flash-ar"].ms_per_token / rows[key].ms_per_token)
-        ax.plot([100 * b for b in budgets], ys, marker="o", label=name)
-    ax.set_xlabel("DRAM budget (% of the target's layer bytes resident)")
-    ax.set_ylabel("speed, x Flash-AR's")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    try:
-        with atomic_path(path, "--plot") as tmp:  # the format from the name asked for, not the temp's
-            fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".").lower() or "png")
-    finally:
-        plt.close(fig)
+    with figure(path) as (fig, ax):
+        for name in ["flash-ar", "chain-sd (best k)", "edgellm-like", "lever"]:
+            ys = []
+            for b in budgets:
+                rows = table[b]
+                key = best_chain(rows) if name.startswith("chain") else name
+                ys.append(rows["flash-ar"].ms_per_token / rows[key].ms_per_token)
+            ax.plot([100 * b for b in budgets], ys, marker="o", label=name)
+        ax.set_xlabel("DRAM budget (% of the target's layer bytes resident)")
+        ax.set_ylabel("speed, x Flash-AR's")
+        ax.legend()
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -26,8 +26,10 @@ import argparse
 import statistics
 from pathlib import Path
 
+from lever.cli.bench import rows as pipeline_rows
 from lever.cli.bench.paired import paired_speedup
-from lever.cli.bench.pipelines import BUDGET, read_prompts
+from lever.cli.bench.pipelines import BUDGET
+from lever.cli.bench.report import read_prompts
 from lever.cli.common import (
     MAX_PROMPT_BYTES,
     add_common,
@@ -53,7 +55,7 @@ VARIANTS = {  # name -> overrides of a speculative gain-cost config
     "ngram": ['tree_expand.sources=["ngram"]', 'model.draft=""'],
 }
 DEFAULT_VARIANTS = ("model", "lookup", "model+lookup")
-SPECULATIVE = ['pipeline.kind="speculative"', 'tree_expand.policy="gain-cost"', "generate.temperature=0.0"]
+SPECULATIVE = [*pipeline_rows.LEVER, "generate.temperature=0.0"]
 
 
 REPEATED = ("model", "model+lookup")  # the variants --rounds repeats
@@ -76,14 +78,14 @@ def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float,
 
     def run(extra: list[str], budget: float, prompt: str):
         cfg = load_config(config, [*sets, *extra, f"flash.dram_budget={budget}", f"generate.n_predict={n}",
-                                   'pipeline.baseline=""'])
+                                   *pipeline_rows.NO_BASELINE])
         return run_pipeline(cfg, prompt)
 
     result: dict = {"config": config, "n_gen": n, "rounds": rounds, "budgets": {}}
     for b in budgets:
         per: dict[str, list[dict]] = {"flash-ar": []} | {k: [] for k in variants}
         for i, prompt in enumerate(prompts):
-            base = run(['pipeline.kind="flash-ar"', "generate.temperature=0.0"], b, prompt)
+            base = run([*pipeline_rows.FLASH_AR, "generate.temperature=0.0"], b, prompt)
             per["flash-ar"].append({"ms_per_token": base.ms_per_token, "tokens_per_pass": 1.0})
             runs: dict[str, list] = {k: [] for k in variants}
             for k in range(rounds):
