@@ -249,14 +249,16 @@ def build_layer(shape: LayerShape, n_rot: int, rope_neox: bool) -> onnx.ModelPro
     act = b.op("Mul", b.op("Mul", g, b.op("Sigmoid", g)), u)
     delta = b.op("Add", attn, b.op("Gemm", act, "w_down", transB=1))
 
-    b.nodes.append(helper.make_node("Identity", [delta], ["delta"]))
-    b.nodes.append(helper.make_node("Identity", [k_new], ["k_new"]))
-    b.nodes.append(helper.make_node("Identity", [v_new], ["v_new"]))
-    inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(dt), list(sh))
-              for n, (sh, dt) in s.inputs().items()]
-    outputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(dt), list(sh))
-               for n, (sh, dt) in s.outputs().items()]
-    graph = helper.make_graph(b.nodes, s.name, inputs, outputs, initializer=b.inits)
+    return _model(b, s, {"delta": delta, "k_new": k_new, "v_new": v_new})
+
+
+def _model(b: _Builder, s: LayerShape, outputs: dict[str, str]) -> onnx.ModelProto:
+    """The graph `b` built, its named outputs bound, as a checked ONNX model."""
+    for name, node in outputs.items():
+        b.nodes.append(helper.make_node("Identity", [node], [name]))
+    info = lambda specs: [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(dt), list(sh))  # noqa: E731
+                          for n, (sh, dt) in specs.items()]
+    graph = helper.make_graph(b.nodes, s.name, info(s.inputs()), info(s.outputs()), initializer=b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="lever")
     model.ir_version = IR_VERSION
     onnx.checker.check_model(model)

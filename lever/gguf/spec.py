@@ -102,6 +102,32 @@ class _Keys:
         return float(value)
 
 
+def _rope_scale(k: _Keys) -> float:
+    """RoPE's frequency scale: 1 unscaled, 1 / factor for linear scaling (the one supported)."""
+    scaling = k.raw("rope.scaling.type", "none")
+    if not isinstance(scaling, str):
+        raise k.fail("rope.scaling.type", f"is {kind_of(scaling)}, expected a string")
+    if scaling == "linear":
+        return 1.0 / k.float("rope.scaling.factor", lo=1e-6, hi=1e6)
+    if scaling not in ("none", ""):
+        raise k.fail("rope.scaling.type", f"= {scaling[:40]!r} is not supported (none, linear)")
+    return 1.0
+
+
+def _n_vocab(f: GGUFFile, k: _Keys, n_embd: int) -> int:
+    """The vocabulary's size: the token embedding's rows, checked against its width and any
+    vocab_size the file states."""
+    emb = f.tensor("token_embd.weight")
+    if len(emb.shape) != 2 or emb.shape[1] != n_embd:
+        raise LeverError(f"{f.path}: tensor token_embd.weight has shape {emb.shape}, expected (n_vocab, {n_embd})")
+    n_vocab = emb.shape[0]
+    if n_vocab > MAX_VOCAB:
+        raise LeverError(f"{f.path}: tensor token_embd.weight has {n_vocab} rows, more than token ids can number")
+    if f.has(f"{f.arch}.vocab_size") and k.int("vocab_size", hi=MAX_VOCAB) != n_vocab:
+        raise k.fail("vocab_size", f"= {f.get(f'{f.arch}.vocab_size')} but token_embd.weight has {n_vocab} rows")
+    return n_vocab
+
+
 def read_spec(f: GGUFFile) -> ModelSpec:
     """The hyperparameters, each checked for type and range, and against each other and the
     token embedding, before anything is sized from them."""
@@ -132,23 +158,8 @@ def read_spec(f: GGUFFile) -> ModelSpec:
     if n_rot % 2:
         raise k.fail("rope.dimension_count", f"= {n_rot} is odd (rope turns pairs)")
 
-    scaling = k.raw("rope.scaling.type", "none")
-    freq_scale = 1.0
-    if not isinstance(scaling, str):
-        raise k.fail("rope.scaling.type", f"is {kind_of(scaling)}, expected a string")
-    if scaling == "linear":
-        freq_scale = 1.0 / k.float("rope.scaling.factor", lo=1e-6, hi=1e6)
-    elif scaling not in ("none", ""):
-        raise k.fail("rope.scaling.type", f"= {scaling[:40]!r} is not supported (none, linear)")
-
-    emb = f.tensor("token_embd.weight")
-    if len(emb.shape) != 2 or emb.shape[1] != n_embd:
-        raise LeverError(f"{f.path}: tensor token_embd.weight has shape {emb.shape}, expected (n_vocab, {n_embd})")
-    n_vocab = emb.shape[0]
-    if n_vocab > MAX_VOCAB:
-        raise LeverError(f"{f.path}: tensor token_embd.weight has {n_vocab} rows, more than token ids can number")
-    if f.has(f"{arch}.vocab_size") and k.int("vocab_size", hi=MAX_VOCAB) != n_vocab:
-        raise k.fail("vocab_size", f"= {f.get(f'{arch}.vocab_size')} but token_embd.weight has {n_vocab} rows")
+    freq_scale = _rope_scale(k)
+    n_vocab = _n_vocab(f, k, n_embd)
 
     return ModelSpec(
         arch=arch,

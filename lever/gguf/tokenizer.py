@@ -161,6 +161,12 @@ def _read_vocab(f: GGUFFile) -> _Vocab:
             if not _BYTE_TOKEN.fullmatch(tokens[i]):
                 raise fail(f"tokens[{i}]", f"{shown(tokens[i], 40)!r} is a byte token but not named <0xHH>")
 
+    ids, flags = _special_ids(meta, n, fail), _flags(meta, fail)
+    return _Vocab(path, meta["model"], meta.get("pre"), tokens, types, scores, meta.get("merges"), ids, flags)
+
+
+def _special_ids(meta: dict, n: int, fail) -> dict[str, int | None]:
+    """The special tokens' ids, each inside the vocabulary (or -1: none)."""
     ids: dict[str, int | None] = {}
     for key in _ID_KEYS:
         value = meta.get(key)
@@ -171,6 +177,10 @@ def _read_vocab(f: GGUFFile) -> _Vocab:
         if value not in _NO_TOKEN and not 0 <= value < n:
             raise fail(key, f"= {value} is out of range for {n} tokens")
         ids[key] = value if 0 <= value < n else None
+    return ids
+
+
+def _flags(meta: dict, fail) -> dict[str, bool]:
     flags: dict[str, bool] = {}
     for key in _FLAGS:
         value = meta.get(key)
@@ -179,7 +189,7 @@ def _read_vocab(f: GGUFFile) -> _Vocab:
         if not (isinstance(value, int) and value in (0, 1)):
             raise fail(key, f"is {kind_of(value)}, expected true or false")
         flags[key] = bool(value)
-    return _Vocab(path, meta["model"], meta.get("pre"), tokens, types, scores, meta.get("merges"), ids, flags)
+    return flags
 
 
 # --- building the `tokenizers` object -------------------------------------------------------

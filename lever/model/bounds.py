@@ -329,17 +329,8 @@ def _scan_body(body: str) -> tuple[list[str], int, list[tuple[str, int]], list[d
             j = body.find("\n", i)
             i = n if j < 0 else j
         elif body.startswith("%json", i) or body.startswith("%regex", i):
-            j = body.find("{", i)
-            end = n if j < 0 else _json_end(body, j)
-            if j >= 0 and body.startswith("%json", i) and text_depth(body[j:end]) <= MAX_SCHEMA_DEPTH:
-                try:
-                    schema = json.loads(body[j:end])
-                except ValueError:
-                    schema = None  # the engine's error to report
-                if isinstance(schema, dict):
-                    schemas.append(schema)
+            i = _inlined(body, i, schemas)
             g.item(1, [])
-            i = end
         elif c in "([":
             if len(groups) > MAX_GROUP_DEPTH:
                 raise BoundError(f"groups nested over {MAX_GROUP_DEPTH} deep")
@@ -369,6 +360,21 @@ def _scan_body(body: str) -> tuple[list[str], int, list[tuple[str, int]], list[d
         inner = groups.pop()
         groups[-1].item(inner.weight, inner.close())
     return names, groups[0].weight, groups[0].close(), schemas
+
+
+def _inlined(body: str, i: int, schemas: list[dict]) -> int:
+    """Past a `%json {...}` or `%regex {...}` at `i`; a %json's schema joins `schemas` (one that
+    does not parse is the engine's error to report)."""
+    j = body.find("{", i)
+    end = len(body) if j < 0 else _json_end(body, j)
+    if j >= 0 and body.startswith("%json", i) and text_depth(body[j:end]) <= MAX_SCHEMA_DEPTH:
+        try:
+            schema = json.loads(body[j:end])
+        except ValueError:
+            schema = None
+        if isinstance(schema, dict):
+            schemas.append(schema)
+    return end
 
 
 def _flags(text: str, i: int) -> int:

@@ -244,13 +244,7 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
     if trace_path:
         tracer.write_chrome(trace_path)
     t_first, cpu_first = first[0] if first else (t1, cpu1)
-    d = h.draft.name if h.draft is not None else None
-    timing = Timing(prefill_s=t_first - t0, decode_s=t1 - t_first, n_passes=n_passes, stage_s=summary.stage_s,
-                    io_s=summary.io_s, compute_s=summary.compute_s, overlap_share=summary.overlap_share,
-                    verify_pass_s=summary.pass_s(h.verify.name), draft_s=summary.stage_s.get(d, 0.0) if d else 0.0,
-                    accept_s=summary.stage_s.get(h.accept.name, 0.0),
-                    draft_hidden_share=summary.hidden_share(d, h.verify.name) if d else 0.0,
-                    decode_cpu_s=cpu1 - cpu_first)
+    timing = _timing(h, summary, n_passes=n_passes, t0=t0, t_first=t_first, t1=t1, cpu_s=cpu1 - cpu_first)
     # the prefill pass reads the layers once too; decoding is the passes after it
     per_pass_bytes = target.store.streamed_bytes
     flash = FlashFigures(per_pass_bytes, max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
@@ -271,6 +265,16 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
         channels={k: attrs.asdict(v) for k, v in h.pipeline.channel_stats.items()}, temperature=gen.temperature,
         vocab=plan.vocab.figures if plan.vocab is not None and h.draft is not None else None,
         grammar=h.constraint.stats if h.constraint is not None else None)
+
+
+def _timing(h, summary, *, n_passes: int, t0: float, t_first: float, t1: float, cpu_s: float) -> Timing:
+    """The run's clocks (prefill ends at the first emitted token) and where its stages' time went."""
+    d = h.draft.name if h.draft is not None else None
+    return Timing(prefill_s=t_first - t0, decode_s=t1 - t_first, n_passes=n_passes, stage_s=summary.stage_s,
+                  io_s=summary.io_s, compute_s=summary.compute_s, overlap_share=summary.overlap_share,
+                  verify_pass_s=summary.pass_s(h.verify.name), draft_s=summary.stage_s.get(d, 0.0) if d else 0.0,
+                  accept_s=summary.stage_s.get(h.accept.name, 0.0),
+                  draft_hidden_share=summary.hidden_share(d, h.verify.name) if d else 0.0, decode_cpu_s=cpu_s)
 
 
 def _give_back() -> None:

@@ -70,6 +70,27 @@ def _order(k: int, variants: tuple[str, ...]) -> list[str]:
     return again if k % 2 == 0 else again[::-1]
 
 
+def _mixed(per: dict, variants: tuple[str, ...], b: float, n_prompts: int, result: dict, out) -> None:
+    """The mixed tree against the model alone, run by run, and against each prompt's faster
+    single source: into `result` and printed."""
+    singles = [v for v in variants if v != "model+lookup"]
+    if "model+lookup" not in variants or not singles:
+        return
+    if "model" in variants:
+        model_ms = [x for m in per["model"] for x in m["rounds_ms_per_token"]]
+        mixed_ms = [x for m in per["model+lookup"] for x in m["rounds_ms_per_token"]]
+        sp, lo, hi = paired_speedup(model_ms, mixed_ms)
+        result.setdefault("mixed_vs_model", {})[str(b)] = {"speedup": sp, "band": [lo, hi], "pairs": len(model_ms)}
+        out(f"model+lookup against model, run by run: {sp:.3f}x its speed, band {lo:.3f}-{hi:.3f} "
+            f"over {len(model_ms)} pairs ({'no slower within noise' if hi >= 1 else 'slower'})")
+    best = [min(per[v][i]["ms_per_token"] for v in singles) for i in range(n_prompts)]
+    mixed = [x["ms_per_token"] for x in per["model+lookup"]]
+    ratio = statistics.fmean(b_ / m_ for b_, m_ in zip(best, mixed))
+    result.setdefault("mixed_vs_best", {})[str(b)] = ratio
+    out(f"model+lookup against the faster single source of each prompt: {ratio:.3f}x its speed "
+        f"(no slower on {sum(m_ <= b_ for b_, m_ in zip(best, mixed))} of {len(mixed)} prompts)")
+
+
 def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float, ...], sets: list[str] = (),
                   out=print, json_path: str | None = None, rounds: int = 1,
                   variants: tuple[str, ...] = DEFAULT_VARIANTS) -> dict:
@@ -112,22 +133,7 @@ def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float,
         show(["source", "tokens/pass", "ms/token", "tok/s", "x Flash-AR"], rows, out,
              title=f"{len(prompts)} prompts x {n} tokens, DRAM budget {100 * b:.0f}% ({config}){rounds_note}; "
                    "tokens equal Flash-AR's")
-        singles = [v for v in variants if v != "model+lookup"]
-        if "model+lookup" not in variants or not singles:
-            continue
-        if "model" in variants:
-            model_ms = [x for m in per["model"] for x in m["rounds_ms_per_token"]]
-            mixed_ms = [x for m in per["model+lookup"] for x in m["rounds_ms_per_token"]]
-            sp, lo, hi = paired_speedup(model_ms, mixed_ms)
-            result.setdefault("mixed_vs_model", {})[str(b)] = {"speedup": sp, "band": [lo, hi], "pairs": len(model_ms)}
-            out(f"model+lookup against model, run by run: {sp:.3f}x its speed, band {lo:.3f}-{hi:.3f} "
-                f"over {len(model_ms)} pairs ({'no slower within noise' if hi >= 1 else 'slower'})")
-        best = [min(per[v][i]["ms_per_token"] for v in singles) for i in range(len(prompts))]
-        mixed = [x["ms_per_token"] for x in per["model+lookup"]]
-        ratio = statistics.fmean(b_ / m_ for b_, m_ in zip(best, mixed))
-        result.setdefault("mixed_vs_best", {})[str(b)] = ratio
-        out(f"model+lookup against the faster single source of each prompt: {ratio:.3f}x its speed "
-            f"(no slower on {sum(m_ <= b_ for b_, m_ in zip(best, mixed))} of {len(mixed)} prompts)")
+        _mixed(per, variants, b, len(prompts), result, out)
     if json_path:
         write_json(json_path, result)
     return result
