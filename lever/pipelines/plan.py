@@ -50,7 +50,26 @@ from lever.policy.predictor import Artifact, Pruning, artifact_path, pruning_for
 from lever.tree.config import TreeExpandConfig
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen
+class DraftPlan:
+    """The draft model as a plan holds it: its header, and its token table mapped to the
+    target's (None: the same table)."""
+
+    file: GGUFFile
+    spec: ModelSpec
+    vocab: VocabMap | None = None
+
+
+@attrs.frozen
+class PlanSizes:
+    """What the memory plan adds beside the files' figures."""
+
+    runtime_bytes: int = 0  # an accelerator runtime's own DRAM
+    grammar_bytes: int = 0  # structured output's part (lever.model.grammar_cache); 0: none runs
+    fill: MemoryPlan | None = None  # [flash] dram_budget = "fill": the plan the resident layers were placed by
+
+
+@attrs.frozen(eq=False, kw_only=True)
 class RunPlan:
     """A config resolved against its files' headers: what every generation of one engine shares."""
 
@@ -67,24 +86,37 @@ class RunPlan:
     target_file: GGUFFile
     spec: ModelSpec
     tok: Tokenizer  # the target's, which the pair shares
-    draft_file: GGUFFile | None = None  # the draft's header, when the draft model runs
-    draft_spec: ModelSpec | None = None
-    vocab: VocabMap | None = None  # the draft's token table mapped to the target's; None: the same table
+    draft: DraftPlan | None = None  # the draft model, when it runs
     cost: CostModel | None = None  # trees' prices; None for a kind that grows none
     pruning: Pruning | None = None  # the predictor's resolved settings ([predictor] enabled)
     acceptance: AcceptanceTable | None = None  # `lever calibrate`'s table ([tree_expand] acceptance = "calibrated")
     placement: Placement = attrs.field(factory=Placement)
-    runtime_bytes: int = 0  # an accelerator runtime's own DRAM, for the memory plan
+    sizes: PlanSizes = attrs.field(factory=PlanSizes)
     warnings: tuple[str, ...] = ()  # one line each, for the caller to print
-    fill: MemoryPlan | None = None  # [flash] dram_budget = "fill": the plan the resident layers were placed by
-    grammar_bytes: int = 0  # structured output's part of the memory plan (lever.model.grammar_cache); 0: none runs
+
+    @property
+    def draft_file(self) -> GGUFFile | None:
+        return self.draft.file if self.draft is not None else None
+
+    @property
+    def draft_spec(self) -> ModelSpec | None:
+        return self.draft.spec if self.draft is not None else None
+
+    @property
+    def vocab(self) -> VocabMap | None:
+        """The draft's token table mapped to the target's; None: the same table (or no draft)."""
+        return self.draft.vocab if self.draft is not None else None
+
+    @property
+    def fill(self) -> MemoryPlan | None:
+        return self.sizes.fill
 
     def memory_plan(self, n_prompt: int, process_bytes: int | None = None) -> MemoryPlan:
         """This run's memory plan for a prompt of n_prompt tokens (run_memory)."""
         return run_memory(target=self.target_file, spec=self.spec, flash=self.flash, tree=self.tree, n_ctx=self.n_ctx,
-                          draft_file=self.draft_file, draft_spec=self.draft_spec, runtime_bytes=self.runtime_bytes,
-                          n_prompt=n_prompt, resident=self.resident, process_bytes=process_bytes,
-                          grammar_bytes=self.grammar_bytes)
+                          draft_file=self.draft_file, draft_spec=self.draft_spec,
+                          runtime_bytes=self.sizes.runtime_bytes, n_prompt=n_prompt, resident=self.resident,
+                          process_bytes=process_bytes, grammar_bytes=self.sizes.grammar_bytes)
 
     @property
     def drafts(self) -> bool:
@@ -147,9 +179,12 @@ class RunPlan:
             pruning, acceptance = _calibrated(cfg, spec)
         placement = placement_for(cfg.placement, cfg.qnn, flash_mode=cfg.flash.mode, target_spec=spec,
                                   draft_spec=draft_spec, n_ctx=n_ctx)
-        return cls(cfg.where, pk, tree, flash, resident, n_ctx, cfg.generate, cfg.channels, cfg.runtime, cfg.memory,
-                   f, spec, tok, draft_file, draft_spec, vocab, cost, pruning, acceptance, placement,
-                   runtime_bytes_for(cfg.placement), tuple(warnings), fill, grammar_bytes)
+        draft = DraftPlan(draft_file, draft_spec, vocab) if draft_file is not None else None
+        return cls(where=cfg.where, kind=pk, tree=tree, flash=flash, resident=resident, n_ctx=n_ctx,
+                   generate=cfg.generate, channels=cfg.channels, runtime=cfg.runtime, memory=cfg.memory,
+                   target_file=f, spec=spec, tok=tok, draft=draft, cost=cost, pruning=pruning, acceptance=acceptance,
+                   placement=placement, warnings=tuple(warnings),
+                   sizes=PlanSizes(runtime_bytes_for(cfg.placement), grammar_bytes, fill))
 
 
 def run_memory(*, target: GGUFFile, spec: ModelSpec, flash: FlashConfig, tree: TreeExpandConfig, n_ctx: int,

@@ -86,14 +86,9 @@ class CapRun:
     text: str = ""  # llama.cpp's generated text
     same_tokens: int | None = None  # the common prefix with the reference, in its tokens (None: no reference)
     n_reference: int = 0  # the reference's tokens
-    # where a Lever row's cycles went: the tree's nodes, a decoding cycle, and per pass the read,
-    # the target's compute (the prefill's pass among them) and the drafting of a cycle
-    nodes: float = 0.0
-    cycle_ms: float = 0.0
-    read_ms: float = 0.0
-    verify_ms: float = 0.0
-    draft_ms: float = 0.0
-    flash_busy_share: float = 0.0
+    # where a Lever row's cycles went (SPLIT): the tree's nodes, a decoding cycle, per pass the
+    # read and the target's compute (the prefill's pass among them), a cycle's drafting, flash busy
+    split: dict[str, float] = attrs.field(factory=dict)
 
 
 def _last_line(c: Capped) -> str:
@@ -134,7 +129,7 @@ def lever_run(c: Capped, *, name: str, cap_bytes: int, prompt: int) -> CapRun:
                      draft_ms=1e3 * t["draft_s"] / cycles, flash_busy_share=t["flash_busy_share"])
     return CapRun(status="ok", tps=d["decode_tps"], tokens_per_pass=len(d["tokens"]) / passes,
                   read_mb_per_token=c.read_bytes / n / 1e6, plan_bytes=sum(d["memory"]["plan"].values()),
-                  rss_bytes=d["memory"]["peak_rss_bytes"], tokens=tuple(d["tokens"]), **split, **base)
+                  rss_bytes=d["memory"]["peak_rss_bytes"], tokens=tuple(d["tokens"]), split=split, **base)
 
 
 def llama_run(c: Capped, *, name: str, cap_bytes: int, prompt: int, prompt_text: str) -> CapRun:
@@ -272,7 +267,7 @@ def summarize(runs: list[CapRun], caps: list[str], row_names: list[str], n_promp
                 "rss_bytes": max((r.rss_bytes for r in ok), default=0),
                 "same_tokens": min(same) if same else None,
                 "all_same": bool(same) and all(r.same_tokens == r.n_reference for r in ok if r.same_tokens is not None),
-                **{k: sum(getattr(r, k) for r in ok) / len(ok) if ok else 0.0 for k in SPLIT},
+                **{k: sum(r.split.get(k, 0.0) for r in ok) / len(ok) if ok else 0.0 for k in SPLIT},
             }
         lever = {r.prompt: r for r in at if r.name == LEVER and r.status == "ok"}
         ratios = {}
