@@ -42,9 +42,7 @@ class TreeBuilder:
     # tokens the generation may still emit: a path deeper than remaining - 1 cannot pay
     remaining: int = MAX_TREE_SIZE + 1
     acceptance: AcceptanceTable | None = None  # draft p -> acceptance; None: the identity
-    ahead_beside: bool = False  # drafting ahead has cores of its own: it may use the whole pass, not its idle time
     bar_rate: float = 0.0  # tokens/s a node must bring to join (gain-cost): the rate recent trees reached
-    idle_value: float = 0.0  # seconds of drafting saved per second of idle compute in the pass (0: no drafting ahead)
     free: FreeSources | None = None  # the free sources' side (prompt lookup, n-grams); None: the model's alone
     nodes: Nodes = attrs.field(factory=Nodes)
     ahead: Lookahead = attrs.field(factory=Lookahead)
@@ -57,13 +55,9 @@ class TreeBuilder:
     # ran): text before the root, kept with the accepted path when the next cycle commits
     given_rows: tuple[int, ...] = ()
     n_sent: int = 0  # nodes in the tree sent to verification; later nodes were drafted ahead
-    sent_s: float = 0.0  # the cycle's predicted time when the tree was sent
-    sent_tokens: float = 0.0  # its expected tokens then
-    scored_tokens: float = 0.0  # its expected tokens by the run's acceptance table, whatever the policy priced with
     model_rate: float = 0.0  # the model's tree's expected rate before the free sources filled it, tokens/s (0: no fill)
     # the draft's first choices in this tree: their probabilities' sum and count
-    first_q_sum: float = 0.0
-    n_first_q: int = 0
+    first_qs: list[float] = attrs.field(factory=list)
     _seq: int = 0
 
     def __attrs_post_init__(self):
@@ -126,8 +120,7 @@ class TreeBuilder:
             if t < 0:  # fewer tokens had mass than were asked for
                 break
             if rank == 0:
-                self.first_q_sum += float(q)
-                self.n_first_q += 1
+                self.first_qs.append(float(q))
             p = self.acceptance(float(q), rank) if self.acceptance is not None else float(q)
             c = Candidate(-self.nodes.gain[node] * p, self._seq, node, int(t), float(q), rank)
             if self.nodes.child(node, int(t)) is not None:  # a free source proposed it, and it joined
@@ -223,7 +216,7 @@ class TreeBuilder:
         is as predictable as any other."""
         if self.acceptance is None:
             return self.nodes.gain[node] * self.nodes.q[node]
-        proposed = self.first_q_sum / self.n_first_q if self.n_first_q else None
+        proposed = sum(self.first_qs) / len(self.first_qs) if self.first_qs else None
         return self.nodes.gain[node] * self.acceptance.first_child(proposed)
 
     def forward_tokens(self, nodes: list[int]) -> int:
@@ -239,4 +232,4 @@ class TreeBuilder:
         """What growth weighs: the latency, less the pass's idle compute time at what drafting
         ahead makes of it (`idle_value`: the share of cycles that start from rows drafted ahead)."""
         n = self.n_nodes if n_nodes is None else n_nodes
-        return self.latency_s(n, extra_draft_s) - self.idle_value * self.cost.idle_s(n)
+        return self.latency_s(n, extra_draft_s) - self.ahead.idle_value * self.cost.idle_s(n)

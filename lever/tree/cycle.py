@@ -25,7 +25,8 @@ from lever.tree import lookahead
 from lever.tree.builder import TreeBuilder
 from lever.tree.config import MAX_TREE_SIZE, TreeExpandConfig
 from lever.tree.free import FreeSources
-from lever.tree.learning import CycleRecord, TreeLearner
+from lever.tree.learning import CycleRecord, SentTree, TreeLearner
+from lever.tree.lookahead import Lookahead
 
 IDLE_PRIOR_CYCLES = 2  # pseudo-cycles at a hit share of one half, before drafting ahead has been seen
 
@@ -100,6 +101,7 @@ class TreeCycle:
     committed: int = 0  # target rows committed, to keep trees inside the context
     emitted: int = 0  # tokens Accept has emitted
     last: TreeBuilder | None = None  # the tree sent last
+    last_sent: SentTree | None = None  # what was predicted of it when it was sent
     shape: Shape = TREE  # what it was grown as
     # (keep, given) the draft has not been told: the root alone grew without it (lever.policy.fallback)
     lag: tuple[tuple[int, ...], list[int]] | None = None
@@ -139,7 +141,7 @@ class TreeCycle:
 
     def observe(self, acc: Accepted, now_s: float) -> None:
         """What the cycle `acc` ends measured (lever.tree.learning.TreeLearner.observe)."""
-        self.learner.observe(acc, self.last, self.shape, now_s)
+        self.learner.observe(acc, self.last_sent, self.shape, now_s)
 
     def start(self, acc: Accepted) -> tuple[TreeBuilder, ExpandRequest | None]:
         """A new tree rooted at the newest token, and the draft request that starts it."""
@@ -156,8 +158,8 @@ class TreeCycle:
                                                                   chain_length=max(self.shape.length, 1))
         b = TreeBuilder(cfg, learner.priced_by, acc.pass_id + 1, room=self.n_ctx - self.committed,
                         remaining=remaining, acceptance=learner.acceptance if learner.prices_by_table else None,
-                        ahead_beside=self.ahead_beside, bar_rate=learner.bar_rate, idle_value=self.idle_value,
-                        free=free)
+                        bar_rate=learner.bar_rate, free=free,
+                        ahead=Lookahead(beside=self.ahead_beside, idle_value=self.idle_value))
         b.add(acc.tokens[-1], -1, 1.0)
         if not self.config.drafts:
             if free is not None:
@@ -201,7 +203,7 @@ class TreeCycle:
         self.last = b
         self.tree_sizes.append(b.n_nodes)
         tree = b.tree(acc.pass_id + 1, acc.keep)
-        self.learner.sent(b, tree, self.shape)
+        self.last_sent = self.learner.sent(b, tree, self.shape)
         return tree
 
     def _free_sources(self) -> FreeSources | None:

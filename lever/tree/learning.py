@@ -39,6 +39,16 @@ class CycleRecord:
     scales: Scales  # the online corrections the tree was priced with
 
 
+@attrs.frozen
+class SentTree:
+    """A tree as it went to verification: what the cost model predicted of its cycle."""
+
+    nodes: int  # nodes sent, root included
+    predicted_s: float  # the cycle's predicted time
+    predicted_tokens: float  # its expected tokens (accepted + the bonus token), as the policy priced them
+    scored_tokens: float  # its expected tokens by the run's acceptance table, whatever the policy priced with
+
+
 @attrs.define
 class TreeLearner:
     """A run's learned state; `for_run` makes the parts its config and sampling ask for."""
@@ -94,27 +104,27 @@ class TreeLearner:
         """What the next tree grows as: gain-cost's tree, or the fallback's simpler shape."""
         return self.fallback.choose(self.priced_by, self.acceptance.first_child()) if self.fallback else TREE
 
-    def sent(self, b: TreeBuilder, tree: TokenTree, shape: Shape) -> None:
+    def sent(self, b: TreeBuilder, tree: TokenTree, shape: Shape) -> SentTree:
         """A tree goes to verification: its predicted time and tokens, and the rate bar."""
-        b.sent_s, b.sent_tokens = tree.cycle_s, b.expected_accepted() + 1
-        n = b.nodes
-        b.scored_tokens = b.sent_tokens if self.acceptance is None else 1 + self.acceptance.score(
+        n, tokens = b.nodes, b.expected_accepted() + 1
+        scored = tokens if self.acceptance is None else 1 + self.acceptance.score(
             n.parents, n.q, n.rank, n.gain, [x == Source.MODEL for x in n.source])
-        if b.sent_s > 0 and shape == TREE:  # the bar is the trees' own, not a fallback shape's
-            rate = b.model_rate or b.sent_tokens / b.sent_s  # the model's trees set the model's bar
+        if tree.cycle_s > 0 and shape == TREE:  # the bar is the trees' own, not a fallback shape's
+            rate = b.model_rate or tokens / tree.cycle_s  # the model's trees set the model's bar
             self.bar_rate = rate if not self.bar_rate else BAR_WEIGHT * rate + (1 - BAR_WEIGHT) * self.bar_rate
+        return SentTree(b.n_sent, tree.cycle_s, tokens, scored)
 
-    def observe(self, acc: Accepted, prev: TreeBuilder | None, shape: Shape, now_s: float) -> None:
-        """What the cycle that `acc` ends (the tree `prev`, grown as `shape`) measured: into the
-        online estimates and the record."""
-        if prev is not None and prev.n_sent and self.last_accepted_s is not None and self.speculates:
+    def observe(self, acc: Accepted, prev: SentTree | None, shape: Shape, now_s: float) -> None:
+        """What the cycle that `acc` ends (the tree `prev` sent, grown as `shape`) measured: into
+        the online estimates and the record."""
+        if prev is not None and prev.nodes and self.last_accepted_s is not None and self.speculates:
             measured_s = now_s - self.last_accepted_s
-            self.cycles.append(CycleRecord(prev.n_sent, prev.sent_s, prev.scored_tokens, measured_s,
+            self.cycles.append(CycleRecord(prev.nodes, prev.predicted_s, prev.scored_tokens, measured_s,
                                            len(acc.tokens), self.online.scales if self.online else Scales()))
             if self.online is not None:
-                self.online.observe_cycle(measured_s, prev.sent_s)
+                self.online.observe_cycle(measured_s, prev.predicted_s)
             if self.fallback is not None:
-                self.fallback.observe_cycle(shape, len(acc.tokens), prev.sent_s)
+                self.fallback.observe_cycle(shape, len(acc.tokens), prev.predicted_s)
         self.last_accepted_s = now_s
         if self.online is not None and acc.timing is not None and acc.pass_id > 0:  # the prefill is not a cycle
             self.online.observe_pass(acc.timing, len(acc.tokens))

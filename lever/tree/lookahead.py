@@ -31,6 +31,8 @@ class Lookahead:
     """One tree's part in drafting ahead: rows it took over from the last tree's, and what it
     drafted ahead itself."""
 
+    beside: bool = False  # drafting ahead has cores of its own: it may use the whole pass, not its idle time
+    idle_value: float = 0.0  # seconds of drafting saved per second of idle compute in the pass (0: no drafting ahead)
     carried: dict[tuple[int, int], int] = attrs.field(factory=dict)  # (parent row, token) -> row drafted ahead
     spent_s: float = 0.0  # estimated drafting time spent ahead of this tree's pass
     n_ahead: int = 0  # nodes expanded ahead
@@ -64,7 +66,7 @@ def request(b, time_left_s: float = float("inf")) -> ExpandRequest | None:
     step_s = b.cost.expand_s(size)
     # drafting ahead on the verification's cores: the idle time less what the pass lost
     # waiting for cores held by drafting ahead lately (measured online; 0 from a profile)
-    budget_s = b.cost.verify_s(b.n_sent) if b.ahead_beside else b.cost.idle_s(b.n_sent) - b.cost.pass_delay_s
+    budget_s = b.cost.verify_s(b.n_sent) if ahead.beside else b.cost.idle_s(b.n_sent) - b.cost.pass_delay_s
     if ahead.spent_s + step_s > budget_s or step_s > time_left_s:
         return None  # past the time the pass leaves the compute units idle, or past its end
     chosen: list[int] = []

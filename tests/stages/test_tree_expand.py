@@ -251,8 +251,9 @@ def test_free_sources_fill_the_models_tree_and_leave_it_as_the_model_grows_it_al
     assert all(r < 0 for r in mixed.nodes.row[n:])  # no draft forward under them
     learner = TreeLearner.for_run(TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup")),
                                   FlatCost(), text)
-    learner.sent(mixed, mixed.tree(1, ()), TREE)
-    assert learner.bar_rate == pytest.approx(mixed.model_rate) and mixed.model_rate < mixed.sent_tokens / mixed.sent_s
+    sent = learner.sent(mixed, mixed.tree(1, ()), TREE)
+    assert learner.bar_rate == pytest.approx(mixed.model_rate)
+    assert mixed.model_rate < sent.predicted_tokens / sent.predicted_s
 
 
 
