@@ -51,14 +51,11 @@ Faults (faults.py) can be injected between the store and its file, for the tests
 
 from __future__ import annotations
 
-import errno
 import itertools
 import mmap
 import os
-import sys
 import threading
 import time
-from functools import partial
 
 import numpy as np
 
@@ -68,17 +65,9 @@ from lever.gguf.file import GGUFFile
 from .config import PAGE_BYTES, FlashConfig, plan_residency
 from .device import Counters, FlashStats, Throttle
 from .faults import Faults, active
-from .layout import LayerExtent, Read, layer_extents, plan_chunks, round_down, round_up
+from .layout import LayerExtent, Read, layer_extents, plan_chunks, round_up
 from .pool import BufferPool, StagingBuffer
-
-# The largest page-cache folio: a PMD (2 MiB with 4 KiB pages, on x86-64 and arm64).
-FOLIO_MAX_BYTES = 2 * 2**20
-# Python 3.11's mmap module lacks the name; 22 is its value on every Linux ABI we run on.
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None)
-RETRIED = frozenset({errno.EAGAIN, errno.EIO})
-# Long enough for a link reset or a controller's busy spell to pass, short enough that a
-# persistent error still ends the run well within a second.
-RETRY_BACKOFF_S = 0.02
+from .reader import FileReader
 
 
 class FlashStore:
@@ -101,20 +90,13 @@ class FlashStore:
         self._counters = Counters()
         self._resident_bufs: dict[int, StagingBuffer] = {}
         self._resident_lock = threading.Lock()
-        self._map: mmap.mmap | None = None
-        self._populate_read = MADV_POPULATE_READ
         self._read_no = itertools.count()  # numbers reads for the faults; next() on it is atomic
         self.pool: BufferPool | None = None
-        self._fd = -1
-        self._fd = self._open_fd()
+        self.reader = FileReader(self.path, config, self.faults)
         try:
-            st = os.fstat(self._fd)
-            self._identity = (st.st_ino, st.st_size, st.st_mtime_ns)
-            if config.mode == "mmap":
-                self._map_file(st.st_size)
             # A file just written or read sits in the page cache; evicting the streamed ranges
             # makes the first pass read the device like every later one.
-            self._evict_streamed()
+            self.reader.evict((run.file_start, run.file_end) for i in self.streamed for run in self.extents[i].runs)
             self.pool = BufferPool(config.window_layers,
                                    max((self.extents[i].buffer_bytes for i in self.streamed), default=0))
         except BaseException:
@@ -124,26 +106,6 @@ class FlashStore:
         if self.faults is not None:
             self.faults.attach(self)
 
-    # -- opening and closing
-
-    def _open_fd(self) -> int:
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-        if self.config.mode == "direct":
-            flags |= os.O_DIRECT
-        try:
-            return os.open(self.path, flags)
-        except OSError as e:
-            if e.errno == errno.EINVAL and self.config.mode == "direct":
-                raise LeverError(f"{self.path}: the file system does not support O_DIRECT (tmpfs?); "
-                                 f"use flash mode 'mmap'") from None
-            raise LeverError(f"{self.path}: cannot open: {e.strerror}") from None
-
-    def _map_file(self, size: int) -> None:
-        self._map = mmap.mmap(self._fd, size, access=mmap.ACCESS_READ)
-        # No readahead on faults: each chunk asks for exactly its pages (MADV_WILLNEED), and
-        # the kernel's guesses would pull in neighbours - often resident or not yet due.
-        self._map.madvise(mmap.MADV_RANDOM)
-
     def close(self) -> None:
         """Close the file and free the window and resident layers; views handed out keep
         their memory alive until dropped. Idempotent."""
@@ -152,15 +114,7 @@ class FlashStore:
         for buf in self._resident_bufs.values():
             buf.close()
         self._resident_bufs = {}
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass
-            self._map = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self.reader.close()
 
     def __enter__(self) -> FlashStore:
         return self
@@ -199,7 +153,7 @@ class FlashStore:
     def read(self, r: Read, buffer: StagingBuffer) -> None:
         """Perform one planned read into `buffer`; raises LeverError naming file, layer and
         offset on a device error, a short read or a file changed since open."""
-        if self._fd < 0:
+        if self.reader.closed:
             raise LeverError(f"{self.path}: flash store is closed")
         if r.buffer_offset + r.n_bytes > buffer.n_bytes:
             raise LeverError(f"{self.path}: layer {r.layer} needs {self.extents[r.layer].buffer_bytes} bytes, "
@@ -210,76 +164,11 @@ class FlashStore:
         buffer.begin(r.layer, r.index)
         deadline = self._throttle.deadline(r.n_bytes) if self._throttle.active else 0.0
         t0 = time.perf_counter()
-        if self._map is None:
-            self._pread(r, buffer, n)
-        else:
-            self._copy_from_map(r, buffer, n)
-        self._check_unchanged(f"layer {r.layer}", r.file_offset)
+        self.reader.read(r, buffer, n)
         if deadline:
             Throttle.wait_until(deadline)
         self._counters.add(r.n_bytes, r.data_bytes, time.perf_counter() - t0)
         buffer.landed(r.layer, r.index)
-
-    def _transfer(self, do, where: str, offset: int, n_bytes: int, n: int | None = None) -> int:
-        """One transfer (`do()`: the syscall, returning bytes moved) of read `n` (None: not
-        a layer's, no faults), retried on the errors worth retrying (see the module docstring)."""
-        for attempt in itertools.count(1):
-            try:
-                return self.faults.transfer(n, do) if self.faults is not None and n is not None else do()
-            except OSError as e:
-                if e.errno not in RETRIED or attempt > self.config.read_retries:
-                    tries = f" after {attempt} attempts" if attempt > 1 else ""
-                    raise LeverError(f"{self.path}: {where}, offset {offset}: read of {n_bytes} bytes failed "
-                                     f"({e.strerror or e}){tries}{self._changed_note()}") from e
-            time.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
-
-    def _pread(self, r: Read, buffer: StagingBuffer, n: int) -> None:
-        dest = buffer.array[r.buffer_offset : r.buffer_offset + r.n_bytes]
-        got = 0
-        while got < r.need_bytes:
-            at = r.file_offset + got
-            moved = self._transfer(partial(os.preadv, self._fd, [dest[got:]], at), f"layer {r.layer}", at,
-                                   r.n_bytes - got, n)
-            got += max(moved, 0)
-            # A transfer that is not a whole number of pages stopped at the end of the file;
-            # O_DIRECT could not continue from there anyway.
-            if moved <= 0 or got % PAGE_BYTES:
-                break
-        if got < r.need_bytes:
-            raise self._error(r, f"short read: {got} of {r.need_bytes} bytes{self._changed_note()}", r.file_offset)
-
-    def _copy_from_map(self, r: Read, buffer: StagingBuffer, n: int) -> None:
-        start, need = r.file_offset, r.need_bytes
-        if os.fstat(self._fd).st_size < start + need:  # say so before madvise fails with EFAULT
-            raise self._error(r, f"short read: file ends before {start + need}{self._changed_note()}", start)
-        span = round_up(need)
-
-        def fault_in() -> int:
-            self._map.madvise(mmap.MADV_WILLNEED, start, span)
-            if self._populate_read is not None:
-                self._populate(start, span)
-            return span
-
-        where = f"layer {r.layer}"
-        got = self._transfer(fault_in, where, start, need, n)
-        if got >= need:  # the copy, from the pages just faulted in
-            dest, got, moved = buffer.array[r.buffer_offset : r.buffer_offset + need], 0, 1
-            while got < need and moved > 0:
-                moved = self._transfer(partial(os.preadv, self._fd, [dest[got:]], start + got), where, start + got,
-                                       need - got)
-                got += moved
-        if got < need:
-            raise self._error(r, f"short read: {got} of {need} bytes{self._changed_note()}", start)
-        # The copy is what compute uses; holding the pages too would double the DRAM.
-        self._drop_range(start, span)
-
-    def _populate(self, start: int, span: int) -> None:
-        try:
-            self._map.madvise(self._populate_read, start, span)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self._populate_read = None  # kernel < 5.14: the copy's own faults do the reading
 
     def read_layer(self, layer: int, buffer: StagingBuffer) -> dict[str, np.ndarray]:
         """Read a whole layer into `buffer`, one chunk after another; its tensor views."""
@@ -307,7 +196,7 @@ class FlashStore:
         if self.config.mode == "cached":
             return
         for run in self.extents[self._layer_index(layer)].runs:
-            self._drop_range(run.file_start, run.n_bytes)
+            self.reader.drop_range(run.file_start, run.n_bytes)
 
     # -- tensors outside the layers
 
@@ -318,53 +207,34 @@ class FlashStore:
         What a run touches while it streams must not be mapped from the file: a mapped page
         of a file truncated under us kills the process (SIGBUS), where a read is an error to
         report, and a read can be checked against a file changed since open."""
-        if self._fd < 0:
+        if self.reader.closed:
             raise LeverError(f"{self.path}: flash store is closed")
         info = self.file.tensor(name)
         row_bytes = info.n_bytes // info.n_rows
         if rows is None:
-            out = self._read_span(f"tensor {name}", info.offset, info.n_bytes).reshape(info.n_rows, row_bytes)
+            out = self.reader.read_span(f"tensor {name}", info.offset, info.n_bytes).reshape(info.n_rows, row_bytes)
         else:
             # One page-aligned scratch for every row (each may straddle a page more than its size).
             slot = round_up(row_bytes) + PAGE_BYTES
             scratch = np.frombuffer(mmap.mmap(-1, max(len(rows), 1) * slot), np.uint8)
             out = np.empty((len(rows), row_bytes), np.uint8)
             for j, i in enumerate(np.asarray(rows, np.int64)):
-                out[j] = self._read_span(f"tensor {name} row {i}", info.offset + int(i) * row_bytes, row_bytes,
+                out[j] = self.reader.read_span(f"tensor {name} row {i}", info.offset + int(i) * row_bytes, row_bytes,
                                          scratch[j * slot : (j + 1) * slot])
-        self._check_unchanged(f"tensor {name}", info.offset)
+        self.reader.check_unchanged(f"tensor {name}", info.offset)
         return out
 
     def tensor_span(self, name: str, r0: int, r1: int) -> np.ndarray:
         """Rows [r0, r1) of a tensor outside the layers, in one read (see tensor_rows):
         (r1 - r0, row_bytes) uint8, a view of fresh anonymous memory."""
-        if self._fd < 0:
+        if self.reader.closed:
             raise LeverError(f"{self.path}: flash store is closed")
         info = self.file.tensor(name)
         row_bytes = info.n_bytes // info.n_rows
-        out = self._read_span(f"tensor {name} rows {r0}..{r1 - 1}", info.offset + r0 * row_bytes, (r1 - r0) * row_bytes)
-        self._check_unchanged(f"tensor {name}", info.offset)
+        out = self.reader.read_span(f"tensor {name} rows {r0}..{r1 - 1}", info.offset + r0 * row_bytes,
+                                    (r1 - r0) * row_bytes)
+        self.reader.check_unchanged(f"tensor {name}", info.offset)
         return out.reshape(r1 - r0, row_bytes)
-
-    def _read_span(self, where: str, start: int, n_bytes: int, dest: np.ndarray | None = None) -> np.ndarray:
-        """[start, start + n_bytes) of the file, as a view into `dest` (page-aligned, large
-        enough) or fresh anonymous memory (O_DIRECT's rule: aligned offsets, lengths, buffers)."""
-        first = round_down(start)
-        span = round_up(start + n_bytes) - first
-        dest = np.frombuffer(mmap.mmap(-1, span), np.uint8) if dest is None else dest[:span]
-        got = 0
-        while got < span:
-            at = first + got
-            moved = self._transfer(partial(os.preadv, self._fd, [dest[got:]], at), where, at, span - got)
-            got += max(moved, 0)
-            if moved <= 0 or got % PAGE_BYTES:
-                break
-        if got < start - first + n_bytes:
-            raise LeverError(f"{self.path}: {where}, offset {start}: short read: {max(got - (start - first), 0)} "
-                             f"of {n_bytes} bytes{self._changed_note()}")
-        if self._map is not None:
-            self._drop_range(first, span)  # mmap mode's fd is buffered: keep the page cache clean
-        return dest[start - first : start - first + n_bytes]
 
     # -- resident layers
 
@@ -396,37 +266,3 @@ class FlashStore:
 
     def reset_stats(self) -> None:
         self._counters.reset()
-
-    # -- helpers
-
-    def _evict_streamed(self) -> None:
-        # The kernel evicts only folios wholly inside the range, and a file read normally is
-        # cached in folios of up to FOLIO_MAX_BYTES; so each range is widened to that grain
-        # (costing at most a re-read of a neighbour's edge) or a layer's ends stay cached.
-        for layer in self.streamed:
-            for run in self.extents[layer].runs:
-                start = round_down(run.file_start, FOLIO_MAX_BYTES)
-                os.posix_fadvise(self._fd, start, round_up(run.file_end, FOLIO_MAX_BYTES) - start,
-                                 os.POSIX_FADV_DONTNEED)
-
-    def _drop_range(self, start: int, n_bytes: int) -> None:
-        if self._fd < 0:
-            return
-        if self._map is not None:
-            # Unmap first: the page cache will not evict a page some mapping still holds.
-            self._map.madvise(mmap.MADV_DONTNEED, start, min(n_bytes, round_up(len(self._map)) - start))
-        os.posix_fadvise(self._fd, start, n_bytes, os.POSIX_FADV_DONTNEED)
-
-    def _check_unchanged(self, where: str, offset: int) -> None:
-        st = os.fstat(self._fd)
-        if (st.st_ino, st.st_size, st.st_mtime_ns) != self._identity:
-            raise LeverError(f"{self.path}: {where}, offset {offset}: file changed while open{self._changed_note()}")
-
-    def _changed_note(self) -> str:
-        size = os.fstat(self._fd).st_size
-        if size != self._identity[1]:
-            return f" (file is now {size} bytes, was {self._identity[1]}: truncated or replaced while open)"
-        return ""
-
-    def _error(self, r: Read, what: str, offset: int) -> LeverError:
-        return LeverError(f"{self.path}: layer {r.layer}, offset {offset}: {what}")

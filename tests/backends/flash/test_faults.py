@@ -90,7 +90,7 @@ class Released:
     def check(self, faults: Faults) -> None:
         """Call with no reference left to the run's exception (it holds the run's frames)."""
         [store] = faults.stores
-        assert store._fd < 0, "the store's file is still open"
+        assert store.reader.closed, "the store's file is still open"
         pool = store.pool
         assert pool.n_free == pool.n_buffers, f"{pool.n_buffers - pool.n_free} staging buffers never given back"
         mapped = [weakref.ref(b._mem) for b in pool._all]

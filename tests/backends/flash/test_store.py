@@ -249,7 +249,7 @@ def test_file_system_without_o_direct_says_use_mmap(stories_copy, monkeypatch):
 
 def test_close_releases_the_file(stories_copy):
     with FlashStore(stories_copy, FlashConfig(mode="mmap")) as store:
-        fd = store._fd
+        fd = store.reader.fd
         views = store.read_layer(0, store.pool.acquire())
     with pytest.raises(OSError):
         os.fstat(fd)
