@@ -261,14 +261,15 @@ def layer_dims(spec: ModelSpec, inv_freq: np.ndarray) -> native.LayerDims:
     hit = _DIMS.get(key)
     if hit is None or hit[1] is not inv_freq:
         inv = np.ascontiguousarray(inv_freq, np.float32)
-        d = native.LayerDims(spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim, spec.n_ff, spec.n_rot,
-                             spec.rms_eps, 1.0 / float(np.sqrt(spec.head_dim)), int(spec.rope_neox),
-                             native._addr(inv, np.float32))
+        d = native.LayerDims(n_embd=spec.n_embd, n_head=spec.n_head, n_head_kv=spec.n_head_kv,
+                             head_dim=spec.head_dim, n_ff=spec.n_ff, n_rot=spec.n_rot, rms_eps=spec.rms_eps,
+                             attn_scale=1.0 / float(np.sqrt(spec.head_dim)), rope_neox=int(spec.rope_neox),
+                             inv_freq=native._addr(inv, np.float32))
         hit = _DIMS[key] = (d, inv_freq, inv)
     return hit[0]
 
 
-def layer_forward(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
+def layer_forward(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, *, pos: np.ndarray, mask: np.ndarray,
                   cache: KVCache, layer: int, rows: slice | np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
     """One transformer layer over tokens x (n_tok, n_embd); writes their k/v into cache rows
     `rows` (a slice, or one row per token) and attends over cache rows [0, mask.shape[1])
@@ -278,11 +279,11 @@ def layer_forward(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndar
     if isinstance(rows, slice):
         rows = np.arange(rows.start or 0, (rows.start or 0) + n_tok, dtype=np.int64)
     return native.layer_forward(layer_dims(spec, inv_freq), lw.native or native_weights(lw), x,
-                                np.ascontiguousarray(pos, np.int32), mask, cache.k[layer], cache.v[layer],
-                                np.ascontiguousarray(rows, np.int64))
+                                pos=np.ascontiguousarray(pos, np.int32), mask=mask, k_cache=cache.k[layer],
+                                v_cache=cache.v[layer], rows=np.ascontiguousarray(rows, np.int64))
 
 
-def layer_forward_steps(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
+def layer_forward_steps(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, *, pos: np.ndarray, mask: np.ndarray,
                         cache: KVCache, layer: int, rows: slice, inv_freq: np.ndarray) -> np.ndarray:
     """layer_forward as the kernel calls it makes, one by one: its specification, kept
     executable (tests hold the two equal bit for bit)."""

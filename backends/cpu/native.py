@@ -263,7 +263,7 @@ def matmul_many(mats: list[Matrix], x: np.ndarray, n_threads: int | None = None)
     return outs
 
 
-def layer_forward(dims: LayerDims, weights: LayerWeightsC, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
+def layer_forward(dims: LayerDims, weights: LayerWeightsC, x: np.ndarray, *, pos: np.ndarray, mask: np.ndarray,
                   k_cache: np.ndarray, v_cache: np.ndarray, rows: np.ndarray,
                   n_threads: int | None = None) -> np.ndarray:
     """lever_layer_forward: the layer's output for x (n_tok, n_embd), a new array; the tokens' k, v

@@ -415,7 +415,7 @@ class QnnLayerRunner:
 
     # -- forward
 
-    def forward(self, spec: ModelSpec, lw: LayerWeights, x: np.ndarray, pos: np.ndarray, mask: np.ndarray,
+    def forward(self, spec: ModelSpec, lw: LayerWeights, x: np.ndarray, *, pos: np.ndarray, mask: np.ndarray,
                 cache: KVCache, layer: int, rows, inv_freq: np.ndarray) -> np.ndarray:
         """lever.backends.cpu.layer.layer_forward on HTP: the new hidden state (n_tok, n_embd) float32; the
         tokens' K/V are written into cache rows `rows`. More tokens than the largest token
@@ -443,7 +443,8 @@ class QnnLayerRunner:
             if later.size and mask[a:b][:, later].any():
                 raise LeverError("forward: a token sees a row of a later chunk; order tokens so that each "
                                  f"sees only earlier ones, or raise the largest token bucket ({step})")
-            out[a:b] = self._forward_chunk(lw, x[a:b], pos[a:b], mask[a:b], cache, layer, new_rows[a:b], inv_freq)
+            out[a:b] = self._forward_chunk(lw, x[a:b], pos=pos[a:b], mask=mask[a:b], cache=cache, layer=layer,
+                                            new_rows=new_rows[a:b], inv_freq=inv_freq)
         if not finite(out) and finite(x):  # a max and a min; float16 on HTP overflows past 65504 where float32 does not
             bad = first_bad_row(out)
             raise NonFiniteError("hidden state", position=int(pos[bad]),
@@ -452,7 +453,7 @@ class QnnLayerRunner:
                                        f"(an activation past float16's 65504?); [placement] on the CPU avoids it")
         return out
 
-    def _forward_chunk(self, lw, x, pos, mask, cache, layer, new_rows, inv_freq) -> np.ndarray:
+    def _forward_chunk(self, lw, x, *, pos, mask, cache, layer, new_rows, inv_freq) -> np.ndarray:
         spec = self.spec
         n_tok, n_seen = mask.shape
         is_new = np.zeros(n_seen, bool)
@@ -513,7 +514,8 @@ class QnnLayerRunner:
         rows = cache.reserve(len(tokens))
         x = model.embed(tokens)
         for i, lw in enumerate(model.layers):
-            x = self.forward(model.spec, lw, x, pos, mask, cache, i, rows, model.inv_freq)
+            x = self.forward(model.spec, lw, x, pos=pos, mask=mask, cache=cache, layer=i, rows=rows,
+                             inv_freq=model.inv_freq)
         return x
 
 
@@ -540,11 +542,12 @@ def bench(model_path: str, precision: str = "fp16", n_toks=(1, 8, 32), n_past: i
                                 token_buckets=(n,), kv_buckets=(64,))
 
         def qnn_call():
-            runner.forward(spec, lw, x, pos, mask, cache, 0, rows, model.inv_freq)
+            runner.forward(spec, lw, x, pos=pos, mask=mask, cache=cache, layer=0, rows=rows, inv_freq=model.inv_freq)
 
         qnn_call()
         qnn_call()  # compiled, weights cached (met twice)
-        return {"cpu_ms": median_ms(lambda: layer_forward(spec, lw, x, pos, mask, cache, 0, rows, model.inv_freq)),
+        return {"cpu_ms": median_ms(lambda: layer_forward(spec, lw, x, pos=pos, mask=mask, cache=cache, layer=0,
+                                                          rows=rows, inv_freq=model.inv_freq)),
                 "qnn_ms": median_ms(qnn_call), "compile_s": runner.sessions_stats.create_s}
 
     out = {n: one(n) for n in n_toks}

@@ -196,7 +196,7 @@ def measure_target(path: str | os.PathLike, rounds: int = 5, kv_rows: int = KV_R
         x, pos, mask, rows = inputs[n]
         for (kind, i), lw in held.items():
             t0 = time.perf_counter()
-            layer_forward(spec, lw, x, pos, mask, cache, i, rows, model.inv_freq)
+            layer_forward(spec, lw, x, pos=pos, mask=mask, cache=cache, layer=i, rows=rows, inv_freq=model.inv_freq)
             if record:
                 samples[(kind, i, n)].append(time.perf_counter() - t0)
 

@@ -154,8 +154,8 @@ def test_native_layer_is_its_steps_bit_for_bit(tiny_model, arch, wtype, kv_dtype
         cache = KVCache(spec, 16, kv_dtype)
         cache.k[1][:prefix], cache.v[1][:prefix] = committed
         with native.threads(threads):
-            outs.append(fn(spec, lw, x, pos, mask, cache, 1, rows if fn is layer_forward else slice(prefix, prefix + 5),
-                           model.inv_freq))
+            outs.append(fn(spec, lw, x, pos=pos, mask=mask, cache=cache, layer=1,
+                           rows=rows if fn is layer_forward else slice(prefix, prefix + 5), inv_freq=model.inv_freq))
         caches.append(cache)
     for out, cache in zip(outs[1:], caches[1:]):
         np.testing.assert_array_equal(out, outs[0])

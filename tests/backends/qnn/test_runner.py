@@ -91,8 +91,10 @@ def run_both(model: Model, runner: qnn.QnnLayerRunner, layer: int, x, pos, mask,
     """(cpu hidden, cpu cache, qnn hidden, qnn cache) for one layer call on copies of cache."""
     c_cpu, c_qnn = copy_cache(model, cache), copy_cache(model, cache)
     spec, lw = model.spec, model.layers[layer]
-    ref = layer_forward(spec, lw, x.copy(), pos, mask, c_cpu, layer, rows, model.inv_freq)
-    got = runner.forward(spec, lw, x.copy(), pos, mask, c_qnn, layer, rows, model.inv_freq)
+    ref = layer_forward(spec, lw, x.copy(), pos=pos, mask=mask, cache=c_cpu, layer=layer, rows=rows,
+                        inv_freq=model.inv_freq)
+    got = runner.forward(spec, lw, x.copy(), pos=pos, mask=mask, cache=c_qnn, layer=layer, rows=rows,
+                         inv_freq=model.inv_freq)
     return ref, c_cpu, got, c_qnn
 
 
@@ -194,10 +196,12 @@ def test_qwen25_05b_real_layers_fp16(qwen_draft):
     c_cpu, c_qnn = model.new_cache(64), model.new_cache(64)
     rows = slice(0, 4)
     for i in range(4):
-        one = layer_forward(model.spec, model.layers[i], x_qnn.copy(), pos, mask, model.new_cache(64), i, rows,
-                            model.inv_freq)
-        x_cpu = layer_forward(model.spec, model.layers[i], x_cpu, pos, mask, c_cpu, i, rows, model.inv_freq)
-        x_qnn = runner.forward(model.spec, model.layers[i], x_qnn, pos, mask, c_qnn, i, rows, model.inv_freq)
+        one = layer_forward(model.spec, model.layers[i], x_qnn.copy(), pos=pos, mask=mask, cache=model.new_cache(64),
+                            layer=i, rows=rows, inv_freq=model.inv_freq)
+        x_cpu = layer_forward(model.spec, model.layers[i], x_cpu, pos=pos, mask=mask, cache=c_cpu, layer=i, rows=rows,
+                              inv_freq=model.inv_freq)
+        x_qnn = runner.forward(model.spec, model.layers[i], x_qnn, pos=pos, mask=mask, cache=c_qnn, layer=i, rows=rows,
+                               inv_freq=model.inv_freq)
         assert rel_err(x_qnn, one) < QUANT_HIDDEN_TOL, i
     assert np.abs(x_cpu).max() > 256  # the float16 overflow range of x^2 was reached
     assert rel_err(x_qnn, x_cpu) < QUANT_HIDDEN_TOL
@@ -246,8 +250,8 @@ def test_more_tokens_than_the_largest_bucket_run_in_chunks(tiny_model):
     anti = causal_mask(3, 10)
     anti[0, 3 + 9] = True  # token 0 sees the row of token 9, computed in a later chunk
     with pytest.raises(LeverError, match="later chunk"):
-        runner.forward(model.spec, model.layers[0], x, np.arange(3, 13), anti, copy_cache(model, cache), 0, rows,
-                       model.inv_freq)
+        runner.forward(model.spec, model.layers[0], x, pos=np.arange(3, 13), mask=anti, cache=copy_cache(model, cache),
+                       layer=0, rows=rows, inv_freq=model.inv_freq)
 
 
 # -- padding and buckets
@@ -264,7 +268,8 @@ def test_padded_bucket_never_changes_real_rows(stories, precision):
     for tb, kb in [((8,), (64, 128)), ((16,), (64, 128)), ((8,), (128,)), ((32,), (512,))]:
         runner = make_runner(model.spec, precision, token_buckets=tb, kv_buckets=kb)
         c = copy_cache(model, cache)
-        got = runner.forward(model.spec, model.layers[0], x, pos, mask, c, 0, rows, model.inv_freq)
+        got = runner.forward(model.spec, model.layers[0], x, pos=pos, mask=mask, cache=c, layer=0, rows=rows,
+                             inv_freq=model.inv_freq)
         assert np.isfinite(got).all()
         outs.append((got, c.k[0][rows].copy(), c.v[0][rows].copy()))
     for got, k, v in outs[1:]:
@@ -274,8 +279,8 @@ def test_padded_bucket_never_changes_real_rows(stories, precision):
 def single_token(model: Model, precision: str, bucket: int) -> np.ndarray:
     x, pos, mask, _, cache = tree_case(model, n_past=40)
     runner = make_runner(model.spec, precision, token_buckets=(bucket,))
-    return runner.forward(model.spec, model.layers[0], x[:1], pos[:1], mask[:1, :41], cache, 0, slice(40, 41),
-                          model.inv_freq)
+    return runner.forward(model.spec, model.layers[0], x[:1], pos=pos[:1], mask=mask[:1, :41], cache=cache, layer=0,
+                          rows=slice(40, 41), inv_freq=model.inv_freq)
 
 
 def test_fp16_one_row_graph_differs_from_padded(stories):
@@ -295,7 +300,8 @@ def test_padding_counters(tiny_model):
     model = Model(tiny_model("llama", "F32", n_layer=1))
     runner = make_runner(model.spec, "fp16", token_buckets=(4, 8), kv_buckets=(64, 128))
     x, pos, mask, rows, cache = tree_case(model, n_past=70)  # 5 tokens -> 8; 70 past rows -> 128
-    runner.forward(model.spec, model.layers[0], x, pos, mask, cache, 0, rows, model.inv_freq)
+    runner.forward(model.spec, model.layers[0], x, pos=pos, mask=mask, cache=cache, layer=0, rows=rows,
+                   inv_freq=model.inv_freq)
     p = runner.padding
     assert (p.calls, p.tok_rows_real, p.tok_rows_computed, p.kv_rows_real, p.kv_rows_computed) == (1, 5, 8, 70, 128)
     assert p.tok_waste == pytest.approx(3 / 8) and p.kv_waste == pytest.approx(58 / 128)
@@ -309,12 +315,14 @@ def test_sessions_reused_across_layers_and_context_cache(tiny_model, tmp_path):
     x, pos, mask, rows, cache = tree_case(model)
     first = make_runner(model.spec, "fp16", cache_dir=tmp_path)
     c1 = copy_cache(model, cache)
-    h1 = [first.forward(model.spec, lw, x, pos, mask, c1, i, rows, model.inv_freq) for i, lw in enumerate(model.layers)]
+    h1 = [first.forward(model.spec, lw, x, pos=pos, mask=mask, cache=c1, layer=i, rows=rows,
+                        inv_freq=model.inv_freq) for i, lw in enumerate(model.layers)]
     assert first.sessions_stats.created == 1 and first.sessions_stats.loaded == 0  # one session, both layers
     assert len(list(tmp_path.glob("*_ctx.onnx"))) == 1
     second = make_runner(model.spec, "fp16", cache_dir=tmp_path)  # as a new process would
     c2 = copy_cache(model, cache)
-    h2 = [second.forward(model.spec, lw, x, pos, mask, c2, i, rows, model.inv_freq)
+    h2 = [second.forward(model.spec, lw, x, pos=pos, mask=mask, cache=c2, layer=i, rows=rows,
+                         inv_freq=model.inv_freq)
           for i, lw in enumerate(model.layers)]
     assert second.sessions_stats.created == 0 and second.sessions_stats.loaded == 1
     for a, b in zip(h1, h2):
@@ -341,11 +349,12 @@ def test_float32_cache_rows_are_read_as_float16(tiny_model):
     runner = make_runner(model.spec, "fp32")
     cache = KVCache(model.spec, 128, dtype=np.float32)
     rows = cache.reserve(3)
-    got = runner.forward(model.spec, model.layers[0], model.embed(np.arange(3)), np.arange(3), causal_mask(0, 3),
-                         cache, 0, rows, model.inv_freq)
+    got = runner.forward(model.spec, model.layers[0], model.embed(np.arange(3)), pos=np.arange(3),
+                         mask=causal_mask(0, 3), cache=cache, layer=0, rows=rows, inv_freq=model.inv_freq)
     ref_cache = KVCache(model.spec, 128, dtype=np.float32)
-    ref = layer_forward(model.spec, model.layers[0], model.embed(np.arange(3)), np.arange(3), causal_mask(0, 3),
-                        ref_cache, 0, ref_cache.reserve(3), model.inv_freq)
+    ref = layer_forward(model.spec, model.layers[0], model.embed(np.arange(3)), pos=np.arange(3),
+                        mask=causal_mask(0, 3), cache=ref_cache, layer=0, rows=ref_cache.reserve(3),
+                        inv_freq=model.inv_freq)
     # the graph rounds new K/V to float16 (the default cache's type) before attending
     assert rel_err(got, ref) < HIDDEN_TOL["fp16"] and rel_err(cache.k[0][rows], ref_cache.k[0][rows]) < KV_TOL["fp32"]
 
@@ -380,8 +389,9 @@ leaky = qnn.QnnLayerRunner(spec, "fp32")
 leaky.provider_opts["_allow_fp16_leak"] = "1"
 x, cache = model.embed(np.arange(1, n + 1)), model.new_cache(64)
 c2 = model.new_cache(64)
-r = layer_forward(spec, model.layers[0], x, np.arange(n), causal_mask(0, n), cache, 0, slice(0, n), model.inv_freq)
-g = leaky.forward(spec, model.layers[0], x, np.arange(n), causal_mask(0, n), c2, 0, slice(0, n), model.inv_freq)
+kw = dict(pos=np.arange(n), mask=causal_mask(0, n), layer=0, rows=slice(0, n), inv_freq=model.inv_freq)
+r = layer_forward(spec, model.layers[0], x, cache=cache, **kw)
+g = leaky.forward(spec, model.layers[0], x, cache=c2, **kw)
 out["fp32_after_soc_err"] = float(np.abs(g - r).max() / np.abs(r).max())
 print("RESULT " + json.dumps(out))
 """
