@@ -85,9 +85,9 @@ def logprob_of(logits: np.ndarray, token: int, n_top: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(x[token] - lse), top)
 
 
-def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], params: SamplingParams,
+def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], params: SamplingParams, *,
                 rng: np.random.Generator, budget: int, eos_ids: frozenset[int],
-                alive: np.ndarray | None = None, history: Sequence[int] = (), *,
+                alive: np.ndarray | None = None, history: Sequence[int] = (),
                 on_choice: Callable[[np.ndarray, int], None] | None = None,
                 allowed: Callable[[list[int]], np.ndarray] | None = None) -> tuple[list[int], list[int], int]:
     """Walks the tree along the target's choices. Returns (emitted tokens, kept nodes, lm_head rows).
@@ -176,13 +176,15 @@ class Accept(Stage):
             every = self.logits_fn(v.hidden)
             self.lm_head_rows += tree.n_nodes
             logits_at = self._checked(v, lambda nodes: every[nodes])
-            tokens, keep, _ = accept_tree(tree, logits_at, self.params, self._rng, budget, self.config.eos_ids,
-                                          v.alive, self._recent(tree), on_choice=on_choice, allowed=allowed)
+            tokens, keep, _ = accept_tree(tree, logits_at, self.params, rng=self._rng, budget=budget,
+                                          eos_ids=self.config.eos_ids, alive=v.alive, history=self._recent(tree),
+                                          on_choice=on_choice, allowed=allowed)
             rows = 0
         else:
             logits_at = self._checked(v, lambda nodes: self.logits_fn(v.hidden[nodes]))
-            tokens, keep, rows = accept_tree(tree, logits_at, self.params, self._rng, budget, self.config.eos_ids,
-                                             v.alive, self._recent(tree), on_choice=on_choice, allowed=allowed)
+            tokens, keep, rows = accept_tree(tree, logits_at, self.params, rng=self._rng, budget=budget,
+                                             eos_ids=self.config.eos_ids, alive=v.alive, history=self._recent(tree),
+                                             on_choice=on_choice, allowed=allowed)
         self.lm_head_rows += rows
         self.n_emitted += len(tokens)
         if grammar is not None:

@@ -121,8 +121,11 @@ def measure_flash(path: str | os.PathLike, flash: FlashConfig, passes: int = 3, 
     if flash.bandwidth_cap_bytes_per_s or flash.read_latency_ms:
         out("flash: again with the emulation off, for the device's own speed")
         dev_bw, dev_small, _, _ = rates(attrs.evolve(streamed, bandwidth_cap_bytes_per_s=0, read_latency_ms=0))
-    return FlashProfile(flash.mode, flash.queue_depth, flash.chunk_bytes, float(flash.bandwidth_cap_bytes_per_s),
-                        float(flash.read_latency_ms), pass_bytes, bw, small, chunk, dev_bw, dev_small)
+    return FlashProfile(mode=flash.mode, queue_depth=flash.queue_depth, chunk_bytes=flash.chunk_bytes,
+                        bandwidth_cap_bytes_per_s=float(flash.bandwidth_cap_bytes_per_s),
+                        read_latency_ms=float(flash.read_latency_ms), pass_bytes=pass_bytes, read_bytes_per_s=bw,
+                        small_read_s=small, chunk_read_s=chunk, device_read_bytes_per_s=dev_bw,
+                        device_small_read_s=dev_small)
 
 
 def _pass_inputs(spec, n: int, kv_rows: int, rng):
@@ -215,9 +218,10 @@ def measure_target(path: str | os.PathLike, rounds: int = 5, kv_rows: int = KV_R
     heads = _head_jobs(model, head_rows, rng)
     _warm(heads)
     head = _median_rounds(heads, rounds)
-    return TargetProfile(ModelIdentity.of(path), spec.n_layer, kv_rows, tuple(tokens), per_layer("streamed"),
-                         per_layer("resident"), tuple(sorted(timed)), tuple(head_rows),
-                         tuple(head[n] for n in head_rows))
+    return TargetProfile(model=ModelIdentity.of(path), n_layer=spec.n_layer, kv_rows=kv_rows, tokens=tuple(tokens),
+                         layer_s=per_layer("streamed"), resident_layer_s=per_layer("resident"),
+                         layers_timed=tuple(sorted(timed)), head_rows=tuple(head_rows),
+                         head_s=tuple(head[n] for n in head_rows))
 
 
 def measure_draft(path: str | os.PathLike, rounds: int = 5, kv_rows: int = KV_ROWS,
@@ -279,9 +283,10 @@ def measure(cfg, rounds: int = 5, passes: int = 3, n_reads: int = 32,
         f"timed one by one, weighted by each mix's share of layers; draft by Model.forward over all its layers; "
         f"heads by Model.logits; times from time.perf_counter"
     )
-    return Profile(cpu_model(), platform.platform(), compute_threads(),
-                   datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), method,
-                   lever_version(), flash, tgt, dft, (load_before, _load_avg()))
+    return Profile(device=cpu_model(), platform=platform.platform(), threads=compute_threads(),
+                   date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), method=method,
+                   lever_version=lever_version(), flash=flash, target=tgt, draft=dft,
+                   load_avg_1min=(load_before, _load_avg()))
 
 
 def _load_avg() -> float:

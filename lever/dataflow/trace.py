@@ -68,8 +68,8 @@ class Tracer:
             yield
         finally:
             if self.enabled:
-                s = Span(stage, what, start - self.t0, time.perf_counter() - self.t0, kind, n_bytes, batch,
-                         threading.get_ident())
+                s = Span(stage=stage, what=what, start_s=start - self.t0, end_s=time.perf_counter() - self.t0,
+                         kind=kind, n_bytes=n_bytes, batch=batch, thread=threading.get_ident())
                 with self._lock:
                     del self._open[id(key)]
                     self._add(s)
@@ -119,8 +119,9 @@ class Tracer:
         with self._lock:
             t = self._folded + _measure(self._pending, float("inf"))
             wall = self._last_s - self._first_s if self._pending or self._folded.stage_s else 0.0
-            return TraceSummary(t.stage_s, t.io_s, t.compute_s, t.overlap_s, self._read_bytes, max(wall, 0.0),
-                                t.pass_s, t.hidden_s)
+            return TraceSummary(stage_s=t.stage_s, io_s=t.io_s, compute_s=t.compute_s, overlap_s=t.overlap_s,
+                                read_bytes=self._read_bytes, wall_s=max(wall, 0.0), pass_stage_s=t.pass_s,
+                                hidden_s=t.hidden_s)
 
 
 @attrs.frozen

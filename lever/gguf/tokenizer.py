@@ -162,7 +162,8 @@ def _read_vocab(f: GGUFFile) -> _Vocab:
                 raise fail(f"tokens[{i}]", f"{shown(tokens[i], 40)!r} is a byte token but not named <0xHH>")
 
     ids, flags = _special_ids(meta, n, fail), _flags(meta, fail)
-    return _Vocab(path, meta["model"], meta.get("pre"), tokens, types, scores, meta.get("merges"), ids, flags)
+    return _Vocab(path=path, model=meta["model"], pre=meta.get("pre"), tokens=tokens, types=types, scores=scores,
+                  merges=meta.get("merges"), ids=ids, flags=flags)
 
 
 def _special_ids(meta: dict, n: int, fail) -> dict[str, int | None]:

@@ -99,8 +99,9 @@ class _Table:
         scores = scores if isinstance(scores, np.ndarray) and scores.dtype.kind in "fiu" and len(scores) == n else None
         merges = m.get("tokenizer.ggml.merges")
         model, pre = m.get("tokenizer.ggml.model"), m.get("tokenizer.ggml.pre")
-        return cls(str(f.path), model if isinstance(model, str) else None, pre if isinstance(pre, str) else None,
-                   tokens, types, scores, merges if isinstance(merges, list) else None, m)
+        return cls(path=str(f.path), model=model if isinstance(model, str) else None,
+                   pre=pre if isinstance(pre, str) else None, tokens=tokens, types=types, scores=scores,
+                   merges=merges if isinstance(merges, list) else None, meta=m)
 
     def special_id(self, key: str):
         """A special id as comparable: None for absent or "no such token" (-1 however stored);

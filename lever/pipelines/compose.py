@@ -125,10 +125,12 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(plan.flash.queue_depth), tracer)
     predictor = predictor_for(plan.pruning, target.model, plan.cost) if plan.pruning is not None else None
-    verify = PrunedVerify("verify", spec, target.embed,
-                          kv.target if kv is not None else KVCache(spec, plan.n_ctx + tree.max_nodes), target.resident,
-                          compute, predictor, tracer, request.observer, plan.runtime.emulate_layer_ms_per_token / 1e3,
-                          plan.placement.verify_fn)
+    verify = PrunedVerify(name="verify", spec=spec, embed=target.embed,
+                          cache=kv.target if kv is not None else KVCache(spec, plan.n_ctx + tree.max_nodes),
+                          resident=target.resident, slot=compute, predictor=predictor, tracer=tracer,
+                          observer=request.observer,
+                          emulate_layer_s_per_token=plan.runtime.emulate_layer_ms_per_token / 1e3,
+                          layer_fn=plan.placement.verify_fn)
     stops = AcceptConfig(gen.n_predict, plan.eos_ids, plan.n_ctx, full_lm_head=tree.growth.full_lm_head,
                          stop=request.text, logprobs=request.logprobs, constraint=constraint)
     accept = Accept("accept", stops, params, target.model.logits, tracer, diagnose=target.model.nonfinite_logits,
@@ -154,7 +156,8 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
         stage = Draft("draft", core, compute, tracer)
         p.connect(expand, "expand", stage, "expand", 1)
         p.connect(stage, "expansion", expand, "expansion", 1)
-    return Composition(p.build(), output, verify, accept, expand, stage, tracer, constraint)
+    return Composition(pipeline=p.build(), output=output, verify=verify, accept=accept, expand=expand, draft=stage,
+                       tracer=tracer, constraint=constraint)
 
 
 def _drafter(draft: Model | None, plan: RunPlan, *, spec, cache: KVCache | None, n_past: int,

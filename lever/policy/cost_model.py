@@ -149,8 +149,9 @@ class CostModel:
             bw, lat = emulated_read(fl.device_read_bytes_per_s, fl.device_small_read_s, flash)
         draft = {} if d is None else {"draft_batch": d.batch, "draft_forward_s": d.forward_s,
                                       "draft_head_rows": d.head_rows, "draft_head_s": d.head_s}
-        return cls(tuple(layer_read_bytes), bw, lat, flash.window_layers, t.tokens, t.layer_s, t.head_rows, t.head_s,
-                   source=source, resident_layer_s=t.resident_layer_s, **draft)
+        return cls(layer_read_bytes=tuple(layer_read_bytes), read_bytes_per_s=bw, read_latency_s=lat,
+                   window_layers=flash.window_layers, tokens=t.tokens, layer_s=t.layer_s, head_rows=t.head_rows,
+                   head_s=t.head_s, source=source, resident_layer_s=t.resident_layer_s, **draft)
 
     @classmethod
     def default(cls, target, flash: FlashConfig | None = None, draft=None, kv_rows: int = KV_ROWS, *,
@@ -177,9 +178,9 @@ class CostModel:
             n_draft = len(_layer_weight_bytes(df))
             tables = {"draft_batch": TOKEN_BUCKETS, "draft_forward_s": [n_draft * d_layer(n) for n in TOKEN_BUCKETS],
                       "draft_head_rows": HEAD_ROWS, "draft_head_s": [d_head(n) for n in HEAD_ROWS]}
-        return cls(layer_read_bytes(tf, flash, resident), bw, lat, flash.window_layers, TOKEN_BUCKETS,
-                   [layer(n) for n in TOKEN_BUCKETS], HEAD_ROWS, [head(n) for n in HEAD_ROWS], source="fallback",
-                   **tables)
+        return cls(layer_read_bytes=layer_read_bytes(tf, flash, resident), read_bytes_per_s=bw, read_latency_s=lat,
+                   window_layers=flash.window_layers, tokens=TOKEN_BUCKETS, layer_s=[layer(n) for n in TOKEN_BUCKETS],
+                   head_rows=HEAD_ROWS, head_s=[head(n) for n in HEAD_ROWS], source="fallback", **tables)
 
     def with_read_bytes_per_s(self, bytes_per_s: float) -> CostModel:
         """The same machine behind another flash bandwidth (what-if, e.g. a phone's UFS)."""

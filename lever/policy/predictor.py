@@ -358,5 +358,6 @@ def pruning_for(cfg: PredictorConfig, n_layer: int, artifact: Artifact | None = 
 
 def predictor_for(p: Pruning, model, cost=None) -> Predictor:
     """A run's predictor (its counters its own) over the target `model` (lever.model.transformer.Model)."""
-    return Predictor(p.layer, p.threshold, p.correction, model.output_norm, model.spec.rms_eps, model.output,
-                     p.max_prune_share, cost if p.cost_aware else None)
+    return Predictor(layer=p.layer, threshold=p.threshold, correction=p.correction, norm=model.output_norm,
+                     eps=model.spec.rms_eps, output=model.output, max_prune_share=p.max_prune_share,
+                     cost=cost if p.cost_aware else None)

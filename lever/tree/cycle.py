@@ -115,7 +115,8 @@ class TreeCycle:
                 n_predict: int | None = None, acceptance: AcceptanceTable | None = None, ahead_beside: bool = False,
                 committed: int = 0, greedy: bool = True, constraint: Constraint | None = None) -> TreeCycle:
         learner = TreeLearner.for_run(config, cost or FlatCost(), prompt, greedy=greedy, acceptance=acceptance)
-        return cls(config, list(prompt), learner, n_ctx, n_predict, ahead_beside, constraint, committed)
+        return cls(config=config, prompt=list(prompt), learner=learner, n_ctx=n_ctx, n_predict=n_predict,
+                   ahead_beside=ahead_beside, constraint=constraint, committed=committed)
 
     @property
     def idle_value(self) -> float:

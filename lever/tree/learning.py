@@ -83,7 +83,8 @@ class TreeLearner:
             lookup.extend(prompt)
             if config.growth.learns_acceptance:
                 tables = {x: AcceptanceTable(pooled_prior=FREE_PRIOR) for x in config.lookup_sources}
-        return cls(config, cost, greedy, acceptance, online, lookup, tables, fallback)
+        return cls(config=config, cost=cost, greedy=greedy, acceptance=acceptance, online=online, lookup=lookup,
+                   lookup_tables=tables, fallback=fallback)
 
     @property
     def prices_by_table(self) -> bool:

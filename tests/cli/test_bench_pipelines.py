@@ -32,7 +32,7 @@ def test_bench_runs_every_pipeline_at_every_budget_losslessly(stories, tmp_path)
     cfg.write_text(f'[model]\ntarget = "{stories}"\ndraft = "{stories}"\n[tree_expand]\nlookahead_nodes = 16\n')
     lines: list[str] = []
     tools = fake_llama_cpp(tmp_path / "bin")
-    res = bench_pipelines(str(cfg), ["Once upon a time"], 16, budgets=(0.0, 1.0), chain_ks=(2,),
+    res = bench_pipelines(str(cfg), ["Once upon a time"], n=16, budgets=(0.0, 1.0), chain_ks=(2,),
                           json_path=tmp_path / "b.json", plot_path=tmp_path / "b.png", out=lines.append,
                           progress=False, llama_cpp=str(tools), n_rounds=2)
     assert res["lossless_mismatches"] == []

@@ -37,7 +37,7 @@ def tree():
 
 def walk(choice, budget=100, eos=frozenset()):
     fn, calls = logits_choosing(choice)
-    return (*accept_tree(tree(), fn, SamplingParams(), np.random.default_rng(0), budget, eos), calls)
+    return (*accept_tree(tree(), fn, SamplingParams(), rng=np.random.default_rng(0), budget=budget, eos_ids=eos), calls)
 
 
 def test_the_likely_path_goes_in_one_batch():
@@ -140,8 +140,8 @@ def speculative_sample(rng, config, prune: bool = False, masked: bool = False) -
 
         alive = prune_by_scores(t, rng.random(t.n_nodes), 0.5, 1.0) if prune else None
         allowed = (lambda walked, at=prefix: grammar(at[1:] + tuple(walked))) if masked else None
-        toks, _, _ = accept_tree(t, logits_at, SamplingParams(temperature=1.0), rng, N_TOKENS - len(prefix) + 1,
-                                 frozenset(), alive, allowed=allowed)
+        toks, _, _ = accept_tree(t, logits_at, SamplingParams(temperature=1.0), rng=rng,
+                                 budget=N_TOKENS - len(prefix) + 1, eos_ids=frozenset(), alive=alive, allowed=allowed)
         prefix += tuple(toks)
     return prefix[1:]
 

@@ -96,14 +96,16 @@ def aggregate(runs: list[dict]) -> Row:
     cycles = [c for r in runs for c in r["tree"]["cycles"]]
     cycle_ms = lambda key: 1000 * sum(c[key] for c in cycles) / len(cycles) if cycles else 0.0  # noqa: E731
     per_cycle = lambda key: sum(c[key] for c in cycles) / len(cycles) if cycles else 0.0  # noqa: E731
-    return Row(1000 * sum(r["timing"]["decode_s"] for r in runs) / max(n_tok, 1), mean("tree", "accepted_per_pass"),
-               mean("tree", "mean_nodes"), sum(r["flash"]["read_bytes"] for r in runs) / max(n_tok, 1) / 1e6,
-               mean("timing", "draft_hidden_share"), mean("tree", "lookahead_hit_share"), tuple(layers),
-               runs[0]["tree"]["prune_layer"],
-               1000 * sum(r["timing"]["decode_cpu_s"] for r in runs) / max(n_tok, 1),
-               mean("timing", "flash_busy_share"),
-               cycle_ms("predicted_s"), cycle_ms("measured_s"), per_cycle("predicted_tokens"), per_cycle("tokens"),
-               tuple(ms_per_token(r) for r in runs))
+    return Row(ms_per_token=1000 * sum(r["timing"]["decode_s"] for r in runs) / max(n_tok, 1),
+               accepted_per_pass=mean("tree", "accepted_per_pass"), tree_nodes=mean("tree", "mean_nodes"),
+               flash_mb_per_token=sum(r["flash"]["read_bytes"] for r in runs) / max(n_tok, 1) / 1e6,
+               draft_hidden_share=mean("timing", "draft_hidden_share"),
+               lookahead_hit_share=mean("tree", "lookahead_hit_share"), layer_tokens_per_pass=tuple(layers),
+               prune_layer=runs[0]["tree"]["prune_layer"],
+               cpu_ms_per_token=1000 * sum(r["timing"]["decode_cpu_s"] for r in runs) / max(n_tok, 1),
+               flash_busy_share=mean("timing", "flash_busy_share"), predicted_cycle_ms=cycle_ms("predicted_s"),
+               measured_cycle_ms=cycle_ms("measured_s"), predicted_tokens_per_cycle=per_cycle("predicted_tokens"),
+               measured_tokens_per_cycle=per_cycle("tokens"), runs_ms_per_token=tuple(ms_per_token(r) for r in runs))
 
 
 def ms_per_token(run: dict) -> float:
@@ -135,7 +137,7 @@ def best_chain(rows: dict[str, Row]) -> str:
     return min((k for k in rows if k.startswith("chain")), key=lambda k: rows[k].ms_per_token)
 
 
-def bench_pipelines(config: str, prompts: list[str], n: int, budgets=DEFAULT_BUDGETS, chain_ks=DEFAULT_CHAIN_KS,
+def bench_pipelines(config: str, prompts: list[str], *, n: int, budgets=DEFAULT_BUDGETS, chain_ks=DEFAULT_CHAIN_KS,
                     sets: list[str] = (), json_path=None, plot_path=None, out=print, progress: bool = True,
                     pruning: bool = False, llama_cpp: str | None = None, n_rounds: int = 1,
                     run_args: Sequence[str] = (), llama_cpp_args: Sequence[str] = ()) -> dict:
@@ -363,7 +365,8 @@ def llama_cpp_flags(args) -> list[str]:
 def main(args) -> int:
     budgets, chain_ks = check_args(args)
     prompts = read_prompts(args.prompts or shipped("prompts", "code.txt"))
-    bench_pipelines(str(args.config), prompts, args.n_gen, budgets, chain_ks, args.set, args.json,
-                    args.plot, pruning=args.pruning, llama_cpp=args.llama_cpp, n_rounds=args.rounds,
-                    run_args=constraint_flags(args), llama_cpp_args=llama_cpp_flags(args) if args.llama_cpp else [])
+    bench_pipelines(str(args.config), prompts, n=args.n_gen, budgets=budgets, chain_ks=chain_ks, sets=args.set,
+                    json_path=args.json, plot_path=args.plot, pruning=args.pruning, llama_cpp=args.llama_cpp,
+                    n_rounds=args.rounds, run_args=constraint_flags(args),
+                    llama_cpp_args=llama_cpp_flags(args) if args.llama_cpp else [])
     return 0
