@@ -90,7 +90,7 @@ def layer_read_bytes(target, flash: FlashConfig, resident: frozenset[int] | None
                  for i, e in enumerate(extents))
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)  # many numbers of one type: by name, never by place
 class CostModel:
     """Latencies of one configuration (a target with its residency plan, its flash, a draft).
 

@@ -43,7 +43,7 @@ def _check_table(where: str, xs: tuple, ys: tuple) -> None:
         raise ValueError(f"{where}: timings must be >= 0, got {ys}")
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)  # many numbers of one type: by name, never by place
 class FlashProfile:
     """The target's flash as configured (first five fields, FlashConfig's names) and as measured.
 
@@ -64,7 +64,7 @@ class FlashProfile:
     device_small_read_s: float
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class TargetProfile:
     """The target: one layer's compute at token-count buckets, streamed (GGUF's row layout, as
     a staging buffer holds it) and resident (packed into the tile layout at load, which the
@@ -104,7 +104,7 @@ class DraftProfile:
         _check_table("draft head_s", self.head_rows, self.head_s)
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Profile:
     device: str  # CPU model
     platform: str

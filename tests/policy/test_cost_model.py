@@ -29,14 +29,17 @@ def resident_layer_s(n: float) -> float:
 def make_profile(bw=1.5e9, cap=0.0, latency_ms=0.0, target_id=None, draft_id=None, layer_table=None,
                  resident_table=None) -> Profile:
     fid = ModelIdentity("t.gguf", 1, "0" * 64)
-    flash = FlashProfile("direct", 4, 2 * 2**20, cap, latency_ms, N_LAYER * LAYER_BYTES, bw, 1e-4, 2e-3, 2 * bw, 5e-5)
-    target = TargetProfile(target_id or fid, N_LAYER, 256, TOKEN_BUCKETS,
-                           layer_table or tuple(layer_s(n) for n in TOKEN_BUCKETS),
-                           resident_table or layer_table or tuple(layer_s(n) for n in TOKEN_BUCKETS), (0, 1),
-                           HEAD_ROWS, tuple(0.02 + 0.002 * n for n in HEAD_ROWS))
+    flash = FlashProfile(mode="direct", queue_depth=4, chunk_bytes=2 * 2**20, bandwidth_cap_bytes_per_s=cap,
+                         read_latency_ms=latency_ms, pass_bytes=N_LAYER * LAYER_BYTES, read_bytes_per_s=bw,
+                         small_read_s=1e-4, chunk_read_s=2e-3, device_read_bytes_per_s=2 * bw, device_small_read_s=5e-5)
+    target = TargetProfile(model=target_id or fid, n_layer=N_LAYER, kv_rows=256, tokens=TOKEN_BUCKETS,
+                           layer_s=layer_table or tuple(layer_s(n) for n in TOKEN_BUCKETS),
+                           resident_layer_s=resident_table or layer_table or tuple(layer_s(n) for n in TOKEN_BUCKETS),
+                           layers_timed=(0, 1), head_rows=HEAD_ROWS, head_s=tuple(0.02 + 0.002 * n for n in HEAD_ROWS))
     draft = DraftProfile(draft_id or fid, 24, 256, TOKEN_BUCKETS, tuple(0.05 + 0.002 * n for n in TOKEN_BUCKETS),
                          HEAD_ROWS, tuple(0.01 + 0.001 * n for n in HEAD_ROWS))
-    return Profile("cpu", "linux", 2, "2026-01-01T00:00:00+00:00", "synthetic", "0.1.0", flash, target, draft)
+    return Profile(device="cpu", platform="linux", threads=2, date="2026-01-01T00:00:00+00:00", method="synthetic",
+                   lever_version="0.1.0", flash=flash, target=target, draft=draft)
 
 
 def model(bw=1.5e9, resident=(), **kw) -> CostModel:
@@ -143,7 +146,8 @@ def test_bad_sizes_are_one_line_errors():
         SLOW.draft_s(-1)
     with pytest.raises(LeverError, match="3 layers given, the profiled target has 28"):
         CostModel.from_profile(make_profile(), [1, 2, 3])
-    no_draft = CostModel(SLOW.layer_read_bytes, 1e9, 0.0, 3, (1,), (1e-3,), (1,), (1e-3,), source="x")
+    no_draft = CostModel(layer_read_bytes=SLOW.layer_read_bytes, read_bytes_per_s=1e9, read_latency_s=0.0,
+                         window_layers=3, tokens=(1,), layer_s=(1e-3,), head_rows=(1,), head_s=(1e-3,), source="x")
     with pytest.raises(LeverError, match="no draft model"):
         no_draft.draft_s(1)
 

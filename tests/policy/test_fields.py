@@ -83,12 +83,17 @@ def _identity(path) -> ModelIdentity:
 
 def _profile(tmp_path) -> Profile:
     n = len(TOKEN_BUCKETS)
-    fl = FlashProfile("direct", 4, 1 << 20, 0.0, 0.0, 10 << 20, 2e9, 1e-4, 5e-4, 2e9, 1e-4)
-    t = TargetProfile(_identity(tmp_path / "t.gguf"), 4, 256, TOKEN_BUCKETS, tuple(1e-3 * (i + 1) for i in range(n)),
-                      tuple(5e-4 * (i + 1) for i in range(n)), (0, 2), HEAD_ROWS, (1e-4, 2e-4, 1e-3))
+    fl = FlashProfile(mode="direct", queue_depth=4, chunk_bytes=1 << 20, bandwidth_cap_bytes_per_s=0.0,
+                      read_latency_ms=0.0, pass_bytes=10 << 20, read_bytes_per_s=2e9, small_read_s=1e-4,
+                      chunk_read_s=5e-4, device_read_bytes_per_s=2e9, device_small_read_s=1e-4)
+    t = TargetProfile(model=_identity(tmp_path / "t.gguf"), n_layer=4, kv_rows=256, tokens=TOKEN_BUCKETS,
+                      layer_s=tuple(1e-3 * (i + 1) for i in range(n)),
+                      resident_layer_s=tuple(5e-4 * (i + 1) for i in range(n)), layers_timed=(0, 2),
+                      head_rows=HEAD_ROWS, head_s=(1e-4, 2e-4, 1e-3))
     d = DraftProfile(_identity(tmp_path / "d.gguf"), 2, 256, TOKEN_BUCKETS, tuple(1e-3 for _ in range(n)), HEAD_ROWS,
                      (1e-5, 2e-5, 1e-4))
-    return Profile("cpu", "linux", 2, "2026-01-01T00:00:00Z", "test", "0", fl, t, d, (0.5, 0.7))
+    return Profile(device="cpu", platform="linux", threads=2, date="2026-01-01T00:00:00Z", method="test",
+                   lever_version="0", flash=fl, target=t, draft=d, load_avg_1min=(0.5, 0.7))
 
 
 def _use_profile(p: Profile) -> None:

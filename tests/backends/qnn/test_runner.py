@@ -87,7 +87,7 @@ def tree_case(model: Model, n_past: int = 9, seed: int = 0):
     return x, pos, mask, rows, cache
 
 
-def run_both(model: Model, runner: qnn.QnnLayerRunner, layer: int, x, pos, mask, rows, cache):
+def run_both(model: Model, runner: qnn.QnnLayerRunner, layer: int, *, x, pos, mask, rows, cache):
     """(cpu hidden, cpu cache, qnn hidden, qnn cache) for one layer call on copies of cache."""
     c_cpu, c_qnn = copy_cache(model, cache), copy_cache(model, cache)
     spec, lw = model.spec, model.layers[layer]
@@ -162,7 +162,7 @@ def test_layer_parity_tree_mask_gqa(tiny_model, arch, precision):
     runner = make_runner(model.spec, precision)
     x, pos, mask, rows, cache = tree_case(model)
     for layer in range(model.spec.n_layer):
-        ref, c_cpu, got, c_qnn = run_both(model, runner, layer, x, pos, mask, rows, cache)
+        ref, c_cpu, got, c_qnn = run_both(model, runner, layer, x=x, pos=pos, mask=mask, rows=rows, cache=cache)
         assert got.dtype == np.float32 and got.shape == ref.shape
         assert rel_err(got, ref) < HIDDEN_TOL[precision]
         assert rel_err(c_qnn.k[layer][rows], c_cpu.k[layer][rows]) < KV_TOL[precision]
@@ -178,7 +178,8 @@ def test_fp16_rmsnorm_survives_large_activations(tiny_model):
     model = Model(tiny_model("qwen2", "F32", n_layer=1))
     x, pos, mask, rows, cache = tree_case(model)
     x = x * (1000.0 / np.abs(x).max())
-    ref, _, got, _ = run_both(model, make_runner(model.spec, "fp16"), 0, x, pos, mask, rows, cache)
+    ref, _, got, _ = run_both(model, make_runner(model.spec, "fp16"), 0, x=x, pos=pos, mask=mask, rows=rows,
+                              cache=cache)
     # the layer's change, not x + change, which the large x would hide
     assert np.isfinite(got).all() and rel_err(got - x, ref - x) < HIDDEN_TOL["fp16"]
 
@@ -211,7 +212,7 @@ def test_layer_parity_quantized_weights(tiny_model):
     model = Model(tiny_model("qwen2", "Q8_0", n_layer=1))
     runner = make_runner(model.spec, "fp32")
     x, pos, mask, rows, cache = tree_case(model)
-    ref, _, got, _ = run_both(model, runner, 0, x, pos, mask, rows, cache)
+    ref, _, got, _ = run_both(model, runner, 0, x=x, pos=pos, mask=mask, rows=rows, cache=cache)
     assert rel_err(got, ref) < QUANT_HIDDEN_TOL
 
 
@@ -230,11 +231,11 @@ def test_rows_as_index_array_and_unseen_rows(tiny_model):
     mask[2, [6, 8]] = True  # row 8 is stale but visible: read from the cache as it is
     x = model.embed(rng.integers(0, 300, 3))
     pos = np.array([7, 6, 6])
-    ref, c_cpu, got, c_qnn = run_both(model, runner, 0, x, pos, mask, rows, cache)
+    ref, c_cpu, got, c_qnn = run_both(model, runner, 0, x=x, pos=pos, mask=mask, rows=rows, cache=cache)
     assert rel_err(got, ref) < HIDDEN_TOL["fp32"]
     assert rel_err(c_qnn.k[0][rows], c_cpu.k[0][rows]) < KV_TOL["fp32"]
     blind = np.zeros_like(mask)  # no visible row at all
-    ref, _, got, _ = run_both(model, runner, 0, x, pos, blind, rows, cache)
+    ref, _, got, _ = run_both(model, runner, 0, x=x, pos=pos, mask=blind, rows=rows, cache=cache)
     assert rel_err(got, ref) < HIDDEN_TOL["fp32"]
 
 
@@ -244,7 +245,8 @@ def test_more_tokens_than_the_largest_bucket_run_in_chunks(tiny_model):
     cache = prefilled(model, np.arange(3))
     rows = cache.reserve(10)
     x = model.embed(np.arange(10, 20))
-    ref, _, got, _ = run_both(model, runner, 0, x, np.arange(3, 13), causal_mask(3, 10), rows, cache)
+    ref, _, got, _ = run_both(model, runner, 0, x=x, pos=np.arange(3, 13), mask=causal_mask(3, 10), rows=rows,
+                              cache=cache)
     assert rel_err(got, ref) < HIDDEN_TOL["fp32"]
     assert runner.padding.calls == 3 and runner.padding.tok_rows_computed == 12
     anti = causal_mask(3, 10)
