@@ -68,9 +68,9 @@ def kind(r: httpx.Response) -> str:
     return f"{r.status_code} {r.headers.get('content-type', '').split(';')[0]}"
 
 
-def main(launcher: list[str]) -> None:
+def big_bodies(s: Server) -> dict[str, str]:
+    """A 3.5 MB prompt beside /health, a declared 500 MB body, JSON nested 50,000 deep."""
     rows = {}
-    s = Server(launcher, TEMPLATE)
     big, out = json.dumps({"prompt": "x = 1\n" * 500_000, "max_tokens": 4}).encode(), {}
 
     def send_big():
@@ -95,6 +95,12 @@ def main(launcher: list[str]) -> None:
             rows["declared 500 MB body"] = "no answer in 5 s (reading the body)"
     rows["JSON nested 50,000 deep"] = kind(s.post("/v1/completions", b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000
                                                   + b"}"))
+    return rows
+
+
+def odd_requests(s: Server) -> dict[str, str]:
+    """Requests a browser, a forger or an impatient client sends, and what the server leaves behind."""
+    rows = {}
     rows["404"] = kind(httpx.get(s.url + "/nope"))
     rows["echo: true"] = kind(s.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "echo": True}))
     rows["text/plain POST (a cross-site form)"] = kind(s.post("/v1/completions", {"prompt": "x", "max_tokens": 2},
@@ -118,7 +124,12 @@ def main(launcher: list[str]) -> None:
         time.sleep(1)
     s.stop()
     rows["tracebacks after 3 clients left the queue"] = str(s.tracebacks())
+    return rows
 
+
+def bad_templates(launcher: list[str]) -> dict[str, str]:
+    """A chat template that raises, and one that never ends: /health and SIGTERM beside it."""
+    rows, out = {}, {}
     s = Server(launcher, RAISING)
     rows["a template raising TypeError"] = kind(s.post("/v1/chat/completions", {"messages": [{"role": "user",
                                                                                               "content": "x"}]}))
@@ -144,6 +155,13 @@ def main(launcher: list[str]) -> None:
     rows["SIGTERM during an endless render"] = s.stop(signal.SIGTERM, 15)
     t.join(30)
     rows["that chat's client got"] = str(out.get("chat"))
+    return rows
+
+
+def main(launcher: list[str]) -> None:
+    s = Server(launcher, TEMPLATE)
+    rows = big_bodies(s) | odd_requests(s)
+    rows |= bad_templates(launcher)
     for k, v in rows.items():
         print(f"{k}: {v}")
 

@@ -305,6 +305,30 @@ def val_loss(model: Transformer, windows: torch.Tensor, batch: int) -> float:
     return total / windows[:, 1:].numel()
 
 
+def optimizer(model: Transformer, sched: Schedule) -> torch.optim.AdamW:
+    """AdamW, weight decay on the matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": sched.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=sched.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train_step(model: Transformer, opt: torch.optim.AdamW, xy: torch.Tensor, lr: float) -> float:
+    """One optimizer step on windows xy (batch, n_ctx + 1); the batch's loss."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    # bf16 matmuls with float32 master weights: several times the float32 rate on CPUs with
+    # AVX512-BF16, and still deterministic on one thread.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(xy[:, :-1])
+    loss = F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
 def train(name: str, a: Arch, sched: Schedule, stream: np.ndarray, val: torch.Tensor, seed: int,
           log_every: int, eval_every: int, partial: Path | None = None, key: dict | None = None,
           save_every: int = 100) -> tuple[Transformer, dict]:
@@ -313,10 +337,7 @@ def train(name: str, a: Arch, sched: Schedule, stream: np.ndarray, val: torch.Te
     gen = torch.Generator().manual_seed(seed)
     model = Transformer(a)
     model.init_weights(gen)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": sched.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=sched.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = optimizer(model, sched)
     rng = np.random.default_rng(seed)
     n_ctx = a.n_ctx
     print(f"[{name}] {a.n_params() / 1e6:.2f}M parameters, {asdict(a)}; {sched.steps} steps of "
@@ -335,19 +356,8 @@ def train(name: str, a: Arch, sched: Schedule, stream: np.ndarray, val: torch.Te
         # Random windows over the whole stream (they may span a file boundary, marked by EOT).
         starts = rng.integers(0, stream.size - n_ctx - 1, sched.batch)
         xy = torch.from_numpy(np.stack([stream[s : s + n_ctx + 1] for s in starts]).astype(np.int64))
-        for g in opt.param_groups:
-            g["lr"] = sched.lr_at(step)
-        # bf16 matmuls with float32 master weights: several times the float32 rate on CPUs with
-        # AVX512-BF16, and still deterministic on one thread.
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(xy[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        run_loss += train_step(model, opt, xy, sched.lr_at(step))
         seen += xy[:, 1:].numel()
-        run_loss += loss.item()
         run_n += 1
         last = step == sched.steps - 1
         if (step + 1) % log_every == 0 or last:
@@ -485,14 +495,8 @@ def arch_of(spec: str, vocab: int, ctx: int) -> Arch:
     return Arch(d, n_layer, n_head, n_kv, n_ff, vocab, ctx)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    native.n_threads_default = args.threads
-    torch.manual_seed(args.seed)
-    t_start = time.perf_counter()
-    args.out.mkdir(parents=True, exist_ok=True)
-
+def corpus(args) -> tuple[list, list, list[str], list[str]]:
+    """(train files, held-out files, their texts): this Python's standard library, split by file."""
     files = stdlib_files()
     if args.max_files:
         files = files[: args.max_files]
@@ -505,7 +509,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"corpus: {sys.version.split()[0]} stdlib, {len(train_files)} train files "
           f"({sum(map(len, train_texts)) / 1e6:.2f}M chars), {len(val_files)} held out "
           f"({sum(map(len, val_texts)) / 1e6:.2f}M chars)", flush=True)
+    return train_files, val_files, train_texts, val_texts
 
+
+def tokenize(args, train_texts: list[str], val_texts: list[str]) -> tuple[dict, np.ndarray, np.ndarray]:
+    """(the tokenizer's GGUF metadata, the training stream, the held-out stream), Lever's
+    tokenizer checked against the trained one on the held-out text."""
     t0 = time.perf_counter()
     hf = train_tokenizer(train_texts, args.vocab)
     meta = tokenizer_metadata(hf)
@@ -517,12 +526,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"tokenizer: {len(meta['tokens'])} tokens, {len(meta['merges'])} merges, pre '{PRE}'; "
           f"{train_stream.size} train / {val_stream.size} held-out tokens; Lever's tokenizer gives the "
           f"same ids on all {n_checked} held-out tokens ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return meta, train_stream, val_stream
 
-    n_vocab = len(meta["tokens"])
-    ta, da = arch_of(args.target, n_vocab, args.ctx), arch_of(args.draft, n_vocab, args.ctx)
-    if ta.n_params() < 8 * da.n_params():
-        print(f"warning: target/draft parameter ratio {ta.n_params() / da.n_params():.1f} is under 8", flush=True)
-    val = val_windows(val_stream, args.ctx, args.val_windows)
+
+def train_both(args, ta: Arch, da: Arch, train_stream: np.ndarray, val: torch.Tensor) -> dict:
+    """{"target": (model, info), "draft": (model, info)}, each from its checkpoint when one matches."""
     common = {"val": val, "log_every": args.log_every, "eval_every": args.eval_every}
     runs = {"target": (ta, Schedule(args.target_steps, args.batch, args.target_lr, args.warmup), args.seed),
             "draft": (da, Schedule(args.draft_steps, args.batch, args.draft_lr, args.warmup), args.seed + 1)}
@@ -545,6 +553,23 @@ def main(argv: list[str] | None = None) -> dict:
         if ckpt:
             torch.save({"key": key, "state": model.state_dict(), "info": info}, ckpt)
             partial.unlink(missing_ok=True)
+    return trained
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    native.n_threads_default = args.threads
+    torch.manual_seed(args.seed)
+    t_start = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    train_files, val_files, train_texts, val_texts = corpus(args)
+    meta, train_stream, val_stream = tokenize(args, train_texts, val_texts)
+    n_vocab = len(meta["tokens"])
+    ta, da = arch_of(args.target, n_vocab, args.ctx), arch_of(args.draft, n_vocab, args.ctx)
+    if ta.n_params() < 8 * da.n_params():
+        print(f"warning: target/draft parameter ratio {ta.n_params() / da.n_params():.1f} is under 8", flush=True)
+    trained = train_both(args, ta, da, train_stream, val_windows(val_stream, args.ctx, args.val_windows))
     (target, t_info), (draft, d_info) = trained["target"], trained["draft"]
 
     t_path = args.out / f"stdlib-target-{args.target_type.lower()}.gguf"

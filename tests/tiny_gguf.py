@@ -57,16 +57,8 @@ def encode_weight(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[
     return gguf.quants.quantize(w.astype(np.float32), t), t
 
 
-def write_tiny_model(path: Path, arch: str = "llama", wtype: str = "F32", *, n_layer: int = 2,
-                     n_embd: int = 64, n_ff: int = 128, n_head: int = 4, n_head_kv: int = 2,
-                     head_dim: int | None = None, n_vocab: int = 300, tied: bool = False,
-                     embd_type: str | None = None, seed: int = 0, n_ctx: int = 256) -> Path:
-    if wtype in K_QUANTS:
-        n_embd, n_ff = max(n_embd, 256), max(n_ff, 256)
-    rng = np.random.default_rng(seed)
-    head_dim = head_dim or n_embd // n_head
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{arch}-{wtype}")
+def _add_shape(w: gguf.GGUFWriter, arch: str, *, n_layer: int, n_ctx: int, n_embd: int, n_ff: int, n_head: int,
+               n_head_kv: int, head_dim: int) -> None:
     w.add_block_count(n_layer)
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
@@ -79,6 +71,20 @@ def write_tiny_model(path: Path, arch: str = "llama", wtype: str = "F32", *, n_l
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0 if arch == "llama" else 1000000.0)
     w.add_layer_norm_rms_eps(1e-6)
+
+
+def write_tiny_model(path: Path, arch: str = "llama", wtype: str = "F32", *, n_layer: int = 2,
+                     n_embd: int = 64, n_ff: int = 128, n_head: int = 4, n_head_kv: int = 2,
+                     head_dim: int | None = None, n_vocab: int = 300, tied: bool = False,
+                     embd_type: str | None = None, seed: int = 0, n_ctx: int = 256) -> Path:
+    if wtype in K_QUANTS:
+        n_embd, n_ff = max(n_embd, 256), max(n_ff, 256)
+    rng = np.random.default_rng(seed)
+    head_dim = head_dim or n_embd // n_head
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}-{wtype}")
+    _add_shape(w, arch, n_layer=n_layer, n_ctx=n_ctx, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+               head_dim=head_dim)
     _add_byte_tokenizer(w, n_vocab)
 
     def mat(name, n_out, n_in, qtype=wtype, scale=None):
