@@ -8,8 +8,9 @@ prefix the caches already hold is not prefilled again; a server's clients keep t
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 
@@ -19,13 +20,25 @@ from lever.gguf.chat_template import check_messages
 from lever.gguf.identity import ModelIdentity
 from lever.pipelines import saved_session
 from lever.pipelines.compose import KVState
+from lever.pipelines.engine import Engine
 from lever.pipelines.prefix_cache import MIN_REUSE_TOKENS, KVSnapshot, PrefixCache, shared
 from lever.pipelines.result import RunResult
 from lever.pipelines.text import TextStream
 from lever.pipelines.watch import RunWatch
 
-if TYPE_CHECKING:
-    from lever.api.llm import LLM
+
+class Runner(Protocol):
+    """What a session needs of the LLM that opened it (lever.api.llm.LLM, one floor of the same
+    unit: a session is made by it and runs through it, so the type is said here)."""
+
+    engine: Engine
+    lock: threading.Lock  # one generation at a time; saving or loading a session holds it too
+
+    def prepare(self, prompt: str | None = None, **args) -> Call: ...
+
+    def run(self, call: Call, *, session: Session | None = None) -> Completion: ...
+
+    def stream_call(self, call: Call, *, session: Session | None = None) -> Iterator[Chunk]: ...
 
 
 @attrs.define
@@ -36,7 +49,7 @@ class Session:
     dropping messages (`rewind`) just makes that prefix shorter. The caches live as long as the
     session: one pair, the size the memory plan gives a run."""
 
-    llm: LLM
+    llm: Runner
     messages: list[dict] = attrs.field(factory=list)  # the conversation so far, replies included
     ids: list[int] = attrs.field(factory=list)  # the text both caches hold, token by token
     kv: KVState | None = None
@@ -122,12 +135,12 @@ class Session:
 
     def save(self, path: str | os.PathLike) -> None:
         """The conversation and the caches' rows, to msgpack (lever.pipelines.saved_session)."""
-        with self.llm._lock:
+        with self.llm.lock:
             saved_session.write(path, messages=self.messages, ids=self.ids, kv=self.kv, **self._identities())
 
     def load(self, path: str | os.PathLike) -> None:
         """A saved session of the same model pair: its conversation goes on from its caches."""
-        with self.llm._lock:
+        with self.llm.lock:
             kv = self.llm.engine.new_kv()
             messages, ids = saved_session.read(path, kv=kv, n_vocab=self.llm.engine.plan.spec.n_vocab,
                                                **self._identities())

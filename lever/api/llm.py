@@ -92,7 +92,7 @@ class LLM:
     config: Config
     engine: Engine
     chat_template_text: str | None = None
-    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    lock: threading.Lock = attrs.field(factory=threading.Lock)  # one generation at a time (sessions' save, load)
     _template: ChatTemplate | None = None
     grammars: GrammarCache = attrs.field(init=False)  # compiled grammars, bounded by bytes (lever.model.grammar_cache)
     watch: Watch | None = None  # sees every generation's cycles as they run (a live page: lever.pipelines.watch)
@@ -107,7 +107,7 @@ class LLM:
     @property
     def busy(self) -> bool:
         """A generation is running (the others wait on the lock)."""
-        return self._lock.locked()
+        return self.lock.locked()
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -225,7 +225,7 @@ class LLM:
         who sees its cycles (a live page's; default this LLM's `watch`)."""
         text = TextStream(self.engine.tok, call.stop, on_text, frozenset(self.engine.tok.eos_ids), call.cancel,
                           grammar=call.grammar, offered=Offer(call.tools).names if call.tools else None)
-        with self._lock:
+        with self.lock:
             if call.cancel.is_set():  # its caller left while it waited
                 raise Cancelled("the generation was cancelled before it started")
             watch = watch or self.watch
@@ -281,7 +281,7 @@ class LLM:
 
     def close(self) -> None:
         self.grammars.close()  # a compile under way (a server's request thread) fails at once
-        with self._lock:
+        with self.lock:
             self.engine.close()
 
     def __enter__(self) -> LLM:
