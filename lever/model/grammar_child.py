@@ -38,6 +38,7 @@ import attrs
 DATA_LIMIT_BYTES = 512 << 20  # what a compile may allocate beyond the child's start
 TIMEOUT_S = 3.0  # a compile's time bound (bounded grammars compile in under 0.5 s here)
 START_TIMEOUT_S = 30.0
+EXIT_WAIT_S = 10.0  # a child whose pipe closed is reaped within this
 
 
 def child_bytes(n_vocab: int) -> int:
@@ -79,11 +80,11 @@ class CompileProcess:
                 proc.stdin.write(request)
                 proc.stdin.flush()
                 line = _read_line(proc, time.monotonic() + timeout_s)
-            except (OSError, ValueError):
-                line = None
-            if line is None:  # past its time, or the child died (its memory bound, a crash, close())
-                timed_out = proc.poll() is None
-                code = proc.returncode
+            except (OSError, ValueError):  # its pipe is gone: so is the child
+                line = b""
+            if not line:  # past its time (None), or the child died (b"": its memory bound, a crash, close())
+                timed_out = line is None
+                code = proc.poll() if timed_out else _exit_code(proc)
                 self._kill()
                 if self._closed:
                     raise CompileRefused("the grammar compiler is closed (the server is stopping)")
@@ -144,8 +145,17 @@ class CompileProcess:
                     pass
 
 
+def _exit_code(proc: subprocess.Popen) -> int | None:
+    """A child whose output ended: its exit code (it closes its pipe a moment before it can be
+    reaped; on a busy machine that moment is long enough for poll() to say "running")."""
+    try:
+        return proc.wait(timeout=EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def _read_line(proc: subprocess.Popen, deadline: float) -> bytes | None:
-    """One line from the child by `deadline`, or None (late, or the child is gone)."""
+    """One line from the child by `deadline`; None when late, b"" when the child is gone."""
     fd, buf = proc.stdout.fileno(), bytearray()
     while True:
         left = deadline - time.monotonic()
@@ -153,7 +163,7 @@ def _read_line(proc: subprocess.Popen, deadline: float) -> bytes | None:
             return None
         chunk = os.read(fd, 1 << 16)
         if not chunk:
-            return None
+            return b""
         buf += chunk
         if buf.endswith(b"\n"):
             return bytes(buf)
