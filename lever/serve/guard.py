@@ -19,6 +19,8 @@ Refusals are OpenAI-style JSON errors, as the routes' own are.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -64,16 +66,29 @@ class Access:
         return origin in self.allowed_origins or "*" in self.allowed_origins
 
     def client_key(self, authorization: str) -> str | None:
-        """The key a request presents, if it is one of ours (compared in constant time)."""
+        """The key a request presents, if it is one of ours, compared in constant time: every key
+        is compared, and as SHA-256 digests of one length (hmac.compare_digest returns at once on
+        inputs of different lengths, which would tell a key's length)."""
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token:
             return None
-        token = token.strip()
+        # the header's own bytes (Guard decodes headers as Latin-1, which maps every byte and back),
+        # less HTTP's spaces and tabs (str.strip would also take U+00A0 and \x1c-\x1f)
+        presented = _digest(token.encode("latin-1", errors="replace").strip(b" \t"))
         found = None
-        for k in self.api_keys:  # every key compared, so the time says nothing of which matched
-            if hmac.compare_digest(k.encode(), token.encode()):
+        for k, digest in zip(self.api_keys, self._key_digests, strict=True):
+            if hmac.compare_digest(digest, presented):  # no early exit: the time says nothing of which matched
                 found = k
         return found
+
+    @functools.cached_property
+    def _key_digests(self) -> tuple[bytes, ...]:
+        # lever.cli.serve admits printable ASCII keys only; UTF-8 so any other key is compared, not raised on
+        return tuple(_digest(k.encode("utf-8", errors="replace")) for k in self.api_keys)
+
+
+def _digest(b: bytes) -> bytes:
+    return hashlib.sha256(b).digest()
 
 
 @attrs.define

@@ -1,15 +1,24 @@
 """lever.serve.guard: Host, Origin, content type and keys checked before any route, refusals as
-OpenAI-style JSON; a route behind it sees the key the request presented."""
+OpenAI-style JSON; a route behind it sees the key the request presented. Whatever bytes a client
+puts in those headers get an answer or a JSON refusal, never an error, and keys are compared in
+constant time."""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from lever.serve import guard
 from lever.serve.guard import Access, Guard
 
 
@@ -70,3 +79,93 @@ def test_allowed_origins_admit_a_named_page_and_let_it_read_the_answer():
     r = c.post("/v1/x", headers={"Origin": "http://localhost:3001", "Authorization": "Bearer k"}, json={})
     assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
     assert c.options("/v1/x", headers={"Origin": "http://localhost:3001"}).status_code == 403
+
+
+KEYS = ("k-one", "k-two-longer", "K3")
+ASCII_KEYS = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=256)
+ANSWERS = {200, 204, 401, 403, 415, 421}  # the route's, a preflight's, and each refusal's
+
+
+def ask(access: Access, headers: list[tuple[bytes, bytes]], *, method: str = "GET") -> tuple[int, dict]:
+    """One request straight through the ASGI app, headers as raw bytes (no client library to
+    check them first): the status and the JSON body."""
+    app = Guard(Starlette(routes=[Route("/v1/x", echo, methods=["GET", "POST", "OPTIONS"])]), access)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": "/v1/x", "raw_path": b"/v1/x", "query_string": b"", "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8080)}
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body) if body else {}
+
+
+def presents(raw: bytes) -> bytes | None:
+    """The token an Authorization header's bytes present, as HTTP reads it: `Bearer` (any case),
+    one space, the token less spaces and tabs around it."""
+    scheme, _, token = raw.partition(b" ")
+    return token.strip(b" \t") if scheme.lower() == b"bearer" and token else None
+
+
+@settings(max_examples=500, derandomize=True, deadline=None, database=None)
+@given(raw=st.one_of(
+    st.binary(max_size=40),
+    st.builds(lambda scheme, pad, key, tail: scheme + b" " + pad + key.encode() + tail,
+              st.sampled_from([b"Bearer", b"bearer", b"BEARER", b"Basic", b"Bearer\t"]),
+              st.sampled_from([b"", b" ", b"\t", b"\xa0", b"\x1c"]), st.sampled_from(KEYS),
+              st.one_of(st.just(b""), st.binary(max_size=3)))))
+def test_any_authorization_bytes_get_200_or_401_never_an_error(raw):
+    """Whatever bytes a client sends as the key (past Latin-1, NULs, CR/LF, nothing), Guard
+    answers 200 for one of its keys exactly and 401 for everything else; never a 500."""
+    status, body = ask(Access(api_keys=KEYS), [(b"host", b"127.0.0.1:8080"), (b"authorization", raw)])
+    want = presents(raw)
+    if want is not None and want in {k.encode() for k in KEYS}:
+        assert status == 200 and body == {"client": want.decode()}, raw
+    else:
+        assert status == 401 and body["error"]["type"] == "invalid_api_key", raw
+
+
+HEADER_BYTES = st.one_of(st.binary(max_size=30), st.sampled_from([
+    b"127.0.0.1:8080", b"localhost", b"[::1]:8080", b"[::1", b"http://127.0.0.1:8080", b"http://localhost:3000",
+    b"application/json", b"Bearer k-one", b"\xff\xfe", b"\x00", b"[", b":", b"*"]))
+
+
+@settings(max_examples=500, derandomize=True, deadline=None, database=None)
+@given(fields=st.dictionaries(st.sampled_from([b"host", b"origin", b"content-type", b"authorization"]),
+                              HEADER_BYTES),
+       method=st.sampled_from(["GET", "POST", "OPTIONS"]), keys=st.sampled_from([(), KEYS]))
+def test_any_header_bytes_get_an_answer_or_a_json_refusal_never_an_error(fields, method, keys):
+    access = Access(api_keys=keys, allowed_origins=frozenset({"http://localhost:3000"}))
+    status, body = ask(access, list(fields.items()), method=method)
+    assert status in ANSWERS, (fields, status)
+    if status >= 400:
+        assert set(body["error"]) == {"message", "type", "param", "code"}, body
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(keys=st.lists(ASCII_KEYS, min_size=1, max_size=6, unique=True), data=st.data())
+def test_every_key_is_compared_as_digests_of_one_length(keys, data):
+    """Constant time over the keys: client_key compares the presented token with every key,
+    whichever matches (or none), and each comparison is of two 32-byte digests, so neither the
+    matching key's place nor its length shows in the time (hmac.compare_digest itself returns at
+    once on inputs of different lengths)."""
+    assert hmac.compare_digest(b"k", b"k-longer") is False  # no error, but at once: why digests
+    token = data.draw(st.one_of(st.sampled_from(keys), ASCII_KEYS), label="token")
+    calls = []
+
+    def recording(a, b):
+        calls.append((len(a), len(b)))
+        return real(a, b)
+
+    real = hmac.compare_digest
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(guard.hmac, "compare_digest", recording)
+        found = Access(api_keys=tuple(keys)).client_key(f"Bearer {token}")
+    assert found == (token if token in keys else None)
+    assert calls == [(32, 32)] * len(keys)
