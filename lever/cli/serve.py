@@ -24,6 +24,7 @@ GRACE_S = 5.0  # on shutdown, how long the running generation may go on before i
 MAX_CONNECTIONS = 64  # open at once; past it a connection gets 503 (a phone serves a few apps, not a crowd)
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long (uvicorn's default)
 MAX_KEY_FILE_BYTES = 1 << 20
+MAX_KEY_CHARS = 256
 KEY_ENV = "LEVER_API_KEY"
 
 
@@ -35,7 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--queue", type=int_in(0, MAX_QUEUE), default=8,
                    help="requests that may wait beside the running one; then 429")
     s.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="a key clients must send as 'Authorization: Bearer KEY' (repeat for several)")
+                   help="a key clients must send as 'Authorization: Bearer KEY' (repeat for several): "
+                        "1-256 printable ASCII characters, no spaces (HTTP headers carry ASCII)")
     s.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
                    help="keys, one per line (# comments), as --api-key; $LEVER_API_KEY adds one more")
     s.add_argument("--allowed-hosts", default="", metavar="NAMES",
@@ -74,9 +76,26 @@ def check_args(args) -> None:
 
 
 def _check_key(key: str, where: str) -> str:
-    if not key or any(c.isspace() or not c.isprintable() for c in key) or len(key) > 256:
-        raise LeverError(f"{where}: a key is 1-256 printable characters without spaces")
-    return key
+    """A key as a client can send it: an Authorization header's value is bytes a server reads as
+    Latin-1 (clients differ on how they encode anything past ASCII), so only printable ASCII
+    (! to ~) is a key every client sends the same way. Refused in one line naming where it came
+    from and why, never the key."""
+    if not 1 <= len(key) <= MAX_KEY_CHARS:
+        why = "it is empty" if not key else f"it has {len(key)} characters"
+    else:
+        bad = next((i for i, c in enumerate(key) if not "!" <= c <= "~"), None)
+        if bad is None:
+            return key
+        why = f"character {bad + 1} is {_unfit(key[bad])}"
+    raise LeverError(f"{where}: a key is 1-{MAX_KEY_CHARS} printable ASCII characters without spaces; {why}")
+
+
+def _unfit(c: str) -> str:
+    if c == " ":
+        return "a space"
+    if c == "\ufffd" or "\udc80" <= c <= "\udcff":  # a file's / argv's / environ's bytes that are not UTF-8
+        return "a byte that is not UTF-8 (Latin-1?)"
+    return f"U+{ord(c):04X}, not printable ASCII"
 
 
 def access(args) -> Access:
@@ -86,10 +105,13 @@ def access(args) -> Access:
     if os.environ.get(KEY_ENV):
         keys.append(_check_key(os.environ[KEY_ENV].strip(), f"${KEY_ENV}"))
     if args.api_key_file is not None:
-        text = args.api_key_file.read_text(encoding="utf-8", errors="replace")
-        for i, line in enumerate(text.splitlines(), 1):
-            if line.strip() and not line.lstrip().startswith("#"):
-                keys.append(_check_key(line.strip(), f"{args.api_key_file}:{i}"))
+        # lines split as bytes (str.splitlines would also split at \x0b, \x1c, U+2028, ... inside a
+        # key); a line in another encoding than UTF-8 decodes to U+FFFD, which no key may hold
+        raw = args.api_key_file.read_bytes().removeprefix(b"\xef\xbb\xbf")  # an editor's UTF-8 mark
+        for i, line in enumerate(raw.splitlines(), 1):
+            line = line.decode("utf-8", errors="replace").strip()
+            if line and not line.startswith("#"):
+                keys.append(_check_key(line, f"{args.api_key_file}:{i}"))
         if not keys:
             raise LeverError(f"{args.api_key_file}: --api-key-file: no key in it")
 
@@ -103,6 +125,7 @@ def access(args) -> Access:
 
 def main(args) -> int:
     check_args(args)
+    rules = access(args)  # the keys from the file and $LEVER_API_KEY checked before anything is imported or loaded
     try:
         import uvicorn
 
@@ -113,7 +136,6 @@ def main(args) -> int:
                          f"({e.name} is missing)") from None
     from lever.api import load
 
-    rules = access(args)
     llm = load(args.config or shipped("default.toml"), overrides=args.set)
     server_state = None
     try:
@@ -129,20 +151,16 @@ def main(args) -> int:
             server.should_exit = True
             server_state.shutdown(args.grace)
 
-        # what the RSS stays within: the largest request's plan, the bodies being read at once, the
-        # kept conversations, the live page (Server.memory_plan)
+        # what the RSS stays within: the largest request's plan, what requests hold (their bodies,
+        # parsing, queued calls), the kept conversations, the live page (Server.memory_plan)
         plan = {k: v >> 20 for k, v in server_state.memory_plan().items()}
         plan_mib, grammar_mib = sum(plan.values()), llm.memory_plan().grammar_bytes >> 20
-        limit = llm.config.memory.limit_bytes
-        if limit is not None and plan_mib << 20 > limit:
-            raise LeverError(f"--cache-ram: {args.cache_ram} MiB of kept conversations beside a run's "
-                             f"{plan['run']} MiB, {plan['bodies']} MiB of request bodies and the live page's "
-                             f"{plan['live page']} MiB passes [memory] limit ({limit >> 20} MiB); give less")
+        check_plan(plan, llm.config.memory.limit_bytes, cache_ram_mib=args.cache_ram)
         llm.grammars.start()  # the grammar compiler's child, before the first schema waits for it
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
               f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}, "
-              f"memory plan {plan_mib} MiB (a run {plan['run']}, its grammars {grammar_mib} among them + bodies "
-              f"{plan['bodies']} + kept conversations {plan['kept conversations']} + live page {plan['live page']})"
+              f"memory plan {plan_mib} MiB (a run {plan['run']}, its grammars {grammar_mib} among them + requests "
+              f"{plan['requests']} + kept conversations {plan['kept conversations']} + live page {plan['live page']})"
               + (f"; the live page: http://{args.host}:{args.port}/" if server_state.page is not None else ""),
               file=sys.stderr, flush=True)
         if not rules.api_keys and args.host.lower() not in LOOPBACK_HOSTS:
@@ -157,6 +175,28 @@ def main(args) -> int:
     if (s := signals.pending()) is not None:
         raise signals.Interrupted(s)  # the command ends as every stopped command does: 128 + n
     return 0
+
+
+def check_plan(plan: dict[str, int], limit_bytes: int | None, *, cache_ram_mib: int) -> None:
+    """The server's plan (MiB by part) against [memory] limit (--mem) and what the process may
+    still take (the machine's memory, or its cgroup's: lever.policy.memory.room_bytes), as
+    `lever run` checks its own; one line naming --cache-ram when that is what does not fit."""
+    import psutil
+
+    from lever.policy.memory import room_bytes
+
+    total = sum(plan.values()) << 20
+    parts = (f"a run's {plan['run']} MiB, {plan['requests']} MiB for requests and the live page's "
+             f"{plan['live page']} MiB")
+    if limit_bytes is not None and total > limit_bytes:
+        raise LeverError(f"--cache-ram: {cache_ram_mib} MiB of kept conversations beside {parts} passes "
+                         f"[memory] limit ({limit_bytes >> 20} MiB); give less")
+    more = total - psutil.Process().memory_info().rss
+    room, whose = room_bytes()
+    if more > room:
+        raise LeverError(f"--cache-ram: {cache_ram_mib} MiB of kept conversations beside {parts}: the server's "
+                         f"plan of {total >> 20} MiB needs {more >> 20} MiB more than it holds now, but {whose} has "
+                         f"{room >> 20} MiB available; give less")
 
 
 def _server_class():

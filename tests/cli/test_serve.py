@@ -4,9 +4,14 @@ the warning a server open beyond loopback without a key prints."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import subprocess
+import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lever.cli import serve
 from lever.cli.main import main
@@ -31,7 +36,7 @@ def test_keys_come_from_the_flag_the_file_and_the_environment(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--api-key", "has space"], "--api-key: a key is 1-256 printable characters"),
+    (["--api-key", "has space"], "--api-key: a key is 1-256 printable ASCII characters without spaces; character 4"),
     (["--api-key", ""], "--api-key: a key is"),
     (["--api-key-file", "/nonexistent/keys"], "/nonexistent/keys"),
     (["--timeout", "0"], "--timeout"),
@@ -45,6 +50,61 @@ def test_bad_flags_are_one_line_before_loading(capsys, argv, needle):
     assert rc != 0
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def one_line_refusal(argv: list[str], capsys) -> str:
+    rc = main(["serve", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_a_key_past_ascii_is_refused_at_start_naming_where_it_came_from(tmp_path, monkeypatch, capsys):
+    """A header carries bytes a server reads as Latin-1: a key past printable ASCII would never
+    match what a client sends (or match one client's encoding and not another's), so it is
+    refused before loading, in one line naming the flag, the variable, or the file and line."""
+    f = tmp_path / "keys"
+    f.write_bytes(b"# the team\nkey-a\ncaf\xe9\n")  # Latin-1, read once as U+FFFD
+    err = one_line_refusal(["--api-key-file", str(f)], capsys)
+    assert err.startswith(f"lever: error: {f}:3: a key is 1-256 printable ASCII") and "not UTF-8" in err
+    err = one_line_refusal(["--api-key", "café"], capsys)
+    assert "--api-key: a key is" in err and "character 4 is U+00E9" in err and "café" not in err  # never shown
+    monkeypatch.setenv("LEVER_API_KEY", "клуч")
+    err = one_line_refusal([], capsys)
+    assert "$LEVER_API_KEY: a key is" in err and "character 1 is U+043A" in err
+
+
+def test_key_file_lines_are_split_at_line_ends_only(tmp_path, capsys):
+    """\x0b, \x1c or U+2028 inside a key is not a line end (str.splitlines would make two keys
+    of it); a UTF-8 mark before the first key is an editor's, not the key's."""
+    f = tmp_path / "keys"
+    for bad in (b"ke\x0by", b"ke\x1cy", "ke\u2028y".encode()):
+        f.write_bytes(b"\xef\xbb\xbfkey-a\r\n" + bad + b"\n")
+        assert one_line_refusal(["--api-key-file", str(f)], capsys).startswith(f"lever: error: {f}:2: a key is")
+    f.write_bytes(b"\xef\xbb\xbfkey-a\r\nkey-b\n")
+    assert serve.access(args("--api-key-file", str(f))).api_keys == ("key-a", "key-b")
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(key=st.text(max_size=260))
+def test_a_key_is_accepted_exactly_when_it_is_1_to_256_printable_ascii(key):
+    fits = 1 <= len(key) <= 256 and all("!" <= c <= "~" for c in key)
+    try:
+        assert serve._check_key(key, "--api-key") == key and fits
+    except LeverError as e:
+        assert not fits and str(e).startswith("--api-key: a key is 1-256 printable ASCII characters")
+
+
+def test_lever_serve_refuses_a_latin1_key_file_and_a_non_utf8_variable_in_one_line(tmp_path):
+    f = tmp_path / "keys"
+    f.write_bytes(b"caf\xe9\n")
+    env = {**os.environb, b"LEVER_API_KEY": b"caf\xe9"}
+    for argv, environ, where in ((["--api-key-file", str(f)], None, f"{f}:1"),
+                                 ([], env, "$LEVER_API_KEY")):
+        p = subprocess.run([sys.executable, "-m", "lever", "serve", "--port", "1", *argv], env=environ,
+                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert p.returncode != 0 and p.stderr.count("\n") == 1, p.stderr
+        assert p.stderr.startswith(f"lever: error: {where}: a key is") and "not UTF-8" in p.stderr, p.stderr
 
 
 def test_an_empty_key_file_is_refused(tmp_path):
