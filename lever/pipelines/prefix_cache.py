@@ -68,13 +68,21 @@ def shared(a: Sequence[int], b: Sequence[int]) -> int:
 
 @attrs.define
 class PrefixCache:
-    """Conversations by client, least recently used out first once their bytes pass the bound."""
+    """Conversations by client, each client's least recently used out first once its bytes pass
+    its share: `capacity_bytes` split evenly into `shares` (a server's API keys), so no client's
+    conversations push out another's, and none can tell from its own hits what another does."""
 
     capacity_bytes: int
+    shares: int = 1
     entries: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # (client, n) -> KVSnapshot
     used_bytes: int = 0
     hits: int = 0
     _next: int = 0
+    _by_client: collections.Counter = attrs.field(factory=collections.Counter)  # bytes each client holds
+
+    @property
+    def share_bytes(self) -> int:
+        return self.capacity_bytes // max(self.shares, 1)
 
     def take(self, client: object, ids: Sequence[int], at_least: int = 0) -> KVSnapshot | None:
         """The entry of `client` sharing the longest prefix with `ids`, if longer than both
@@ -88,16 +96,20 @@ class PrefixCache:
         self.hits += 1
         snap = self.entries.pop(best)
         self.used_bytes -= snap.nbytes
+        self._by_client[client] -= snap.nbytes
         return snap
 
     def put(self, client: object, snap: KVSnapshot) -> None:
-        """Keeps `snap` for `client`; the oldest entries leave until the bytes fit (one bigger
-        than the whole bound is not kept)."""
-        if snap.nbytes > self.capacity_bytes or not snap.ids:
+        """Keeps `snap` for `client`; the client's oldest entries leave until its bytes fit its
+        share (one bigger than the share is not kept). Other clients' entries are not touched."""
+        if snap.nbytes > self.share_bytes or not snap.ids:
             return
         self.entries[(client, self._next)] = snap
         self._next += 1
         self.used_bytes += snap.nbytes
-        while self.used_bytes > self.capacity_bytes:
-            _, old = self.entries.popitem(last=False)
+        self._by_client[client] += snap.nbytes
+        while self._by_client[client] > self.share_bytes:
+            key = next(k for k in self.entries if k[0] == client)  # its oldest
+            old = self.entries.pop(key)
             self.used_bytes -= old.nbytes
+            self._by_client[client] -= old.nbytes

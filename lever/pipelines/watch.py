@@ -17,7 +17,7 @@ import json
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 import attrs
@@ -34,7 +34,7 @@ PIECE_CHARS = 40  # a token's text is cut to this (a token can stand for a long 
 
 @attrs.frozen
 class Event:
-    seq: int
+    seq: int  # its client's own count: 1, 2, ... (lever.serve.page's readers resume from it)
     client: object  # whose generation (a server's API key; None on a server without keys)
     data: str  # the event, JSON
 
@@ -51,7 +51,8 @@ class Watch:
     readers: int = 0
     _events: deque = attrs.field(factory=deque)
     _bytes: int = 0
-    _seq: int = 0
+    _seq: Counter = attrs.field(factory=Counter)  # by client: its newest event's number
+    _dropped: Counter = attrs.field(factory=Counter)  # by client: its newest event the ring let go
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     def run(self, client: object = None) -> RunWatch:
@@ -60,20 +61,22 @@ class Watch:
     def push(self, client: object, body: dict) -> int:
         data = json.dumps(body, ensure_ascii=False, allow_nan=False)
         with self._lock:
-            self._seq += 1
-            self._events.append(Event(self._seq, client, data))
+            self._seq[client] += 1
+            self._events.append(Event(self._seq[client], client, data))
             self._bytes += len(data)
             while self._bytes > self.max_bytes and len(self._events) > 1:
-                self._bytes -= len(self._events.popleft().data)
-            return self._seq
+                old = self._events.popleft()
+                self._bytes -= len(old.data)
+                self._dropped[old.client] = old.seq
+            return self._seq[client]
 
     def since(self, seq: int, client: object = None) -> tuple[list[Event], int, int]:
-        """The events after `seq` that `client` may read, the newest sequence number, and how
-        many events after `seq` the ring dropped before they were read."""
+        """The events after `seq` that `client` may read, the newest of its sequence numbers,
+        and how many of its events after `seq` the ring dropped before they were read. Each
+        client's events are numbered on their own: nothing here moves with another's runs."""
         with self._lock:
-            newest = self._seq
-            first = self._events[0].seq if self._events else newest + 1
-            missed = max(first - seq - 1, 0)
+            newest = self._seq[client]
+            missed = max(self._dropped[client] - seq, 0)
             found = [e for e in self._events if e.seq > seq and e.client == client]
         return found, newest, missed
 

@@ -207,8 +207,34 @@ def check(plan: MemoryPlan, cfg: MemoryConfig, where: str = "config") -> None:
                          f"{largest(plan)}")
     # The process is already resident; what it still needs must come from what is available.
     more = plan.total_bytes - plan.process_bytes
-    available = psutil.virtual_memory().available
+    available, whose = room_bytes()
     if more > available:
-        raise LeverError(f"{where}: this run needs {plan.describe()}; {mib(more)} more than now, but the machine "
+        raise LeverError(f"{where}: this run needs {plan.describe()}; {mib(more)} more than now, but {whose} "
                          f"has {mib(available)} available; {largest(plan)}")
+
+
+def room_bytes() -> tuple[int, str]:
+    """What this process may still take, and whose bound that is: the machine's available
+    memory, or its memory cgroup's limit less what the cgroup holds that cannot be reclaimed
+    (its page cache can), whichever is less."""
+    available = psutil.virtual_memory().available
+    cgroup = _cgroup_room_bytes()
+    if cgroup is not None and cgroup < available:
+        return cgroup, "the memory cgroup it runs in"
+    return available, "the machine"
+
+
+def _cgroup_room_bytes() -> int | None:
+    """cgroup v2's memory.max less memory.current's unreclaimable part (None: no limit seen)."""
+    try:
+        line = next(x for x in open("/proc/self/cgroup").read().splitlines() if x.startswith("0::"))
+        d = "/sys/fs/cgroup" + line[3:].rstrip("/")
+        limit = open(f"{d}/memory.max").read().strip()
+        if limit == "max":
+            return None
+        current = int(open(f"{d}/memory.current").read())
+        stat = dict(x.split() for x in open(f"{d}/memory.stat").read().splitlines())
+        return max(int(limit) - (current - int(stat.get("file", 0))), 0)
+    except (OSError, StopIteration, ValueError):
+        return None
 

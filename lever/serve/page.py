@@ -20,10 +20,11 @@ from importlib import resources
 import anyio
 import attrs
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from lever.pipelines.watch import Watch
 from lever.serve import PAGE_FILES
+from lever.serve.streamed import Streamed
 
 MAX_READERS = 8  # pages reading /live at once
 POLL_S = 0.05  # how often a reader looks for new events (20 a second: a cycle is 10-800 ms)
@@ -55,38 +56,40 @@ class Page:
         return Response(self.asset(name), media_type=PAGE_FILES[name], headers=HEADERS)
 
     async def events(self, request: Request) -> Response:
+        # counted now, in the event loop, and given back when the response ends whichever way
+        # (lever.serve.streamed): a burst of readers meets the bound one by one
         if self.watch.readers >= MAX_READERS:
             return JSONResponse({"error": {"message": f"{MAX_READERS} pages already read /live", "type": "busy",
                                            "param": None, "code": None}}, status_code=503)
+        self.watch.readers += 1
         try:
             since = int(request.query_params.get("since", -1))
         except ValueError:
             since = -1
         client = request.scope.get("state", {}).get("client")
-        return StreamingResponse(self._stream(since, client), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+        def end() -> None:
+            self.watch.readers -= 1
+        return Streamed(self._stream(since, client), on_end=end, media_type="text/event-stream",
+                        headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def _stream(self, since: int, client):
-        self.watch.readers += 1  # counted here, not before the response: a stream never started never ends
-        try:
-            _, newest, _ = self.watch.since(2**62, client)
-            seq = since if since >= 0 else max(newest - BACKLOG, 0)
-            if since < 0:  # a new reader starts at the oldest event kept, unwarned
-                seq += self.watch.since(seq, client)[2]
-            yield f"retry: 1000\n\n: lever live, newest {newest}\n\n"
-            last_sent = time.monotonic()
-            while not self.closing():
-                found, newest, missed = self.watch.since(seq, client)
-                if missed:
-                    yield f'data: {{"type": "missed", "n": {missed}}}\n\n'
-                for e in found:
-                    yield f"id: {e.seq}\ndata: {e.data}\n\n"
-                if found or missed:
-                    last_sent = time.monotonic()
-                elif time.monotonic() - last_sent > PING_S:
-                    yield ": ping\n\n"
-                    last_sent = time.monotonic()
-                seq = newest
-                await anyio.sleep(POLL_S)
-        finally:
-            self.watch.readers -= 1
+        _, newest, _ = self.watch.since(2**62, client)
+        seq = since if since >= 0 else max(newest - BACKLOG, 0)
+        if since < 0:  # a new reader starts at the oldest event kept, unwarned
+            seq += self.watch.since(seq, client)[2]
+        yield f"retry: 1000\n\n: lever live, newest {newest}\n\n"
+        last_sent = time.monotonic()
+        while not self.closing():
+            found, newest, missed = self.watch.since(seq, client)
+            if missed:
+                yield f'data: {{"type": "missed", "n": {missed}}}\n\n'
+            for e in found:
+                yield f"id: {e.seq}\ndata: {e.data}\n\n"
+            if found or missed:
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent > PING_S:
+                yield ": ping\n\n"
+                last_sent = time.monotonic()
+            seq = newest
+            await anyio.sleep(POLL_S)

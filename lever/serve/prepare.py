@@ -1,11 +1,14 @@
 """A request's work before it queues: read, parse, render, prepare, each bounded, off the event loop.
 
 Below the server's routes (lever.serve.server), above the body's reader and parser
-(lever.serve.request) and the API (lever.api.LLM.prepare). A body is read within its bound and
-the server's timeout, its bytes reserved in the pool of bodies held at once; it is parsed and a
-chat's messages bounded (their count, their bytes) before any template sees them; a chat is
-rendered in a child process (lever.gguf.render_child), bounded in time and output; then the call
-is prepared once: the prompt within the context, the knobs in their ranges, a grammar compiled.
+(lever.serve.request) and the API (lever.api.LLM.prepare). What a request holds at each step is
+held in the server's pool first (lever.serve.pool): its body's bytes as they arrive (read within
+its bound and the server's timeout), what parsing them may take (refused unparsed past
+MAX_PARSE_BYTES; only the fields read are kept), a chat's messages bounded (their count, their
+bytes) before any template sees them and rendered in a child process (lever.gguf.render_child),
+bounded in time and output, the prompt's tokenizing; then the call is prepared once (the prompt
+within the context, the knobs in their ranges, a grammar compiled) and the request holds only
+what the call keeps until it ends.
 Each step runs in a worker thread of its own kind, so a slow template holds up chats and a slow
 grammar other grammars, never plain completions or /tokenize.
 """
@@ -23,10 +26,17 @@ from lever.errors import LeverError
 from lever.gguf.chat_template import Rendered, check_messages
 from lever.gguf.render_child import RenderProcess
 from lever.serve import TIMEOUT_S
-from lever.serve.request import BadRequest, BodyPool, parse, read_body, sampling
+from lever.serve.pool import Hold
+from lever.serve.request import BadRequest, parse, parse_bytes, read_body, sampling
 from lever.serve.tokens import detokenize, tokenize
 
-PREP_THREADS = 2  # requests parsed and tokenized at once (each holds at most a body's bound of memory)
+PREP_THREADS = 2  # requests parsed and tokenized at once (what each holds is in its Hold)
+MAX_PARSE_BYTES = 24 << 20  # a body whose JSON would take more to parse is refused (4 MiB of text: 8-9 MB)
+# what `tokenizers` allocates per byte of text it encodes (0.23: 256 for "a a a ...", 107 for
+# 128-byte tokens, measured on a 1-2 MB text; less for code), held while a prompt is tokenized
+ENCODE_BYTES_PER_BYTE = 256
+TOKEN_ANSWER_BYTES = 64  # /tokenize's answer per token: its id in a list and its JSON text (pieces: 4x)
+CALL_BYTES = 16 << 10  # a call's own objects beside its ids (knobs, events, the Call itself), at most
 
 
 @attrs.define
@@ -37,7 +47,6 @@ class Preparer:
     llm: LLM
     timeout_s: float = TIMEOUT_S
     renderer: RenderProcess = attrs.field(factory=RenderProcess)  # a chat template runs in a child process
-    bodies: BodyPool = attrs.field(factory=BodyPool)  # bodies being read and parsed, bounded together
     max_prompt_bytes: int = attrs.field(init=False)
     _prep: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(PREP_THREADS))
     _renders: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))  # one child
@@ -49,33 +58,54 @@ class Preparer:
         # normalizers that shorten text before the model sees it)
         self.max_prompt_bytes = 2 * self.llm.n_ctx * self.llm.tokenizer.max_token_bytes
 
-    async def call(self, request: Request, endpoint: str) -> tuple[dict, Call]:
-        """The request's fields and its call, checked: BadRequest or LeverError naming the field."""
-        with self.bodies.reserve(request.headers.get("content-length")):
-            body = await read_body(request, timeout_s=self.timeout_s)
-            data, args, messages, offer = await anyio.to_thread.run_sync(self.parse, body, endpoint,
-                                                                         limiter=self._prep)
-            del body
-        rendered = None if messages is None else \
-            await anyio.to_thread.run_sync(self.render, messages, offer.tools, limiter=self._renders)
+    async def call(self, request: Request, endpoint: str, hold: Hold) -> tuple[Shape, Call]:
+        """The request's call, checked (BadRequest or LeverError naming the field), and how its
+        answer is shaped; what the request holds meanwhile is in `hold`, and from here on only
+        what the call keeps (`call_bytes`)."""
+        data, args, messages, offer = await self._parsed(request, endpoint, hold)
+        shape = Shape.of(data)
+        rendered = None
+        if messages is not None:
+            hold.add(4 * self.max_prompt_bytes, "its chat template's text")
+            rendered = await anyio.to_thread.run_sync(self.render, messages, offer.tools, limiter=self._renders)
+        text = data["prompt"] if messages is None else rendered.text
+        hold.add(ENCODE_BYTES_PER_BYTE * len(text.encode("utf-8", "replace")), "tokenizing its prompt")
         grammar = args.get("grammar") is not None or args.get("json_schema") is not None or offer.grammar
         try:
             call = await anyio.to_thread.run_sync(self.prepare, data, args, messages, rendered, offer,
                                                   limiter=self._compiles if grammar else self._prep)
         except LeverError as e:  # named by the field the request gave it in
-            raise LeverError(named(str(e), data)) from None
-        return data, call
+            raise LeverError(named(str(e), shape.schema_field)) from None
+        del data, args, messages, rendered, text
+        hold.set(call_bytes(call), "its call")
+        return shape, call
 
-    async def tokens(self, request: Request, endpoint: str) -> dict:
-        """/tokenize and /detokenize: bounded and off the event loop as a generation's prompt is."""
-        with self.bodies.reserve(request.headers.get("content-length")):
-            body = await read_body(request, timeout_s=self.timeout_s)
-            data = await anyio.to_thread.run_sync(parse, body, endpoint, limiter=self._prep)
-            del body
+    async def tokens(self, request: Request, endpoint: str, hold: Hold) -> dict:
+        """/tokenize and /detokenize: bounded and off the event loop as a generation's prompt
+        is, their answers held (a token and its piece cost what TOKEN_ANSWER_BYTES says)."""
+        data = (await self._parsed(request, endpoint, hold))[0]
         tok = self.llm.tokenizer
         if endpoint == "tokenize":
+            n_bytes = len(data["content"].encode("utf-8", "replace"))
+            self.check_bytes(n_bytes, "content")
+            per_token = TOKEN_ANSWER_BYTES * (4 if data.get("with_pieces") else 1)  # at most a token per byte
+            hold.add((ENCODE_BYTES_PER_BYTE + per_token) * n_bytes, "tokenizing its content")
             return await anyio.to_thread.run_sync(tokenize, tok, data, self.check_bytes, limiter=self._prep)
+        hold.add(TOKEN_ANSWER_BYTES * len(data["tokens"]) * 4, "its text")
         return await anyio.to_thread.run_sync(detokenize, tok, data, limiter=self._prep)
+
+    async def _parsed(self, request: Request, endpoint: str, hold: Hold):
+        """The body read and parsed, its bytes then what parsing may allocate held first
+        (lever.serve.request.parse_bytes): a body whose JSON would take more is refused unparsed."""
+        body = await read_body(request, hold=hold, timeout_s=self.timeout_s)
+        need = await anyio.to_thread.run_sync(parse_bytes, body, limiter=self._prep)
+        if need > MAX_PARSE_BYTES:
+            raise BadRequest(f"the request body's JSON would take {need >> 20} MiB to parse (its values), over "
+                             f"the bound of {MAX_PARSE_BYTES >> 20} MiB", status=413)
+        hold.set(len(body) + need, "parsing its JSON")
+        if endpoint in ("tokenize", "detokenize"):
+            return await anyio.to_thread.run_sync(parse, body, endpoint, limiter=self._prep), None, None, None
+        return await anyio.to_thread.run_sync(self.parse, body, endpoint, limiter=self._prep)
 
     def parse(self, body: bytes, endpoint: str) -> tuple[dict, dict, list[dict] | None, Offer]:
         """The request's fields and call arguments; a chat's messages checked and bounded (their
@@ -123,9 +153,32 @@ class Preparer:
         self.llm.grammars.close()
 
 
-def named(message: str, data: dict) -> str:
+@attrs.frozen
+class Shape:
+    """How a request's answer is shaped, all a request keeps of its body past preparation."""
+
+    stream: bool = False
+    usage: bool = False  # stream_options.include_usage: a last chunk with the counts
+    schema_field: str = "json_schema"  # the field a JSON schema came in, for the errors about it
+
+    @classmethod
+    def of(cls, data: dict) -> Shape:
+        rf = data.get("response_format")
+        field = "response_format" if isinstance(rf, dict) and rf.get("type") != "text" else "json_schema"
+        return cls(bool(data.get("stream")), bool((data.get("stream_options") or {}).get("include_usage")), field)
+
+
+def call_bytes(call: Call) -> int:
+    """What a prepared call holds while it waits and runs: its ids (a tuple of ints: 36 bytes
+    each past the small ones), stop strings, the functions it offers, its grammar (kept alive
+    by the call even when the grammar cache lets it go)."""
+    tools = parse_bytes(json.dumps(call.tools).encode()) if call.tools else 0
+    grammar = call.grammar.nbytes if call.grammar is not None else 0
+    return CALL_BYTES + 40 * len(call.ids) + 4 * sum(len(x) for x in call.stop) + tools + grammar
+
+
+def named(message: str, schema_field: str) -> str:
     """A line about the call's json_schema, named by the field the request gave it in."""
-    rf = data.get("response_format")
-    if message.startswith("json_schema:") and isinstance(rf, dict) and rf.get("type") != "text":
-        return "response_format" + message[len("json_schema"):]
+    if message.startswith("json_schema:") and schema_field != "json_schema":
+        return schema_field + message[len("json_schema"):]
     return message

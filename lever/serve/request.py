@@ -9,19 +9,20 @@ naming it, never silently ignored.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import threading
+import re
 
 import anyio
-import attrs
 from starlette.requests import ClientDisconnect, Request
 
 from lever.config import KNOBS
 
 MAX_BODY_BYTES = 4 << 20
-BODY_POOL_BYTES = 4 * MAX_BODY_BYTES  # bodies held at once, read and not yet parsed (in the server's plan)
+IDLE_S = 5.0  # a body that sends nothing for this long is cut (it holds a connection, if no memory)
+PARSE_BASE_BYTES = 4 << 10  # the parser's own state, whatever the body (1.3 kB measured)
+PER_VALUE_BYTES = 96  # a parsed JSON value's most, its place in its container included (measured: 36-68)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal, escapes included (unrolled: fast)
 
 
 class BadRequest(Exception):
@@ -51,59 +52,57 @@ UNSUPPORTED = ("echo", "suffix", "best_of", "functions", "function_call", "logit
 DEFAULTS = (None, False, 0, [], {}, "none", "auto")
 
 
-@attrs.define
-class BodyPool:
-    """The bytes of request bodies held at once (read, not yet parsed): a request reserves its
-    declared length (the bound, when it declares none) before a byte is read and gives it back
-    once parsed; past the pool it gets 503 at once, so many clients' bodies cannot add up past
-    the server's memory plan."""
-
-    capacity_bytes: int = BODY_POOL_BYTES
-    used_bytes: int = 0
-    _lock: threading.Lock = attrs.field(factory=threading.Lock)
-
-    @contextlib.contextmanager
-    def reserve(self, declared: str | None, max_bytes: int = MAX_BODY_BYTES):
-        n = int(declared) if declared is not None and declared.isdigit() and int(declared) <= max_bytes \
-            else max_bytes
-        with self._lock:
-            if self.used_bytes + n > self.capacity_bytes:
-                raise BadRequest("the server is busy reading other requests' bodies; try again", status=503,
-                                 kind="server_busy")
-            self.used_bytes += n
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.used_bytes -= n
+def parse_bytes(body: bytes) -> int:
+    """What `json.loads(body)` may allocate at most, from the body's bytes before it is parsed:
+    each value a few dozen bytes (an empty object in a list: 36, measured; PER_VALUE_BYTES
+    leaves room) and each string's characters up to four bytes each, twice over while the
+    parser builds it. Values are counted from the body's structure (strings, commas, colons,
+    brackets), so 4 MiB of `{},` is known for the 100 MB it would take before it takes it."""
+    rest, n_strings = _STRING.subn(b"", body)
+    n_values = n_strings + rest.count(b",") + rest.count(b":") + rest.count(b"{") + rest.count(b"[") + 1
+    wide = not body.isascii() or b"\\u" in body  # a string with one character past Latin-1 stores all at 4 bytes
+    return PARSE_BASE_BYTES + (8 if wide else 2) * len(body) + PER_VALUE_BYTES * n_values
 
 
-async def read_body(request: Request, *, timeout_s: float, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+async def read_body(request: Request, *, hold, timeout_s: float, idle_s: float = IDLE_S,
+                    max_bytes: int = MAX_BODY_BYTES) -> bytes:
     """The body, checked against its bound before it is read (Content-Length) and while it is
-    read (a client that lies or chunks); 413 past the bound, 408 past the timeout."""
+    read (a client that lies or chunks); its bytes held in the server's pool (`hold`,
+    lever.serve.pool) as they arrive, twice (the chunks, then the body they join into): 413
+    past the bound, 408 past the timeout or when no byte comes for `idle_s`, 503 when the pool
+    or the client's share of it is full."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
             raise BadRequest("Content-Length: not a number", status=400)
         if int(declared) > max_bytes:
             raise BadRequest(f"the request body is {declared} bytes, over the bound of {max_bytes}", status=413)
-    body = bytearray()
+    chunks, n = [], 0
+    stream = request.stream().__aiter__()
+    deadline = anyio.current_time() + timeout_s
     try:
-        with anyio.fail_after(timeout_s):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > max_bytes:
-                    raise BadRequest(f"the request body is over the bound of {max_bytes} bytes", status=413)
-    except TimeoutError:
-        raise BadRequest(f"the request body took over {timeout_s:g} s to arrive", status=408,
-                         kind="request_timeout") from None
+        while True:
+            wait = min(idle_s, deadline - anyio.current_time())
+            with anyio.move_on_after(max(wait, 0)) as late:
+                chunk = await anext(stream, None)
+            if late.cancelled_caught:
+                why = f"took over {timeout_s:g} s to arrive" if wait < idle_s else f"stalled for {idle_s:g} s"
+                raise BadRequest(f"the request body {why}", status=408, kind="request_timeout")
+            if chunk is None:
+                break
+            n += len(chunk)
+            if n > max_bytes:
+                raise BadRequest(f"the request body is over the bound of {max_bytes} bytes", status=413)
+            hold.add(2 * len(chunk))
+            chunks.append(chunk)
     except ClientDisconnect:
         raise BadRequest("the client left before its body arrived", status=400) from None
-    return bytes(body)
+    return b"".join(chunks)
 
 
 def parse(body: bytes, endpoint: str) -> dict:
-    """The request's fields, type-checked; BadRequest naming the first one at fault."""
+    """The request's fields this server reads, type-checked; BadRequest naming the first one at
+    fault. Parse the body only once its `parse_bytes` are held."""
     if len(body) > MAX_BODY_BYTES:
         raise BadRequest(f"request body over {MAX_BODY_BYTES} bytes", status=413)
     try:
@@ -152,7 +151,9 @@ def parse(body: bytes, endpoint: str) -> dict:
         data["json_schema"] = _schema(data)
         if data["json_schema"] is not None and data.get("grammar") is not None:
             raise BadRequest("grammar: give a grammar or a JSON schema (response_format), not both", "grammar")
-    return data
+    # only the fields read from here on: what a client sends beside them (OpenAI's clients send
+    # more) is let go now, not kept while the request waits
+    return {k: data[k] for k in FIELDS[endpoint] if k in data}
 
 
 def _schema(data: dict) -> dict | None:

@@ -29,7 +29,7 @@ import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from lever.api import LLM, Call, Cancelled, Chunk, Completion, Session
@@ -43,9 +43,11 @@ from lever.serve.admission import SHUTTING_DOWN, Admission
 from lever.serve.guard import Access, Guard
 from lever.serve.metrics import Metrics
 from lever.serve.page import Page
-from lever.serve.prepare import Preparer, named
+from lever.serve.pool import Hold, RequestPool
+from lever.serve.prepare import Preparer, Shape, named
 from lever.serve.render import OPENAI_FINISH, Reply, sse, timings
 from lever.serve.request import BadRequest
+from lever.serve.streamed import Streamed
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that its client is still there
 CACHE_BYTES = 256 << 20  # `lever serve --cache-ram`'s default (MiB there): a few long conversations of a 1.5B pair
@@ -68,6 +70,7 @@ class Server:
     # and, in its cache, other conversations' rows: a request that continues one of its client's
     # (API key) conversations prefills only what is new; clients never share
     session: Session
+    pool: RequestPool = attrs.field(factory=RequestPool)  # what requests hold, from their first byte to their end
     metrics: Metrics | None = None  # running totals for /metrics; None: not served
     page: Page | None = None  # the live page and its events (lever.serve.page); None: not served
     created: int = attrs.field(factory=lambda: int(time.time()))
@@ -78,10 +81,10 @@ class Server:
 
     def memory_plan(self) -> dict[str, int]:
         """What the server's RSS stays within, by part (bytes): the largest generation's plan
-        (a prompt filling the context; its grammars among it), the bodies being read at once,
-        the kept conversations, the live page."""
+        (a prompt filling the context; its grammars among it), what requests hold (their bodies,
+        their parsing, their queued calls: lever.serve.pool), the kept conversations, the live page."""
         cache = self.session.cache
-        return {"run": self.llm.memory_plan().rss_bound_bytes, "bodies": self.prep.bodies.capacity_bytes,
+        return {"run": self.llm.memory_plan().rss_bound_bytes, "requests": self.pool.capacity_bytes,
                 "kept conversations": cache.capacity_bytes if cache is not None else 0,
                 "live page": self.page.watch.max_bytes if self.page is not None else 0}
 
@@ -113,10 +116,11 @@ class Server:
 
     async def tokens(self, request: Request) -> Response:
         """/tokenize and /detokenize (lever.serve.tokens), never queued behind a generation."""
-        try:
-            return JSONResponse(await self.prep.tokens(request, request.url.path.strip("/")))
-        except BadRequest as e:
-            return error(e.message, e.status, e.kind, e.param)
+        with self.pool.hold(client_of(request)) as hold:
+            try:
+                return JSONResponse(await self.prep.tokens(request, request.url.path.strip("/"), hold))
+            except BadRequest as e:
+                return error(e.message, e.status, e.kind, e.param)
 
     async def prometheus(self, request: Request) -> Response:
         if self.metrics is None:  # as llama-server answers it
@@ -142,28 +146,40 @@ class Server:
             self.metrics.add_run(stats)
 
     async def _handle(self, request: Request, endpoint: str) -> Response:
+        hold = self.pool.hold(client_of(request))  # given back when the answer ends (a stream's, at its end)
+        try:
+            response = await self._answer(request, endpoint, hold)
+        except BaseException:
+            hold.release()
+            raise
+        if not isinstance(response, Streamed):
+            hold.release()
+        return response
+
+    async def _answer(self, request: Request, endpoint: str, hold: Hold) -> Response:
         chat = endpoint == "chat"
-        data: dict = {}
         try:
             if self.closing:
                 raise BadRequest(SHUTTING_DOWN[0], status=503, kind=SHUTTING_DOWN[2])
             # checked before queueing: a bad request never waits for its 400 (lever.serve.prepare)
-            data, call = await self.prep.call(request, endpoint)
+            shape, call = await self.prep.call(request, endpoint, hold)
             self.admission.admit()
         except BadRequest as e:
             return error(e.message, e.status, e.kind, e.param)
         except LeverError as e:
             if self.closing:  # a render cut by shutdown
                 return error(*SHUTTING_DOWN)
-            msg = named(str(e), data)
+            msg = str(e)
             return error(msg, 400, "invalid_request_error", _param(msg))
         reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat, self.model_id,
                       self.llm.tokenizer)
         client = request.scope.get("state", {}).get("client")
-        if data.get("stream"):
-            usage = bool((data.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(self._stream(request, call, reply, usage, client, data),
-                                     media_type="text/event-stream")
+        if shape.stream:
+            def end() -> None:  # however the stream ends, even before its first chunk
+                self.admission.release()
+                hold.release()
+            return Streamed(self._stream(request, call, reply, shape, client), on_end=end,
+                            media_type="text/event-stream")
         try:
             c = await self._generate(request, call, client)
         except Cancelled as e:  # its client left while it waited (nobody reads this), or shutdown
@@ -171,7 +187,7 @@ class Server:
                 return error(*SHUTTING_DOWN)
             return error(str(e), 499, "cancelled")
         except LeverError as e:  # the generation failed: a grammar the engine gave up on, NaN in a model
-            return error(**failure(e, data))
+            return error(**failure(e, shape))
         finally:
             self.admission.release()
         self._finished(c.stats)
@@ -210,7 +226,7 @@ class Server:
                 cancel.set()
             await anyio.sleep(DISCONNECT_POLL_S)
 
-    async def _stream(self, request: Request, call: Call, reply: Reply, usage: bool, client, data: dict):
+    async def _stream(self, request: Request, call: Call, reply: Reply, shape: Shape, client):
         cancel = call.cancel
         self.admission.track(cancel)
         it = self.llm.stream_call(call, session=self.session, client=client, watch=self._watch())
@@ -226,7 +242,7 @@ class Server:
                     if chunk is None:
                         return
                 except LeverError as e:  # failed mid-stream: an error event ends it, as OpenAI's do; no [DONE]
-                    f = failure(e, data or {})
+                    f = failure(e, shape)
                     yield sse({"error": {"message": f["message"], "type": f["kind"], "param": f["param"],
                                          "code": None}})
                     return
@@ -252,7 +268,7 @@ class Server:
                                           None)
                     extra = {"timings": timings(chunk.stats, chunk.usage.cached_tokens)} if chunk.stats else {}
                     yield reply.chunk({} if reply.chat else "", finish, extra=extra)
-            if usage:
+            if shape.usage:
                 yield reply.usage_chunk(len(call.ids), n_out)
             yield "data: [DONE]\n\n"
         finally:
@@ -260,13 +276,21 @@ class Server:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(it.close)
             self.admission.untrack(cancel)
-            self.admission.release()
 
 
-def failure(e: LeverError, data: dict) -> dict:
+def client_of(request: Request) -> object:
+    """Whose a request is, for the shares of what requests hold: its API key, or on a server
+    without keys its peer's address (one host's clients share one share)."""
+    key = request.scope.get("state", {}).get("client")
+    if key is not None:
+        return ("key", key)
+    return ("host", request.client.host if request.client is not None else None)
+
+
+def failure(e: LeverError, shape: Shape) -> dict:
     """`error`'s arguments for a generation that failed: a grammar the engine gave up on is the
     request's (400 naming its field), anything else (NaN in a model's numbers) the server's."""
-    msg = named(str(e), data)
+    msg = named(str(e), shape.schema_field)
     if isinstance(e, GrammarError):
         return {"message": msg, "status": 400, "kind": "invalid_request_error", "param": _param(msg)}
     return {"message": msg, "status": 500, "kind": "server_error", "param": None}
@@ -283,7 +307,10 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
         live_bytes: int = LIVE_BYTES) -> Guard:
     """The ASGI app behind its Guard (lever.serve.guard); `.app.state.server` is its Server
     (for `shutdown` and `memory_plan`)."""
-    session = llm.session(cache=PrefixCache(cache_bytes) if cache_bytes > 0 else None)
+    access = access or Access()
+    # the kept conversations' bytes split evenly among the keys: one key's cannot push another's out
+    shares = max(len(access.api_keys), 1)
+    session = llm.session(cache=PrefixCache(cache_bytes, shares=shares) if cache_bytes > 0 else None)
     live = None
     if page:  # the live page (lever.serve.page) over every generation's cycles
         tok = llm.tokenizer
@@ -292,7 +319,8 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
         live = Page(watch, lambda: admission.closing)
     else:
         admission = Admission(queue)
-    s = Server(llm, model_id, admission, Preparer(llm, timeout_s), session, Metrics() if metrics else None, live)
+    s = Server(llm, model_id, admission, Preparer(llm, timeout_s), session, metrics=Metrics() if metrics else None,
+               page=live)
     handlers = {HTTPException: _http_error, Exception: _internal_error}
     routes = [Route("/health", s.health), Route("/v1/models", s.models), Route("/props", s.props),
               Route("/v1/completions", s.completions, methods=["POST"]),
@@ -303,7 +331,7 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
         routes += [Route("/", live.file), Route("/page/{name}", live.file), Route("/live", live.events)]
     a = Starlette(routes=routes, exception_handlers=handlers)
     a.state.server = s
-    return Guard(a, access or Access())
+    return Guard(a, access)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

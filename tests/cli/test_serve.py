@@ -127,7 +127,7 @@ def test_kept_conversations_are_in_the_plan_and_held_to_the_limit(capsys):
     proc, _ = start_server("--cache-ram", "64")
     stop(proc)
     line = next(x for x in stderr_text(proc).splitlines() if "memory plan" in x)
-    m = re.search(r"memory plan (\d+) MiB \(a run (\d+), its grammars (\d+) among them \+ bodies (\d+) \+ kept "
+    m = re.search(r"memory plan (\d+) MiB \(a run (\d+), its grammars (\d+) among them \+ requests (\d+) \+ kept "
                   r"conversations 64 \+ live page (\d+)\)", line)
     assert m, line
     plan, run, grammars, *parts = map(int, m.groups())
@@ -136,3 +136,14 @@ def test_kept_conversations_are_in_the_plan_and_held_to_the_limit(capsys):
     rc = main(["serve", "--cache-ram", "4096", "--set", 'memory.limit="1GiB"', "--port", "1"])
     err = capsys.readouterr().err
     assert rc != 0 and "--cache-ram: 4096 MiB of kept conversations" in err and "[memory] limit" in err
+
+
+def test_a_plan_past_the_memory_the_server_can_have_is_refused(capsys):
+    """No [memory] limit, but kept conversations four times the machine's memory: refused in
+    one line before listening, as `lever run` refuses a plan past what it can have."""
+    import psutil
+    too_much_mib = 4 * psutil.virtual_memory().total >> 20
+    rc = main(["serve", "--cache-ram", str(too_much_mib), "--port", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1, err
+    assert f"--cache-ram: {too_much_mib} MiB" in err[0] and "available; give less" in err[0]

@@ -9,6 +9,7 @@ import anyio
 import pytest
 from starlette.requests import Request
 
+from lever.serve.pool import RequestPool
 from lever.serve.request import MAX_BODY_BYTES, BadRequest, parse, read_body, sampling
 
 
@@ -29,30 +30,44 @@ def _request(headers: dict, chunks: list[bytes], delay_s: float = 0.0):
     return Request(scope, receive), sent
 
 
+def _read(req, **kw):
+    """The body read into a fresh pool's hold; the hold, to look at after."""
+    hold = RequestPool().hold("c")
+    return anyio.run(lambda: read_body(req, hold=hold, **kw)), hold
+
+
 def test_a_declared_length_over_the_bound_is_refused_before_a_byte_is_read():
     req, sent = _request({"content-length": str(500 << 20)}, [b"x" * 1024] * 4)
     with pytest.raises(BadRequest, match="524288000 bytes, over the bound") as e:
-        anyio.run(lambda: read_body(req, timeout_s=5))
+        _read(req, timeout_s=5)
     assert e.value.status == 413 and sent["n"] == 0
 
 
 def test_a_body_that_lies_about_its_length_is_cut_at_the_bound():
     req, sent = _request({"content-length": "10"}, [b"x" * (1 << 20)] * 8)
     with pytest.raises(BadRequest) as e:
-        anyio.run(lambda: read_body(req, timeout_s=5, max_bytes=2 << 20))
+        _read(req, timeout_s=5, max_bytes=2 << 20)
     assert e.value.status == 413 and sent["n"] == 3  # stopped at the chunk that passed the bound
 
 
 def test_a_slow_body_times_out():
     req, _ = _request({}, [b"{"] * 100, delay_s=0.05)
     with pytest.raises(BadRequest, match="took over 0.3 s") as e:
-        anyio.run(lambda: read_body(req, timeout_s=0.3))
+        _read(req, timeout_s=0.3)
     assert e.value.status == 408
 
 
-def test_a_body_within_its_bounds_is_read_whole():
-    req, _ = _request({"content-length": "6"}, [b"ab", b"cd", b"ef"])
-    assert anyio.run(lambda: read_body(req, timeout_s=5)) == b"abcdef"
+def test_a_stalled_body_is_cut_before_the_timeout():
+    req, _ = _request({}, [b"{"] * 3, delay_s=1.0)
+    with pytest.raises(BadRequest, match="stalled for 0.2 s") as e:
+        _read(req, timeout_s=60, idle_s=0.2)
+    assert e.value.status == 408
+
+
+def test_a_body_within_its_bounds_is_read_whole_and_held_as_it_arrived():
+    req, _ = _request({"content-length": "4000000"}, [b"ab", b"cd", b"ef"])  # declares 4 MB, sends 6 bytes
+    body, hold = _read(req, timeout_s=5)
+    assert body == b"abcdef" and hold.nbytes == 12  # the chunks and the body they join into, not the declared
 
 
 @pytest.mark.parametrize("field, value", [
@@ -130,15 +145,49 @@ def test_deep_nesting_is_one_line():
         parse(body, "completions")
 
 
-def test_the_body_pool_refuses_past_its_bytes_and_gives_them_back():
-    from lever.serve.request import BodyPool
+def test_only_the_fields_read_are_kept():
+    fat = {"prompt": "hi", "max_tokens": 3, "metadata": [{}] * 1000, "user": "u"}
+    assert parse(json.dumps(fat).encode(), "completions") == {"prompt": "hi", "max_tokens": 3, "user": "u",
+                                                                 "json_schema": None}
 
-    pool = BodyPool(capacity_bytes=10 << 20)
-    with pool.reserve(str(4 << 20)), pool.reserve(None, max_bytes=4 << 20):  # no length: the bound is reserved
-        assert pool.used_bytes == 8 << 20
-        with pytest.raises(BadRequest, match="busy reading") as e, pool.reserve(str(3 << 20)):
-            pass
-        assert e.value.status == 503 and pool.used_bytes == 8 << 20
-        with pool.reserve("100"):  # small ones still fit
-            assert pool.used_bytes == (8 << 20) + 100
-    assert pool.used_bytes == 0
+
+def _values(leaf):
+    from hypothesis import strategies as st
+    return st.recursive(leaf, lambda inner: st.lists(inner, max_size=40) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                            max_size=12), max_leaves=400)
+
+
+def _leaves():
+    from hypothesis import strategies as st
+    return (st.none() | st.booleans() | st.integers() | st.integers(min_value=1 << 40) | st.floats(allow_nan=False,
+            allow_infinity=False) | st.text(max_size=30) | st.text(alphabet="\U0001F600é\\\"\n x", max_size=30)
+            | st.just({}) | st.just([]))
+
+
+def test_parsing_never_takes_more_than_parse_bytes_says():
+    """Over generated JSON (nests of empty objects, astral and escaped strings, big numbers,
+    distinct keys, as the attacks that took 100 MB used), what json.loads allocates, measured,
+    stays within parse_bytes: what the pool holds before a body is parsed is a bound."""
+    import tracemalloc
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from lever.serve.request import parse_bytes
+
+    fat = st.sampled_from([b"{}", b"[]", b'{"k":0}', b"1.5", b"123456789", b'"ab"', b'"\\ud83d\\ude00"', b"null"])
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_values(_leaves()), fat, st.integers(0, 20_000), st.booleans())
+    def check(value, item, n, wide):
+        body = json.dumps({"v": value, "pad": None}, ensure_ascii=not wide).encode()
+        body = body[:-5] + b"[" + b",".join([item] * n) + b"]}"  # the pad: n copies of one fat item
+        tracemalloc.start()
+        try:
+            json.loads(body)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= parse_bytes(body), (len(body), peak, parse_bytes(body))
+
+    check()
