@@ -162,3 +162,18 @@ def test_a_request_after_a_good_one_on_the_same_connection_is_refused_alone(serv
     status, headers, rest = parse(out)
     assert status == 200
     assert_json_error(rest[int(headers["content-length"]):], statuses={400}, words="the request line is malformed")
+
+
+def test_a_body_refused_after_its_route_answered_closes_the_connection_quietly(server):
+    """/health answers without reading a chunked body; the bad chunk that comes after finds the
+    response sent: the connection closes with nothing more written (a second response there
+    would answer no request: a client reads it as the next request's answer)."""
+    with socket.create_connection(address(server[1]), timeout=10) as s:
+        s.sendall(head(GOOD_LINE, HOST, b"Transfer-Encoding: chunked"))
+        first = s.recv(65536)
+        status, headers, body = parse(first)
+        assert status == 200 and int(headers["content-length"]) == len(body)
+        s.sendall(b"zz\r\n")
+        assert s.recv(65536) == b""
+    well_formed_works(server[1])
+    assert "Traceback" not in stderr_text(server[0])
