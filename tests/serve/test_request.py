@@ -153,8 +153,9 @@ def test_only_the_fields_read_are_kept():
 
 def _values(leaf):
     from hypothesis import strategies as st
-    return st.recursive(leaf, lambda inner: st.lists(inner, max_size=40) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                            max_size=12), max_leaves=400)
+    def nest(inner):
+        return st.lists(inner, max_size=40) | st.dictionaries(st.text(max_size=6), inner, max_size=12)
+    return st.recursive(leaf, nest, max_leaves=400)
 
 
 def _leaves():
