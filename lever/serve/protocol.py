@@ -120,26 +120,30 @@ def _unfit(request: h11.Request) -> h11.RemoteProtocolError | None:
     return None
 
 
-def protocol_class(*, max_connections: int, header_timeout_s: float) -> type[H11Protocol]:
-    """An H11Protocol with these bounds, for uvicorn.Config(http=...)."""
-    class Bounded(H11Protocol):
-        def __init__(self, config, server_state, app_state, _loop=None) -> None:
-            super().__init__(config=config, server_state=server_state, app_state=app_state, _loop=_loop)
-            self._max_head = config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
-            self.conn = _Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
+class JsonRefusals(H11Protocol):
+    """uvicorn's h11 protocol, a request h11 refuses (or `_unfit` does) answered as JSON."""
 
-        def send_400_response(self, msg: str) -> None:
-            """uvicorn's answer to a request h11 refused, as JSON naming what was wrong."""
-            error = self.conn.error
-            if error is None or self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-                # a response already begun (a body refused after its route answered): no room for another
-                self.transport.close()
-                return
-            status = error.error_status_hint if error.error_status_hint in STATUS_PHRASES else 400
-            self.transport.write(error_response(status, malformed_message(
-                error, max_head=self._max_head, version=self.conn.version)))
+    def __init__(self, config, server_state, app_state, _loop=None) -> None:
+        super().__init__(config=config, server_state=server_state, app_state=app_state, _loop=_loop)
+        self._max_head = config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        self.conn = _Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 refused, as JSON naming what was wrong."""
+        error = self.conn.error
+        if error is None or self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            # a response already begun (a body refused after its route answered): no room for another
             self.transport.close()
+            return
+        status = error.error_status_hint if error.error_status_hint in STATUS_PHRASES else 400
+        self.transport.write(error_response(status, malformed_message(
+            error, max_head=self._max_head, version=self.conn.version)))
+        self.transport.close()
 
+
+def protocol_class(*, max_connections: int, header_timeout_s: float) -> type[H11Protocol]:
+    """An H11Protocol with these bounds and JSON refusals, for uvicorn.Config(http=...)."""
+    class Bounded(JsonRefusals):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._idle_since = self.loop.time()
