@@ -136,7 +136,7 @@ def main(args) -> int:
                          f"({e.name} is missing)") from None
     from lever.api import load
 
-    llm = load(args.config or shipped("default.toml"), overrides=args.set)
+    llm = _load(args, load)
     server_state = None
     try:
         model_id = Path(llm.config.model.target).stem
@@ -155,7 +155,11 @@ def main(args) -> int:
         # parsing, queued calls), the kept conversations, the live page (Server.memory_plan)
         plan = {k: v >> 20 for k, v in server_state.memory_plan().items()}
         plan_mib, grammar_mib = sum(plan.values()), llm.memory_plan().grammar_bytes >> 20
-        check_plan(plan, llm.config.memory.limit_bytes, cache_ram_mib=args.cache_ram)
+        if getattr(args, "mem", None) is not None:
+            from lever.backends.flash.config import parse_bytes
+            check_plan(plan, parse_bytes(args.mem), cache_ram_mib=args.cache_ram, limit_name=f"--mem {args.mem}")
+        else:
+            check_plan(plan, llm.config.memory.limit_bytes, cache_ram_mib=args.cache_ram)
         llm.grammars.start()  # the grammar compiler's child, before the first schema waits for it
         print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
               f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}, "
@@ -177,7 +181,29 @@ def main(args) -> int:
     return 0
 
 
-def check_plan(plan: dict[str, int], limit_bytes: int | None, *, cache_ram_mib: int) -> None:
+def _load(args, load):
+    """The pipeline; under --mem, planned within what the server's own parts leave of it (its
+    requests, kept conversations, live page), so the whole server keeps to --mem."""
+    if getattr(args, "mem", None) is None:
+        return load(args.config or shipped("default.toml"), overrides=args.set)
+    from lever.backends.flash.config import parse_bytes
+    from lever.pipelines.watch import LIVE_BYTES
+    from lever.serve.pool import POOL_BYTES
+
+    mem = parse_bytes(args.mem)
+    own = POOL_BYTES + (args.cache_ram << 20) + (LIVE_BYTES if args.page else 0)
+    where = (f"--mem {args.mem}: {own >> 20} MiB of it go to requests ({POOL_BYTES >> 20}), kept conversations "
+             f"(--cache-ram {args.cache_ram}) and the live page")
+    if own >= mem:
+        raise LeverError(f"{where}, which leaves nothing for the run; give more, or a smaller --cache-ram")
+    try:
+        return load(args.config or shipped("default.toml"), overrides=[*args.set, f"memory.limit={mem - own}"])
+    except LeverError as e:
+        raise LeverError(f"{where}; the run in the {(mem - own) >> 20} MiB left: {e}") from None
+
+
+def check_plan(plan: dict[str, int], limit_bytes: int | None, *, cache_ram_mib: int,
+               limit_name: str = "[memory] limit") -> None:
     """The server's plan (MiB by part) against [memory] limit (--mem) and what the process may
     still take (the machine's memory, or its cgroup's: lever.policy.memory.room_bytes), as
     `lever run` checks its own; one line naming --cache-ram when that is what does not fit."""
@@ -190,7 +216,7 @@ def check_plan(plan: dict[str, int], limit_bytes: int | None, *, cache_ram_mib: 
              f"{plan['live page']} MiB")
     if limit_bytes is not None and total > limit_bytes:
         raise LeverError(f"--cache-ram: {cache_ram_mib} MiB of kept conversations beside {parts} passes "
-                         f"[memory] limit ({limit_bytes >> 20} MiB); give less")
+                         f"{limit_name} ({limit_bytes >> 20} MiB); give less")
     more = total - psutil.Process().memory_info().rss
     room, whose = room_bytes()
     if more > room:

@@ -24,14 +24,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*extra: str, queue: int = QUEUE, template: str | None = TEMPLATE, headers: dict | None = None):
+def start_server(*extra: str, queue: int = QUEUE, template: str | None = TEMPLATE, headers: dict | None = None,
+                 wrap=None):
     """(the process, its base URL); its stderr goes to a file (a pipe nobody reads could fill
-    and stall it), read with `stderr_text(proc)`."""
+    and stall it), read with `stderr_text(proc)`. `wrap`: the command line as it should run
+    (lever.cli.bench.cgroup.Group.joined: inside a memory cgroup)."""
     port = _free_port()
     sets = ["--set", f"model.chat_template={json.dumps(template)}"] if template else []
     err = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "lever", "serve", "--port", str(port), "--queue", str(queue),
-                             *sets, *extra], stderr=err, stdin=subprocess.DEVNULL, text=True)
+    cmd = [sys.executable, "-m", "lever", "serve", "--port", str(port), "--queue", str(queue), *sets, *extra]
+    proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stderr=err, stdin=subprocess.DEVNULL, text=True)
     proc.err_file = err
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

@@ -14,6 +14,7 @@ Needs a writable memory controller (cgroup v2 or v1): root, here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -65,8 +66,27 @@ def _controller() -> tuple[Path, str, str]:
     raise LeverError("bench cap: no memory cgroup controller is mounted (cgroup v2 or v1 memory)")
 
 
-def run_capped(cmd: list[str], cap_bytes: int, *, evict_paths=(), timeout_s: float = 3600.0) -> Capped:
-    """Run `cmd` in a fresh memory cgroup limited to `cap_bytes`, after evicting `evict_paths`."""
+@attrs.frozen
+class Group:
+    """A memory cgroup made for one command: its directory and the file its peak is read from."""
+
+    path: Path
+    peak_file: str
+
+    def joined(self, cmd: list[str]) -> list[str]:
+        """`cmd` as run inside the group: a shell joins it, then becomes the command, so
+        everything the command maps is counted."""
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *cmd]
+
+    @property
+    def peak_bytes(self) -> int:
+        return int((self.path / self.peak_file).read_text())
+
+
+@contextlib.contextmanager
+def memory_group(cap_bytes: int):
+    """A fresh memory cgroup limited to `cap_bytes` (swap off, which would hide the cap),
+    removed once its last process has left."""
     parent, limit_file, peak_file = _controller()
     group = parent / f"lever-cap-{os.getpid()}-{time.monotonic_ns()}"
     try:
@@ -74,19 +94,29 @@ def run_capped(cmd: list[str], cap_bytes: int, *, evict_paths=(), timeout_s: flo
         (group / limit_file).write_text(str(cap_bytes))
         swap = group / "memory.swap.max"  # v2; v1's memsw counts swap inside the limit already
         if limit_file == "memory.max" and swap.exists():
-            swap.write_text("0")  # swap would hide the cap
+            swap.write_text("0")
     except OSError as e:
-        raise LeverError(f"bench cap: cannot make a memory cgroup in {parent}: {e.strerror} (it needs root)") from None
+        raise LeverError(f"bench: cannot make a memory cgroup in {parent}: {e.strerror} (it needs root)") from None
     try:
+        yield Group(group, peak_file)
+    finally:
+        for _ in range(50):  # the group goes once its last process has left it
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def run_capped(cmd: list[str], cap_bytes: int, *, evict_paths=(), timeout_s: float = 3600.0) -> Capped:
+    """Run `cmd` in a fresh memory cgroup limited to `cap_bytes`, after evicting `evict_paths`."""
+    with memory_group(cap_bytes) as group:
         for p in evict_paths:
             evict(p)
-        procs = str(group / "cgroup.procs")
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock
         t0 = time.perf_counter()
-        # a shell joins the group, then becomes the command: everything it maps is counted
-        joined = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *cmd]
-        proc = subprocess.Popen(joined, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                text=True)
+        proc = subprocess.Popen(group.joined(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True)
         timed_out = False
         try:
             out, err = proc.communicate(timeout=timeout_s)
@@ -96,12 +126,4 @@ def run_capped(cmd: list[str], cap_bytes: int, *, evict_paths=(), timeout_s: flo
             timed_out = True
         wall = time.perf_counter() - t0
         read = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock - before) * BLOCK_BYTES
-        peak = int((group / peak_file).read_text())
-        return Capped(proc.returncode, out, err, peak, read, wall, timed_out)
-    finally:
-        for _ in range(50):  # the group goes once its last process has left it
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        return Capped(proc.returncode, out, err, group.peak_bytes, read, wall, timed_out)
