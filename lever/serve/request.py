@@ -16,6 +16,7 @@ import re
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
+from lever.api.call import MAX_LOGPROBS
 from lever.config import KNOBS
 
 MAX_BODY_BYTES = 4 << 20
@@ -147,6 +148,8 @@ def parse(body: bytes, endpoint: str) -> dict:
         raise BadRequest("messages: required, a list of {role, content}", "messages")
     elif data.get("top_logprobs") is not None and not data.get("logprobs"):
         raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
+    elif data.get("top_logprobs") is not None and not 0 <= data["top_logprobs"] <= MAX_LOGPROBS:
+        raise BadRequest(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {data['top_logprobs']}", "top_logprobs")
     if endpoint in ("completions", "chat"):
         data["json_schema"] = _schema(data)
         if data["json_schema"] is not None and data.get("grammar") is not None:

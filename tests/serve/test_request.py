@@ -103,6 +103,9 @@ def test_logprobs_reach_the_call_as_a_count_of_alternatives(endpoint, extra, arg
 @pytest.mark.parametrize("extra, words", [
     ({"logprobs": 3}, "logprobs: must be a boolean"), ({"top_logprobs": 2}, "top_logprobs: needs logprobs: true"),
     ({"logprobs": True, "top_logprobs": "2"}, "top_logprobs: must be an integer"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs: must be in \\[0, 20\\], got 21"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs: must be in"),
+    ({"logprobs": True, "top_logprobs": 10**9}, "top_logprobs: must be in"),
 ])
 def test_chat_logprobs_are_checked_by_name(extra, words):
     body = {"messages": [{"role": "user", "content": "x"}], **extra}
