@@ -80,3 +80,30 @@ def test_a_client_never_gets_anothers_rows(llm):
         again = llm.run(llm.prepare(A, max_tokens=8), session=s, client="alice")
         assert first.usage.cached_tokens == 0 and other.usage.cached_tokens == 0
         assert again.usage.cached_tokens > 0 and again.tokens == first.tokens
+
+
+def test_a_clients_puts_never_push_out_anothers_entries():
+    """Any sequence of puts and takes by three clients over a cache split in three: what one
+    client holds changes only by its own calls, each client keeps within its share, and
+    every client's oldest leave first."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    one = snap(list(range(10))).nbytes
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans(), st.integers(0, 40)), max_size=60))
+    def check(ops):
+        c = PrefixCache(3 * 3 * one, shares=3)  # three entries a client
+        for client, put, x in ops:
+            before = {k: v for k, v in c.entries.items() if k[0] != client}
+            if put:
+                c.put(client, snap([x, *range(100, 109)]))
+            else:
+                c.take(client, [x, *range(100, 109)])
+            assert {k: v for k, v in c.entries.items() if k[0] != client} == before
+            for who in "abc":
+                assert sum(s.nbytes for k, s in c.entries.items() if k[0] == who) <= c.share_bytes
+            assert c.used_bytes == sum(s.nbytes for s in c.entries.values())
+
+    check()

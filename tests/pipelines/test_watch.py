@@ -130,3 +130,26 @@ def test_a_watched_run_is_the_same_run_and_its_kept_paths_spell_its_tokens(llm):
         assert c["own"] == 1 or c["done"]
         assert 0 <= c["flash_busy"] <= 1 and c["spans"]
     assert {s["stage"] for c in decode for s in c["spans"]} >= {"prefetch", "verify", "accept", "draft"}
+
+
+def test_each_clients_sequence_is_its_own():
+    """Events of several clients interleaved at random: a client's numbers run 1, 2, 3 ...
+    whatever the others push, its newest and missed counts are its own, and nothing it reads
+    moves with another's runs."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.lists(st.sampled_from(["a", "b", None]), max_size=200), st.integers(200, 4000))
+    def check(pushes, max_bytes):
+        w = Watch(lambda t: str(t), max_bytes=max_bytes)
+        counts = {"a": 0, "b": 0, None: 0}
+        for who in pushes:
+            counts[who] += 1
+            assert w.push(who, {"who": who}) == counts[who]
+        for who, n in counts.items():
+            found, newest, missed = w.since(0, who)
+            assert newest == n and [e.seq for e in found] == list(range(missed + 1, n + 1))
+            assert all(e.client == who for e in found)
+
+    check()
