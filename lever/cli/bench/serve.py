@@ -18,6 +18,7 @@ memory plan (the renderer child's RSS beside it, outside the plan).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import socket
@@ -35,29 +36,33 @@ from lever.cli.table import show
 from lever.errors import LeverError
 from lever.outputs import write_json
 
-KEY = "bench-serve-key"
+KEY = "bench-serve-key"  # the good client's
+ATTACK_KEY = "bench-serve-attacker"  # every hostile worker's: the good client is another key's
 PROMPT = "def parse_args(argv):"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "<|im_start|>assistant\n")  # for a pair without a template of its own (the shipped one)
 LOOP_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 TIMEOUT_S = 1.0  # the servers' --timeout: headers, bodies, renders
 MAX_CONNECTIONS = 32
+BURST = 20  # /live readers arriving together: past the bound of 8, within the connections' cap
+CACHE_RAM_MIB = 4  # kept conversations: 2 MiB a key, so the attacker's fill its share within a phase
 START_S = 120.0
 
 
 class Live:
     """A `lever serve` child on a free port, its stderr in a file."""
 
-    def __init__(self, config: str | None, sets: list[str], *extra: str):
+    def __init__(self, config: str | None, sets: list[str], *extra: str, wrap=None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.err = tempfile.TemporaryFile("w+")
-        cmd = [sys.executable, "-m", "lever", "serve", "--port", str(self.port), "--api-key", KEY, "--timeout",
-               str(TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS), *(["-c", config] if config else []),
-               *(x for s in sets for x in ("--set", s)), *extra]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.err)
+        cmd = [sys.executable, "-m", "lever", "serve", "--port", str(self.port), "--api-key", KEY, "--api-key",
+               ATTACK_KEY, "--timeout", str(TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
+               *(["-c", config] if config else []), *(x for s in sets for x in ("--set", s)), *extra]
+        self.proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=self.err)
         import httpx
 
         deadline = time.monotonic() + START_S
@@ -80,14 +85,17 @@ class Live:
         return self.err.read()
 
     def rss_mib(self) -> tuple[float, float]:
-        """The server's RSS and its children's (the template renderer), MiB."""
+        """The server's peak RSS (the kernel's high-water mark: nothing between two looks is
+        missed) and its children's RSS now (the renderer, the grammar compiler), MiB."""
         import psutil
 
         try:
             p = psutil.Process(self.proc.pid)
             kids = sum(c.memory_info().rss for c in p.children(recursive=True))
-            return p.memory_info().rss / 2**20, kids / 2**20
-        except psutil.Error:
+            status = open(f"/proc/{self.proc.pid}/status").read()
+            peak = int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+            return peak, kids / 2**20
+        except (psutil.Error, OSError, AttributeError):
             return 0.0, 0.0
 
     def stop(self) -> int:
@@ -137,7 +145,7 @@ def health_poller(live: Live, stop: threading.Event, out: dict) -> None:
 def _post(live: Live, path: str, body: bytes | dict, headers: dict | None = None, timeout: float = 30) -> int | str:
     import httpx
 
-    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
+    h = {"Authorization": f"Bearer {ATTACK_KEY}", "Content-Type": "application/json", **(headers or {})}
     try:
         if isinstance(body, dict):
             return httpx.post(live.url + path, content=json.dumps(body), headers=h, timeout=timeout).status_code
@@ -157,7 +165,7 @@ def bodies(live: Live, stop: threading.Event, seen: Counter) -> None:
             seen[f"bodies {_post(live, '/v1/completions', body)}"] += 1
         with socket.create_connection(("127.0.0.1", live.port), timeout=5) as s:
             s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                      f"Authorization: Bearer {KEY}\r\nContent-Length: {500 << 20}\r\n\r\n".encode())
+                      f"Authorization: Bearer {ATTACK_KEY}\r\nContent-Length: {500 << 20}\r\n\r\n".encode())
             try:
                 seen[f"bodies {s.recv(64).split(b' ')[1].decode()}"] += 1
             except (OSError, IndexError):
@@ -217,7 +225,7 @@ def leavers(live: Live, stop: threading.Event, seen: Counter) -> None:
     """A stream left after its first line; a request that gives up while queued."""
     import httpx
 
-    h = {"Authorization": f"Bearer {KEY}"}
+    h = {"Authorization": f"Bearer {ATTACK_KEY}"}
     while not stop.is_set():
         try:
             with httpx.stream("POST", live.url + "/v1/completions", headers=h, timeout=30,
@@ -263,16 +271,112 @@ def grammars(live: Live, stop: threading.Event, seen: Counter) -> None:
         k += 1
 
 
+def _fat(n_objects: int) -> bytes:
+    """A completion whose `metadata`, a field the server does not read, holds n empty objects."""
+    return b'{"prompt": "def f(x):", "max_tokens": 2, "metadata": [' + b",".join([b"{}"] * n_objects) + b"]}"
+
+
+def fat_bodies(live: Live, stop: threading.Event, seen: Counter) -> None:
+    """A slow stream runs while ten 4 MiB bodies arrive, each 1.4 million empty objects (100 MB
+    each once parsed: refused unparsed), and ten of 150,000 (parsed, queued behind it)."""
+    bodies = [_fat(1_398_000)] * 10 + [_fat(150_000)] * 10
+    slow = {"prompt": PROMPT, "max_tokens": 200}
+
+    def post(body) -> None:
+        seen[f"fat body {_post(live, '/v1/completions', body)}"] += 1
+
+    while not stop.is_set():
+        threads = [threading.Thread(target=post, args=(b,)) for b in [slow, *bodies]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+
+
+def slow_bodies(live: Live, stop: threading.Event, seen: Counter) -> None:
+    """Six bodies that declare 4 MiB and send 12 bytes, held until the server cuts them, again."""
+    while not stop.is_set():
+        socks = []
+        try:
+            for _ in range(6):
+                s = socket.create_connection(("127.0.0.1", live.port), timeout=30)
+                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          f"Authorization: Bearer {ATTACK_KEY}\r\nContent-Length: {4 << 20}\r\n\r\n"
+                          '{"prompt": "'.encode())
+                socks.append(s)
+            for s in socks:
+                try:
+                    head = s.recv(64)
+                    seen[f"slow body {head.split(b' ')[1].decode() if head else 'closed'}"] += 1
+                except (OSError, IndexError):
+                    seen["slow body closed"] += 1
+        finally:
+            for s in socks:
+                s.close()
+
+
+def reader_burst(live: Live, stop: threading.Event, seen: Counter) -> None:
+    """BURST /live readers at once, held a second: how many were let in (the bound is 8)."""
+    while not stop.is_set():
+        socks = []
+        try:
+            for _ in range(BURST):
+                socks.append(socket.create_connection(("127.0.0.1", live.port), timeout=30))
+            for s in socks:
+                s.sendall(f"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {ATTACK_KEY}\r\n\r\n"
+                          .encode())
+            let_in = 0
+            for s in socks:
+                try:
+                    let_in += s.recv(64).split(b" ")[1] == b"200"
+                except (OSError, IndexError):
+                    pass
+            seen["live burst, most let in"] = max(seen["live burst, most let in"], let_in)
+            stop.wait(1.0)
+        finally:
+            for s in socks:
+                s.close()
+        stop.wait(1.0)
+
+
+def cache_pressure(live: Live, stop: threading.Event, seen: Counter) -> None:
+    """Fourteen conversations of the attacker's key, over and over: they fill its share of the
+    kept conversations (and, were the LRU shared, would push out the good client's)."""
+    i = 0
+    while not stop.is_set():
+        msgs = [{"role": "user", "content": f"class Thing{i % 14}: " * 40}]
+        seen[f"cache pressure {_post(live, '/v1/chat/completions', {'messages': msgs, 'max_tokens': 2})}"] += 1
+        i += 1
+
+
+def conversation(live: Live, before=None) -> tuple[dict, int]:
+    """The good client's conversation: its first turn (None), or its next after `before`: the
+    reply and the prompt tokens that came back from the kept conversations."""
+    import httpx
+
+    msgs = [{"role": "user", "content": "def parse_args(argv): " * 24}]
+    if before is not None:
+        msgs += [{"role": "assistant", "content": before["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "more"}]
+    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 4},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=300).json()
+    return r, ((r.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
 def endless_renders(live: Live, stop: threading.Event, seen: Counter) -> None:
     while not stop.is_set():
         status = _post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
         seen[f"endless template {status}"] += 1
 
 
-HOSTILE = (bodies, slow_headers, crowd, trespass, leavers, grammars)
+HOSTILE = (bodies, slow_headers, crowd, trespass, leavers, grammars, fat_bodies, slow_bodies, reader_burst,
+           cache_pressure)
 
 
 def phase(live: Live, seconds: float, workers=()) -> dict:
+    """The good client (and /health) for `seconds` beside `workers`; its conversation started
+    before and continued after, to see whether the workers pushed it out of the kept ones."""
+    first, _ = conversation(live)
     stop = threading.Event()
     out = {"ms": [], "status": Counter(), "health_ms": [], "rss": 0.0, "child_rss": 0.0}
     seen: Counter = Counter()
@@ -284,8 +388,11 @@ def phase(live: Live, seconds: float, workers=()) -> dict:
     stop.wait(seconds)
     stop.set()
     for t in threads:
-        t.join(60)
-    return {**out, "hostile": dict(seen)}
+        t.join(120)
+    chats = "choices" in first  # the endless template's server answers no chat
+    cached = conversation(live, first)[1] if chats else 0
+    return {**out, "hostile": dict(seen), "conversation_cached": cached,
+            "conversation_tokens": (first.get("usage") or {}).get("prompt_tokens", 0) if chats else 0}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -294,22 +401,30 @@ def _pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
 
 
-def bench_serve(config: str | None, sets: list[str], seconds: float, out=print, json_path=None) -> dict:
+def bench_serve(config: str | None, sets: list[str], seconds: float, *, mem: str | None = None, out=print,
+                json_path=None) -> dict:
+    """The phases (module doc); with `mem`, each server runs with `--mem mem` in a memory cgroup
+    of that size (lever.cli.bench.cgroup), as a phone would hold it to its share."""
     results = {}
-    live = Live(config, sets if config else [f"model.chat_template={json.dumps(CHATML)}", *sets])
-    try:
-        results["calm"] = phase(live, seconds)
-        results["hostile"] = phase(live, seconds, HOSTILE)
-        results["calm"]["plan_mib"] = results["hostile"]["plan_mib"] = live.plan_mib
-    finally:
-        rc = live.stop()
+    with _capped(mem) as wrap:
+        extra = ("--mem", mem) if mem else ()
+        live = Live(config, sets if config else [f"model.chat_template={json.dumps(CHATML)}", *sets], *extra,
+                    "--cache-ram", str(CACHE_RAM_MIB), wrap=wrap)
+        try:
+            results["calm"] = phase(live, seconds)
+            results["hostile"] = phase(live, seconds, HOSTILE)
+            results["calm"]["plan_mib"] = results["hostile"]["plan_mib"] = live.plan_mib
+        finally:
+            rc = live.stop()
     tracebacks = live.stderr().count("Traceback")
-    loop = Live(config, [*sets, f"model.chat_template={json.dumps(LOOP_TEMPLATE)}"])
-    try:
-        results["template"] = phase(loop, seconds, (endless_renders,))
-        results["template"]["plan_mib"] = loop.plan_mib
-    finally:
-        rc2 = loop.stop()
+    with _capped(mem) as wrap:
+        loop = Live(config, [*sets, f"model.chat_template={json.dumps(LOOP_TEMPLATE)}"], *extra, "--cache-ram",
+                    str(CACHE_RAM_MIB), wrap=wrap)
+        try:
+            results["template"] = phase(loop, seconds, (endless_renders,))
+            results["template"]["plan_mib"] = loop.plan_mib
+        finally:
+            rc2 = loop.stop()
     tracebacks += loop.stderr().count("Traceback")
     calm_p99 = _pct(results["calm"]["ms"], 99)
     rows = []
@@ -322,21 +437,39 @@ def bench_serve(config: str | None, sets: list[str], seconds: float, out=print, 
         hostile = sum(r["hostile"].values())
         rows.append([name, good, failed, f"{p50:.0f}", f"{p99:.0f}", f"{r['p99_over_calm']:.2f}x",
                      f"{r['health_p99_ms']:.0f}", hostile, f"{r['rss']:.0f}/{r['plan_mib']}",
-                     f"{r['child_rss']:.0f}"])
-    show(["phase", "good", "failed", "p50", "p99", "p99/calm", "health p99", "hostile", "RSS/plan", "child"],
-         rows, out, title=f"{seconds:g} s a phase ({config or 'shipped pair'}), --timeout {TIMEOUT_S:g} s, "
-                          f"--max-connections {MAX_CONNECTIONS} (ms, MiB)")
+                     f"{r['child_rss']:.0f}", f"{r['conversation_cached']}/{r['conversation_tokens']}"])
+    show(["phase", "good", "failed", "p50", "p99", "p99/calm", "health p99", "hostile", "peak RSS/plan", "child",
+          "conv. cached"], rows, out,
+         title=f"{seconds:g} s a phase ({config or 'shipped pair'}), --timeout {TIMEOUT_S:g} s, --max-connections "
+               f"{MAX_CONNECTIONS}, --cache-ram {CACHE_RAM_MIB}"
+               + (f", --mem {mem} in a cgroup of {mem}" if mem else "") + " (ms, MiB)")
     for name in ("hostile", "template"):
         out(f"{name}: " + ", ".join(f"{k}: {v}" for k, v in sorted(results[name]["hostile"].items())))
-    out(f"server exits {rc} and {rc2} on SIGTERM; {tracebacks} tracebacks in their stderr")
-    summary = {"exit_codes": [rc, rc2], "tracebacks": tracebacks,
-               "within_plan": all(r["rss"] <= r["plan_mib"] for r in results.values())}
+    killed = [c for c in (rc, rc2) if c in (-9, 137)]
+    out(f"server exits {rc} and {rc2} on SIGTERM ({'KILLED' if killed else 'none killed'}); {tracebacks} tracebacks "
+        "in their stderr")
+    summary = {"exit_codes": [rc, rc2], "tracebacks": tracebacks, "killed": bool(killed),
+               "within_plan": all(r["rss"] <= r["plan_mib"] for r in results.values()),
+               "good_p99_over_calm": results["hostile"]["p99_over_calm"]}
     result = {"seconds": seconds, "phases": {k: {x: v for x, v in r.items() if x not in ("ms", "health_ms")} |
                                              {"status": {str(s): n for s, n in r["status"].items()}}
                                              for k, r in results.items()}, "summary": summary}
     if json_path:
         write_json(json_path, result)
     return result
+
+
+@contextlib.contextmanager
+def _capped(mem: str | None):
+    """A wrapper that runs a command in a memory cgroup of `mem` bytes (None: as it is)."""
+    if mem is None:
+        yield None
+        return
+    from lever.backends.flash.config import parse_bytes
+    from lever.cli.bench.cgroup import memory_group
+
+    with memory_group(parse_bytes(mem)) as group:
+        yield group.joined
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -359,5 +492,6 @@ def check_args(args) -> None:
 
 def main(args) -> int:
     check_args(args)
-    bench_serve(str(args.config) if args.config else None, args.set, args.seconds, json_path=args.json)
+    # --mem: each server runs with it, in a memory cgroup of that size (root)
+    bench_serve(str(args.config) if args.config else None, args.set, args.seconds, mem=args.mem, json_path=args.json)
     return 0
