@@ -27,7 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lever.errors import LeverError, shown
 from lever.gguf.file import GGUFFile
-from lever.nesting import depth, text_depth
+from lever.nesting import check_json, depth, text_depth
 
 TEMPLATE_KEY = "tokenizer.chat_template"
 ROLES = ("system", "user", "assistant", "tool")
@@ -162,17 +162,29 @@ def _tool_calls(i: int, calls) -> list[dict]:
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise LeverError(f"{where}: must be {{id, type: function, function: {{name, arguments}}}}")
         args = f.get("arguments", {})
-        if (text_depth(args) if isinstance(args, str) else depth(args)) > MAX_NESTING:
-            raise LeverError(f"{where}.function.arguments: nests deeper than {MAX_NESTING} levels")
         if isinstance(args, str):
+            if text_depth(args) > MAX_NESTING:
+                raise LeverError(f"{where}.function.arguments: nests deeper than {MAX_NESTING} levels")
             try:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
                 raise LeverError(f"{where}.function.arguments: not valid JSON") from None
+        check_json(args, f"{where}.function.arguments", max_depth=MAX_NESTING)  # JSON, no cycle: templates recurse
         if not isinstance(args, dict):
             raise LeverError(f"{where}.function.arguments: must be a JSON object")
-        out.append({"id": str(c.get("id", "")), "type": "function", "function": {"name": f["name"], "arguments": args}})
+        out.append({"id": _id(c.get("id", ""), f"{where}.id"), "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
     return out
+
+
+def _id(value, where: str) -> str:
+    """A call's id (a string; a 64-bit number is taken as its text): anything else is refused,
+    not written with str(), which recurses into a nested value."""
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() <= 64:
+        return int.__repr__(value)
+    raise LeverError(f"{where}: must be a string, got {type(value).__name__}")
 
 
 def check_messages(messages) -> list[dict]:
@@ -197,7 +209,7 @@ def check_messages(messages) -> list[dict]:
         if calls:
             checked["tool_calls"] = calls
         if role == "tool" and m.get("tool_call_id") is not None:
-            checked["tool_call_id"] = str(m["tool_call_id"])
+            checked["tool_call_id"] = _id(m["tool_call_id"], f"messages[{i}].tool_call_id")
         out.append(checked)
     return out
 

@@ -33,7 +33,7 @@ from lever.errors import LeverError
 from lever.gguf.tokenizer import Tokenizer
 from lever.model import bounds, gbnf
 from lever.model.grammar_child import CompileProcess, CompileRefused
-from lever.nesting import text_depth
+from lever.nesting import JsonValueError, check_json, text_depth
 
 # whitespace between JSON tokens bounded as llama.cpp's json-schema-to-grammar bounds it (a space,
 # or a newline and up to 20 of indent), so a model fond of blank space still closes its object
@@ -51,11 +51,12 @@ _ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer 
 
 class GrammarError(LeverError):
     """A grammar refused, or one the engine gave up on while generating: one line naming the
-    argument it came in (`field`: "grammar", "json_schema", "response_format", "tool_choice")."""
+    argument it came in (`field`: "grammar", "json_schema", "response_format", "tool_choice")
+    and, for a schema given as Python objects, the place in it at fault (`at`: ".properties.a")."""
 
-    def __init__(self, field: str, why: str):
-        super().__init__(f"{field}: {why}")
-        self.field, self.why = field, why
+    def __init__(self, field: str, why: str, at: str = ""):
+        super().__init__(f"{field}{at}: {why}")
+        self.field, self.why, self.at = field, why, at
 
 
 def _llg():
@@ -141,6 +142,7 @@ class Grammar:
                 raise GrammarError(where, f"not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise GrammarError(where, f"a JSON Schema is an object, got {type(schema).__name__}")
+        check_schema_value(schema, where)
         _bounded(where, bounds.check_schema, schema)
         return cls._compiled(tok, where, lambda g: g.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS),
                              compiler)
@@ -156,7 +158,10 @@ class Grammar:
              compiler: CompileProcess | None = None) -> Grammar:
         """A Lark grammar (llguidance's dialect: `start: ...`); GBNF (llama.cpp's) is converted
         (lever.model.gbnf, linear in its size). Both are held to lever.model.bounds first."""
-        if not isinstance(grammar, str) or not grammar.strip():
+        if not isinstance(grammar, str):
+            raise GrammarError(where, f"must be Lark or GBNF text (a str) or a compiled Grammar, got "
+                                      f"{type(grammar).__name__}")
+        if not grammar.strip():
             raise GrammarError(where, "must be a non-empty string")
         size = len(grammar.encode("utf-8", "replace"))
         if size > bounds.MAX_GRAMMAR_BYTES:
@@ -233,6 +238,16 @@ def compile_args(tok: Tokenizer, grammar=None, json_schema=None, compiler: Compi
     if grammar is not None:
         return Grammar.lark(tok, grammar, compiler=compiler)
     return Grammar.json_schema(tok, json_schema, compiler=compiler) if json_schema is not None else None
+
+
+def check_schema_value(schema, where: str = "json_schema") -> None:
+    """A schema given as Python objects is JSON (string keys, finite numbers, no cycle) within
+    the schema bounds of nesting and size, checked without recursing before anything serializes
+    or compiles it (lever.nesting.check_json); a GrammarError naming `where` and the place."""
+    try:
+        check_json(schema, where, max_depth=bounds.MAX_SCHEMA_DEPTH)
+    except JsonValueError as e:
+        raise GrammarError(where, e.why, e.at) from None
 
 
 def _bounded(where: str, check, value) -> None:

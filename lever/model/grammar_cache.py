@@ -17,20 +17,18 @@ import threading
 import attrs
 
 from lever.gguf.tokenizer import Tokenizer
-from lever.model import bounds
 from lever.model.grammar import (
     MAX_CACHED_MASKS,
     MAX_CHECKPOINTS,
     MAX_LEXER_STATES,
     Adapter,
     Grammar,
-    GrammarError,
     Source,
+    check_schema_value,
     compile_args,
     matcher_limits,
 )
 from lever.model.grammar_child import CompileProcess, CompileRefused, child_bytes
-from lever.nesting import depth
 
 CACHE_BYTES = 32 << 20  # compiled grammars kept (a tool's schema: tens of kB; 1,000 properties: 4 MB)
 MAX_GRAMMARS = 64  # and at most this many
@@ -135,13 +133,12 @@ class GrammarCache:
 
 def _key(grammar, json_schema) -> tuple:
     """The cache's key of a call's grammar: its kind and text (a schema as canonical JSON,
-    once its nesting is known to be bounded: json.dumps recurses per level)."""
+    once it is known to be JSON within the bounds)."""
     if isinstance(grammar, Source):
         return ("grammar", grammar.text, grammar.where)
     if grammar is not None:
         return ("grammar", grammar, "grammar")
     if isinstance(json_schema, str):
         return ("json_schema", json_schema)
-    if depth(json_schema) > bounds.MAX_SCHEMA_DEPTH:
-        raise GrammarError("json_schema", f"nests over {bounds.MAX_SCHEMA_DEPTH} levels deep")
+    check_schema_value(json_schema)  # JSON, bounded, no cycle: json.dumps recurses per level
     return ("json_schema", json.dumps(json_schema, sort_keys=True))

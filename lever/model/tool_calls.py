@@ -27,7 +27,7 @@ from lever.errors import LeverError
 from lever.gguf.chat_template import MAX_NESTING
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.grammar import Source
-from lever.nesting import depth, text_depth
+from lever.nesting import check_json, text_depth
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
@@ -64,8 +64,10 @@ def check_tools(tools) -> list[dict]:
         params = f.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
             raise LeverError(f"tools[{i}].function.parameters: must be a JSON Schema object")
-        if depth(params) > MAX_NESTING:
-            raise LeverError(f"tools[{i}].function.parameters: nests deeper than {MAX_NESTING} levels")
+        # JSON (string keys, finite numbers, no cycle) within the nesting templates and the
+        # grammar take, before a template, json.dumps or a compiler recurses into it
+        check_json(params, f"tools[{i}].function.parameters", max_depth=MAX_NESTING)
+        check_json(t, f"tools[{i}]", max_depth=MAX_NESTING + 2)  # the rest of the entry: the template writes it all
         if "description" in f and not isinstance(f["description"], str):
             raise LeverError(f"tools[{i}].function.description: must be a string")
         out.append({"type": "function", "function": {**f, "parameters": params}})
@@ -154,8 +156,10 @@ def plan(tok: Tokenizer, tools, tool_choice, parallel: bool = True) -> tuple[lis
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(f, dict) \
             and isinstance(f.get("name"), str):
         return tools, required(tok, tools, f["name"], parallel)
+    # a value that is not a string may nest deep or hold itself: named by its type, never dumped
+    got = json.dumps(tool_choice)[:60] if isinstance(tool_choice, str) else type(tool_choice).__name__
     raise LeverError(f"tool_choice: must be none, auto, required or {{type: function, function: {{name}}}}, "
-                     f"got {json.dumps(tool_choice)[:60]}")
+                     f"got {got}")
 
 
 @attrs.define
