@@ -28,6 +28,7 @@ import attrs
 
 from lever.api.call import Call, Cancelled, Chunk, Completion, Offer, Usage, prepare_generate
 from lever.api.conversation import Session
+from lever.api.render import ChatRenderer
 from lever.config import KNOBS, Config, load_config
 from lever.dataflow.messages import TokenLogprob
 from lever.errors import LeverError
@@ -95,10 +96,12 @@ class LLM:
     lock: threading.Lock = attrs.field(factory=threading.Lock)  # one generation at a time (sessions' save, load)
     _template: ChatTemplate | None = None
     grammars: GrammarCache = attrs.field(init=False)  # compiled grammars, bounded by bytes (lever.model.grammar_cache)
+    renderer: ChatRenderer = attrs.field(init=False)  # every chat's template runs in its child (lever.api.render)
     watch: Watch | None = None  # sees every generation's cycles as they run (a live page: lever.pipelines.watch)
 
     def __attrs_post_init__(self):
         self.grammars = GrammarCache(self.engine.tok)  # its compiler's child starts with the first grammar
+        self.renderer = ChatRenderer(self.engine.tok, self.engine.n_ctx, self.engine.n_ctx_source)  # child: lazily
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -144,11 +147,11 @@ class LLM:
                     tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a conversation: the template's special tokens as control tokens,
         special-token text inside a message as the text it is (no user can forge a turn).
-        `rendered`: the conversation already rendered (a server renders in a child process);
-        `tools`: the functions the template offers (checked)."""
+        Rendered in the renderer's child process, bounded in time, memory and output
+        (lever.api.render); `rendered`: the conversation already rendered; `tools`: the
+        functions the template offers (checked: lever.model.tool_calls.check_tools)."""
         if rendered is None:
-            rendered = self.chat_template.render_marked(messages, specials=tuple(self.engine.tok.specials),
-                                                        tools=tools)
+            rendered = self.renderer.render(self.chat_template, messages, tools)
         # the template writes its own special tokens, a leading BOS among them
         return self.engine.tok.encode_chat(rendered) or _empty()
 
@@ -163,8 +166,8 @@ class LLM:
                 rendered: Rendered | None = None, offer: Offer | None = None, tools: list[dict] | None = None,
                 tool_choice=None, parallel_tool_calls: bool | None = None, **args) -> Call:
         """A generation call, checked once (lever.api.call): a completion of `prompt`, or a
-        reply to `messages` through the chat template (`rendered`: already rendered, a server
-        renders in a child process), with the functions `tools` offers (or an `offer` made
+        reply to `messages` through the chat template (`rendered`: already rendered, as a server
+        does before it queues the call), with the functions `tools` offers (or an `offer` made
         already) and the call's arguments: the knobs by their call names (lever.config.KNOBS),
         `stop`, `logprobs`, a `grammar` (Lark or GBNF text, a Grammar) or a `json_schema`, a
         `cancel` event. One line naming the argument at fault."""
@@ -281,6 +284,7 @@ class LLM:
 
     def close(self) -> None:
         self.grammars.close()  # a compile under way (a server's request thread) fails at once
+        self.renderer.close()  # so does a render
         with self.lock:
             self.engine.close()
 

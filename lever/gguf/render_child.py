@@ -1,11 +1,12 @@
-"""Chat templates rendered in a child process, for a server: a template's time and memory bounded.
+"""Chat templates rendered in a child process: a template's time and memory bounded.
 
 A Jinja2 template is a program. The sandbox (lever.gguf.chat_template) keeps it from reaching
 anything, but not from running long (nested loops) or allocating without end (`'a' * 10**10`),
-and a Python thread cannot be stopped from outside. So `lever serve` renders in one child
-process, started on first use: its data segment is capped (RLIMIT_DATA) and a render that takes
-longer than its time bound gets the child killed, the request a one-line refusal, and the next
-render a fresh child. The child is the only place a template's code runs; it holds no model.
+and a Python thread cannot be stopped from outside. So every chat renders in one child process
+(an LLM's, lever.api; `lever serve` renders through its LLM's), started on first use: its data
+segment is capped (RLIMIT_DATA) and a render that takes longer than its time bound gets the
+child killed, the call a one-line refusal, and the next render a fresh child. The child is the
+only place a template's code runs; it holds no model.
 
     with RenderProcess() as r:
         rendered = r.render(template, messages, specials=..., timeout_s=2.0)
@@ -32,6 +33,8 @@ from lever.gguf.chat_template import MAX_RENDER_CHARS, ChatTemplate, Rendered, T
 
 DATA_LIMIT_BYTES = 256 << 20  # what a render may allocate beyond the child's start
 START_TIMEOUT_S = 30.0
+RENDER_TIMEOUT_S = 10.0  # a render in the library (a server gives its request timeout): a chat's takes ms
+CLOSED = "chat template: the renderer is closed (its LLM or server is stopping)"
 
 
 @attrs.define
@@ -56,7 +59,7 @@ class RenderProcess:
                               "max_chars": max_chars, "tools": tools}).encode() + b"\n"
         with self._lock:
             if self._closed:
-                raise TemplateError("chat template: the renderer is closed (the server is stopping)")
+                raise TemplateError(CLOSED)
             proc = self._child()
             self.renders += 1
             try:
@@ -69,7 +72,7 @@ class RenderProcess:
                 timed_out = proc.poll() is None
                 self._kill()
                 if self._closed:
-                    raise TemplateError("chat template: the renderer is closed (the server is stopping)")
+                    raise TemplateError(CLOSED)
                 if timed_out:
                     self.kills += 1
                     raise TemplateError(f"{template.source}: chat template: took over {timeout_s:g} s to render; "
@@ -81,6 +84,12 @@ class RenderProcess:
             raise TemplateError(answer["error"])
         return Rendered(answer["text"], tuple(answer["foreign"]))
 
+    @property
+    def pid(self) -> int | None:
+        """The child's process id; None before the first render and once it is gone."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
     def close(self) -> None:
         """Kills the child; a render in progress (another thread) fails at once. Safe to call
         from any thread, more than once."""
@@ -89,13 +98,17 @@ class RenderProcess:
         if proc is not None and proc.poll() is None:
             proc.kill()
 
+    def stop(self) -> None:
+        """close(), then the child reaped (waits for a render in another thread to fail)."""
+        self.close()
+        with self._lock:
+            self._kill()
+
     def __enter__(self) -> RenderProcess:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-        with self._lock:
-            self._kill()
+        self.stop()
 
     def _child(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:

@@ -5,8 +5,8 @@ Below the server's routes (lever.serve.server), above the body's reader and pars
 held in the server's pool first (lever.serve.pool): its body's bytes as they arrive (read within
 its bound and the server's timeout), what parsing them may take (refused unparsed past
 MAX_PARSE_BYTES; only the fields read are kept), a chat's messages bounded (their count, their
-bytes) before any template sees them and rendered in a child process (lever.gguf.render_child),
-bounded in time and output, the prompt's tokenizing; then the call is prepared once (the prompt
+bytes) before any template sees them and rendered by the LLM's renderer in its child process
+(lever.api.render), bounded in time and output, the prompt's tokenizing; then the call is prepared once (the prompt
 within the context, the knobs in their ranges, a grammar compiled) and the request holds only
 what the call keeps until it ends.
 Each step runs in a worker thread of its own kind, so a slow template holds up chats and a slow
@@ -22,9 +22,9 @@ import attrs
 from starlette.requests import Request
 
 from lever.api import LLM, Call, Offer
+from lever.api.render import PromptTooLong
 from lever.errors import LeverError
 from lever.gguf.chat_template import Rendered, check_messages
-from lever.gguf.render_child import RenderProcess
 from lever.serve import TIMEOUT_S
 from lever.serve.pool import Hold
 from lever.serve.request import BadRequest, parse, parse_bytes, read_body, sampling
@@ -41,22 +41,20 @@ CALL_BYTES = 16 << 10  # a call's own objects beside its ids (knobs, events, the
 
 @attrs.define
 class Preparer:
-    """The server's preparation of requests: the pool of bodies, the renderer's child, the
-    worker threads' limits."""
+    """The server's preparation of requests: the worker threads' limits; its chats render
+    through its LLM's renderer (one child process for the library's calls and the server's)."""
 
     llm: LLM
     timeout_s: float = TIMEOUT_S
-    renderer: RenderProcess = attrs.field(factory=RenderProcess)  # a chat template runs in a child process
-    max_prompt_bytes: int = attrs.field(init=False)
     _prep: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(PREP_THREADS))
     _renders: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))  # one child
     _compiles: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))  # one grammar child
 
-    def __attrs_post_init__(self):
-        # a token stands for at most the longest token's bytes: a prompt of more bytes than the
-        # context's tokens could hold is over the context before it is counted (twice that, for
-        # normalizers that shorten text before the model sees it)
-        self.max_prompt_bytes = 2 * self.llm.n_ctx * self.llm.tokenizer.max_token_bytes
+    @property
+    def max_prompt_bytes(self) -> int:
+        """Text of more bytes is over the context before it is counted (the LLM's rule:
+        lever.api.render.ChatRenderer.max_prompt_bytes)."""
+        return self.llm.renderer.max_prompt_bytes
 
     async def call(self, request: Request, endpoint: str, hold: Hold) -> tuple[Shape, Call]:
         """The request's call, checked (BadRequest or LeverError naming the field), and how its
@@ -127,12 +125,13 @@ class Preparer:
         return data, args, messages, offer
 
     def render(self, messages: list[dict], tools: tuple[dict, ...] | None = None) -> Rendered:
-        """The conversation through the template, in the child process, bounded in time and output."""
-        rendered = self.renderer.render(self.llm.chat_template, messages, specials=tuple(self.llm.tokenizer.specials),
-                                        timeout_s=self.timeout_s, max_chars=self.max_prompt_bytes,
-                                        tools=list(tools) if tools else None)
-        self.check_bytes(len(rendered.text.encode("utf-8", "replace")), "messages")
-        return rendered
+        """The conversation through the template, in the LLM's renderer's child process, bounded
+        in time (the server's timeout) and output."""
+        try:
+            return self.llm.renderer.render(self.llm.chat_template, messages, list(tools) if tools else None,
+                                            timeout_s=self.timeout_s)
+        except PromptTooLong as e:
+            raise BadRequest(str(e), e.field) from None
 
     def prepare(self, data: dict, args: dict, messages: list[dict] | None, rendered: Rendered | None,
                 offer: Offer) -> Call:
@@ -143,13 +142,15 @@ class Preparer:
         return self.llm.prepare(messages=messages, rendered=rendered, offer=offer, **args)
 
     def check_bytes(self, n_bytes: int, field: str) -> None:
-        if n_bytes > self.max_prompt_bytes:
-            raise BadRequest(f"{field}: {n_bytes} bytes of text is more than the context of {self.llm.n_ctx} tokens "
-                             f"can hold ({self.llm.n_ctx_source})", field)
+        try:
+            self.llm.renderer.check_bytes(n_bytes, field)
+        except PromptTooLong as e:
+            raise BadRequest(str(e), e.field) from None
 
     def close(self) -> None:
-        """Stops the children: a render or a grammar's compile under way fails at once."""
-        self.renderer.close()
+        """Stops the children: a render or a grammar's compile under way fails at once (safe
+        from a signal handler: nothing here waits)."""
+        self.llm.renderer.close(wait=False)
         self.llm.grammars.close()
 
 
@@ -178,7 +179,9 @@ def call_bytes(call: Call) -> int:
 
 
 def named(message: str, schema_field: str) -> str:
-    """A line about the call's json_schema, named by the field the request gave it in."""
-    if message.startswith("json_schema:") and schema_field != "json_schema":
-        return schema_field + message[len("json_schema"):]
-    return message
+    """A line about the call's json_schema, named by the field the request gave it in (a place
+    in the schema by its path there: response_format.json_schema.schema.properties.a)."""
+    rest = message[len("json_schema"):]
+    if schema_field == "json_schema" or not message.startswith("json_schema") or rest[:1] not in ":.[":
+        return message
+    return schema_field + (rest if rest.startswith(":") else ".json_schema.schema" + rest)

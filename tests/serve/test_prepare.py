@@ -1,0 +1,38 @@
+"""lever.serve.prepare without a live server: a chat renders through the LLM's own renderer (one
+child process for the library's calls and the server's), held to the LLM's byte rule, and a
+fault inside a schema is named by the field the request gave it in."""
+
+from __future__ import annotations
+
+import pytest
+
+from lever.serve.prepare import Preparer, named
+from lever.serve.request import BadRequest
+
+
+def test_the_server_renders_through_the_llms_renderer(llm):
+    prep = Preparer(llm, timeout_s=5.0)
+    messages = [{"role": "user", "content": "a<|endoftext|>b"}]
+    rendered = prep.render(messages)
+    assert llm.renderer.process.pid is not None  # the LLM's child did it
+    assert rendered == llm.chat_template.render_marked(messages, specials=tuple(llm.tokenizer.specials))
+    assert prep.max_prompt_bytes == llm.renderer.max_prompt_bytes == 2 * llm.n_ctx * llm.tokenizer.max_token_bytes
+    with pytest.raises(BadRequest, match=r"^messages: \d+ characters of text is more than the context") as e:
+        prep.render([{"role": "user", "content": "x" * (prep.max_prompt_bytes + 1)}])
+    assert e.value.param == "messages" and e.value.status == 400
+    with pytest.raises(BadRequest, match=r"^prompt: \d+ bytes of text") as e:
+        prep.check_bytes(prep.max_prompt_bytes + 1, "prompt")
+    assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("message, field, want", [
+    ("json_schema: a chain of 3002 $refs", "response_format", "response_format: a chain of 3002 $refs"),
+    ("json_schema.properties.n.maximum: nan is not a finite number", "response_format",
+     "response_format.json_schema.schema.properties.n.maximum: nan is not a finite number"),
+    ("json_schema[0]: x", "response_format", "response_format.json_schema.schema[0]: x"),
+    ("json_schema.properties.a: x", "json_schema", "json_schema.properties.a: x"),
+    ("json_schemata: x", "response_format", "json_schemata: x"),
+    ("grammar: x", "response_format", "grammar: x"),
+])
+def test_a_schemas_fault_is_named_by_the_field_it_came_in(message, field, want):
+    assert named(message, field) == want
