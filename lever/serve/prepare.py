@@ -6,9 +6,9 @@ held in the server's pool first (lever.serve.pool): its body's bytes as they arr
 its bound and the server's timeout), what parsing them may take (refused unparsed past
 MAX_PARSE_BYTES; only the fields read are kept), a chat's messages bounded (their count, their
 bytes) before any template sees them and rendered by the LLM's renderer in its child process
-(lever.api.render), bounded in time and output, the prompt's tokenizing; then the call is prepared once (the prompt
-within the context, the knobs in their ranges, a grammar compiled) and the request holds only
-what the call keeps until it ends.
+(lever.api.render), bounded in time and output, the prompt's tokenizing; then the call is
+prepared once (the prompt within the context, the knobs in their ranges, a grammar compiled)
+and the request holds only what the call keeps until it ends.
 Each step runs in a worker thread of its own kind, so a slow template holds up chats and a slow
 grammar other grammars, never plain completions or /tokenize.
 """
