@@ -1,7 +1,7 @@
 """How deep a JSON value nests, found without recursing: the bound is checked before anything
 that recurses per level (json.loads, json.dumps, a template's tojson, a schema compiler) sees it.
 
-Beside lever.errors, below everything: the chat template's tool calls (lever.gguf.chat_template),
+Above lever.errors, below everything else: the chat template's tool calls (lever.gguf.chat_template),
 the tool calls in a reply (lever.model.tool_calls) and the grammars' bounds (lever.model.bounds).
 `check_json` is the door for a JSON-like value an app hands over as Python objects (a
 json_schema, a tool's parameters, a call's arguments): what json.dumps, a template and the

@@ -14,8 +14,9 @@ from tests.conftest import ROOT
 
 # Bottom to top. A module may import its own unit and the units of lower floors only.
 FLOORS = (
-    ("lever.errors", "lever.signals", "lever.nesting"),  # one-line failures; how a signal stops a command; JSON depth
-    ("lever.outputs",),  # every file Lever writes: checked before the work, written atomically
+    ("lever.errors", "lever.signals"),  # one-line failures; how a signal stops a command
+    # every file Lever writes: checked before the work, written atomically; JSON values checked without recursing
+    ("lever.outputs", "lever.nesting"),
     ("lever.gguf", "lever.shipped"),  # what a file says; where the shipped examples are
     ("lever.backends.cpu",),  # the kernels' binding, weights in their layouts, one layer
     ("lever.model",),  # a model in DRAM, sampling, generation, the float64 reference
