@@ -17,6 +17,7 @@ phone's whole compute); calls from several threads queue on a lock.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import queue
@@ -221,14 +222,15 @@ class LLM:
         return Session(self, cache=cache)
 
     def run(self, call: Call, *, session: Session | None = None, client: object = None, on_text=None,
-            watch: Watch | None = None) -> Completion:
+            watch: Watch | None = None, turn=None) -> Completion:
         """One prepared call (`on_text(text, n_tokens, logprobs)`: each piece as it is final); in
         `session`, the prefix its caches already hold is not prefilled again, when the
         session's last call was `client`'s (a server's clients never share a prefix); `watch`:
-        who sees its cycles (a live page's; default this LLM's `watch`)."""
+        who sees its cycles (a live page's; default this LLM's `watch`); `turn`: a context the
+        call waits in before it takes the model (a server's turns among its clients)."""
         text = TextStream(self.engine.tok, call.stop, on_text, frozenset(self.engine.tok.eos_ids), call.cancel,
                           grammar=call.grammar, offered=Offer(call.tools).names if call.tools else None)
-        with self.lock:
+        with turn if turn is not None else contextlib.nullcontext(), self.lock:
             if call.cancel.is_set():  # its caller left while it waited
                 raise Cancelled("the generation was cancelled before it started")
             watch = watch or self.watch
@@ -246,7 +248,7 @@ class LLM:
                           tuple(text.logprobs) if call.logprobs is not None else None, tuple(calls))
 
     def stream_call(self, call: Call, *, session: Session | None = None, client: object = None,
-                    watch: Watch | None = None) -> Iterator[Chunk]:
+                    watch: Watch | None = None, turn=None) -> Iterator[Chunk]:
         """One prepared call, streamed (as `stream`): the generation runs in a thread of its own;
         leaving the loop early cancels it at the end of its current pass. Text from where a tool
         call may begin is held (lever.pipelines.text); the calls come whole on the last chunk."""
@@ -258,7 +260,7 @@ class LLM:
 
         def work():
             try:
-                out.put(self.run(call, session=session, client=client, on_text=piece, watch=watch))
+                out.put(self.run(call, session=session, client=client, on_text=piece, watch=watch, turn=turn))
             except BaseException as e:  # handed to the consumer, raised there
                 out.put(e)
             finally:

@@ -1,17 +1,27 @@
-"""Admission: how many requests `lever serve` holds, and how they end on shutdown.
+"""Admission: how many requests `lever serve` holds, whose turn the model is, and how they end on
+shutdown.
 
 Below the server's routes (lever.serve.server), beside request preparation: one generation runs
-and `queue` wait beside it; past them a request gets 429. Each admitted request's cancel event is
+and `queue` wait beside it; past them a request gets 429, and so does one of a client (an API
+key, or an address without keys) already holding its share of the queue. Whose generation runs
+next goes round the clients waiting (`Turns`), first come first served within one client's: a
+client that queues ten requests gets one turn in each round, as another that queues one does, so
+it cannot make the others wait behind all of its own. Each admitted request's cancel event is
 tracked, so shutdown can refuse new requests at once and cancel the admitted ones after a grace.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import threading
 
 import attrs
 
+from lever.api import Cancelled
 from lever.serve.request import BadRequest
+
+WAIT_POLL_S = 0.1  # how often a waiting request looks at its cancel event
 
 SHUTTING_DOWN = ("the server is shutting down", 503, "server_shutting_down")
 
@@ -25,20 +35,35 @@ class Admission:
     closing: bool = False
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
     _cancels: set = attrs.field(factory=set)  # the admitted requests' cancel events
+    _by_client: collections.Counter = attrs.field(factory=collections.Counter)
 
-    def admit(self) -> None:
-        """A request joins: 503 when the server is stopping, 429 past the queue."""
+    @property
+    def client_share(self) -> int:
+        """Requests one client may have admitted: half the places (and one at least)."""
+        return max((self.queue + 1) // 2, 1)
+
+    def admit(self, client: object = None) -> None:
+        """A request of `client` joins: 503 when the server is stopping, 429 past the queue or
+        past the client's share of it."""
         with self._lock:
             if self.closing:
                 raise BadRequest(SHUTTING_DOWN[0], status=503, kind=SHUTTING_DOWN[2])
             if self.admitted > self.queue:  # one running and `queue` waiting
                 raise BadRequest(f"the server is busy: {self.queue} requests already wait", status=429,
                                  kind="rate_limit_exceeded")
+            if self._by_client[client] >= self.client_share:
+                raise BadRequest(f"this client already has {self._by_client[client]} requests running or waiting, "
+                                 f"its share of the server's {self.queue + 1} places", status=429,
+                                 kind="rate_limit_exceeded")
             self.admitted += 1
+            self._by_client[client] += 1
 
-    def release(self) -> None:
+    def release(self, client: object = None) -> None:
         with self._lock:
             self.admitted -= 1
+            self._by_client[client] -= 1
+            if not self._by_client[client]:
+                del self._by_client[client]
 
     def track(self, cancel: threading.Event) -> None:
         """An admitted request's cancel event: set at once when the server is stopping already."""
@@ -64,3 +89,50 @@ class Admission:
         with self._lock:
             for c in self._cancels:
                 c.set()
+
+
+@attrs.define
+class Turns:
+    """Whose generation runs: one at a time, round the clients waiting. Safe from any thread
+    (a generation waits for its turn in its worker thread)."""
+
+    _cond: threading.Condition = attrs.field(factory=threading.Condition)
+    _waiting: dict = attrs.field(factory=dict)  # client -> deque of its tickets, first come first
+    _round: collections.deque = attrs.field(factory=collections.deque)  # clients waiting, next first
+    _busy: bool = False
+    served: collections.Counter = attrs.field(factory=collections.Counter)  # turns by client
+
+    @contextlib.contextmanager
+    def turn(self, client: object, cancel: threading.Event):
+        """Waits for `client`'s turn (Cancelled when `cancel` is set first), holds it inside."""
+        ticket = object()
+        with self._cond:
+            if client not in self._waiting:
+                self._waiting[client] = collections.deque()
+                self._round.append(client)
+            self._waiting[client].append(ticket)
+            while self._busy or self._waiting[self._round[0]][0] is not ticket:
+                if cancel.is_set():
+                    self._leave(client, ticket)
+                    raise Cancelled("the generation was cancelled before it started")
+                self._cond.wait(WAIT_POLL_S)
+            self._leave(client, ticket)
+            if client in self._waiting:  # its next request waits a round
+                self._round.remove(client)
+                self._round.append(client)
+            self._busy = True
+            self.served[client] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _leave(self, client: object, ticket: object) -> None:
+        q = self._waiting[client]
+        q.remove(ticket)
+        if not q:
+            del self._waiting[client]
+            self._round.remove(client)
+        self._cond.notify_all()

@@ -5,7 +5,9 @@
     / (a live page of the trees being verified) and its /live events (lever.serve.page)
 
 One model pair, one generation at a time, as on a phone: requests wait in a queue of at most
-`queue` beside the one running, and past it get 429 with an OpenAI-style error. A client that
+`queue` beside the one running (a client at most half of it), and past it get 429 with an
+OpenAI-style error; the waiting generations take their turns round their clients
+(lever.serve.admission.Turns), so one key's many requests do not make another's wait behind all. A client that
 goes away cancels its generation at the end of the current pass and frees its place. Bad
 requests get 400 naming the field. On shutdown (SIGINT, SIGTERM or SIGHUP to `lever serve`) new
 requests get 503 and the admitted ones have `grace_s` to finish; then the running one is
@@ -39,7 +41,7 @@ from lever.model.stop import StopReason
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.watch import LIVE_BYTES, Watch
 from lever.serve import TIMEOUT_S
-from lever.serve.admission import SHUTTING_DOWN, Admission
+from lever.serve.admission import SHUTTING_DOWN, Admission, Turns
 from lever.serve.guard import Access, Guard
 from lever.serve.metrics import Metrics
 from lever.serve.page import Page
@@ -71,6 +73,7 @@ class Server:
     # (API key) conversations prefills only what is new; clients never share
     session: Session
     pool: RequestPool = attrs.field(factory=RequestPool)  # what requests hold, from their first byte to their end
+    turns: Turns = attrs.field(factory=Turns)  # whose generation runs next: round the clients waiting
     metrics: Metrics | None = None  # running totals for /metrics; None: not served
     page: Page | None = None  # the live page and its events (lever.serve.page); None: not served
     created: int = attrs.field(factory=lambda: int(time.time()))
@@ -163,7 +166,7 @@ class Server:
                 raise BadRequest(SHUTTING_DOWN[0], status=503, kind=SHUTTING_DOWN[2])
             # checked before queueing: a bad request never waits for its 400 (lever.serve.prepare)
             shape, call = await self.prep.call(request, endpoint, hold)
-            self.admission.admit()
+            self.admission.admit(hold.client)
         except BadRequest as e:
             return error(e.message, e.status, e.kind, e.param)
         except LeverError as e:
@@ -176,12 +179,12 @@ class Server:
         client = request.scope.get("state", {}).get("client")
         if shape.stream:
             def end() -> None:  # however the stream ends, even before its first chunk
-                self.admission.release()
+                self.admission.release(hold.client)
                 hold.release()
-            return Streamed(self._stream(request, call, reply, shape, client), on_end=end,
+            return Streamed(self._stream(request, call, reply, shape, client, hold.client), on_end=end,
                             media_type="text/event-stream")
         try:
-            c = await self._generate(request, call, client)
+            c = await self._generate(request, call, client, hold.client)
         except Cancelled as e:  # its client left while it waited (nobody reads this), or shutdown
             if self.closing:
                 return error(*SHUTTING_DOWN)
@@ -189,14 +192,14 @@ class Server:
         except LeverError as e:  # the generation failed: a grammar the engine gave up on, NaN in a model
             return error(**failure(e, shape))
         finally:
-            self.admission.release()
+            self.admission.release(hold.client)
         self._finished(c.stats)
         if c.finish_reason is StopReason.CANCELLED and self.closing:  # cut: never reported as finished
             return error(f"the server is shutting down: the generation was cut after {len(c.tokens)} tokens",
                          503, SHUTTING_DOWN[2])
         return JSONResponse(reply.body(c))
 
-    async def _generate(self, request: Request, call: Call, client) -> Completion:
+    async def _generate(self, request: Request, call: Call, client, whose) -> Completion:
         self.admission.track(call.cancel)
         outcome: list = []  # the completion or the error, raised outside the task group (no ExceptionGroup)
         try:
@@ -204,7 +207,8 @@ class Server:
                 tg.start_soon(self._until_client_leaves, request, call.cancel)
                 try:
                     outcome.append(await anyio.to_thread.run_sync(
-                        lambda: self.llm.run(call, session=self.session, client=client, watch=self._watch())))
+                        lambda: self.llm.run(call, session=self.session, client=client, watch=self._watch(),
+                                             turn=self.turns.turn(whose, call.cancel))))
                 except LeverError as e:
                     outcome.append(e)
                 finally:
@@ -226,10 +230,11 @@ class Server:
                 cancel.set()
             await anyio.sleep(DISCONNECT_POLL_S)
 
-    async def _stream(self, request: Request, call: Call, reply: Reply, shape: Shape, client):
+    async def _stream(self, request: Request, call: Call, reply: Reply, shape: Shape, client, whose):
         cancel = call.cancel
         self.admission.track(cancel)
-        it = self.llm.stream_call(call, session=self.session, client=client, watch=self._watch())
+        it = self.llm.stream_call(call, session=self.session, client=client, watch=self._watch(),
+                                  turn=self.turns.turn(whose, call.cancel))
         n_out, n_chars = 0, 0
         try:
             if reply.chat:

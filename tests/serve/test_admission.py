@@ -1,0 +1,111 @@
+"""lever.serve.admission: the queue's places, a client's share of them, and the model's turns
+going round the clients waiting."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lever.api import Cancelled
+from lever.serve.admission import Admission, Turns
+from lever.serve.request import BadRequest
+
+
+def test_one_client_gets_half_the_places_and_another_still_gets_in():
+    a = Admission(queue=8)  # nine places: one running, eight waiting
+    for _ in range(a.client_share):
+        a.admit("mallory")
+    with pytest.raises(BadRequest, match="its share") as e:
+        a.admit("mallory")
+    assert e.value.status == 429
+    a.admit("bob")
+    a.release("mallory")
+    a.admit("mallory")  # a place given back is hers again
+    assert a.admitted == a.client_share + 1
+
+
+def _served_order(arrivals: list[str]) -> list[str]:
+    """Requests arriving in this order while the model is busy: the order their turns come."""
+    turns, order, hold, started = Turns(), [], threading.Event(), threading.Event()
+
+    def first():
+        with turns.turn("first", threading.Event()):
+            started.set()
+            hold.wait(30)
+
+    def one(client: str):
+        with turns.turn(client, threading.Event()):
+            order.append(client)
+
+    t0 = threading.Thread(target=first)
+    t0.start()
+    started.wait(30)
+    threads = []
+    for c in arrivals:  # queued one after another, each surely waiting before the next comes
+        t = threading.Thread(target=one, args=(c,))
+        t.start()
+        threads.append(t)
+        deadline = time.monotonic() + 30
+        while sum(len(q) for q in turns._waiting.values()) < len(threads) and time.monotonic() < deadline:
+            time.sleep(0.001)
+    hold.set()
+    for t in [t0, *threads]:
+        t.join(30)
+    return order
+
+
+def _round_robin(arrivals: list[str]) -> list[str]:
+    """The order the rule gives when all have arrived before the first turn: the clients in the
+    order they first came, one request each a round, each client's in its own order."""
+    left = {c: arrivals.count(c) for c in arrivals}
+    rounds, order = list(dict.fromkeys(arrivals)), []
+    while rounds:
+        c = rounds.pop(0)
+        order.append(c)
+        left[c] -= 1
+        if left[c]:
+            rounds.append(c)
+    return order
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from("abc"), min_size=1, max_size=12))
+def test_turns_go_round_the_clients_first_come_first_served_within_each(arrivals):
+    """Requests queued behind a running one, in any order: their turns go round the clients
+    (one each a round), so a client that queued many waits no one behind all of its own."""
+    assert _served_order(arrivals) == _round_robin(arrivals)
+
+
+def test_a_waiting_turn_cancelled_leaves_and_the_next_goes_on():
+    turns, cancel, started, hold = Turns(), threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with turns.turn("a", threading.Event()):
+            started.set()
+            hold.wait(30)
+
+    t = threading.Thread(target=first)
+    t.start()
+    started.wait(30)
+    out = []
+
+    def waiter():
+        try:
+            with turns.turn("b", cancel):
+                out.append("ran")
+        except Cancelled:
+            out.append("cancelled")
+
+    w = threading.Thread(target=waiter)
+    w.start()
+    cancel.set()
+    w.join(30)
+    hold.set()
+    t.join(30)
+    assert out == ["cancelled"] and not turns._waiting
+    with turns.turn("c", threading.Event()):
+        pass
