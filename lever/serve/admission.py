@@ -3,7 +3,7 @@ shutdown.
 
 Below the server's routes (lever.serve.server), beside request preparation: one generation runs
 and `queue` wait beside it; past them a request gets 429, and so does one of a client (an API
-key, or an address without keys) already holding its share of the queue. Whose generation runs
+key, on a server of several) already holding its share of the queue. Whose generation runs
 next goes round the clients waiting (`Turns`), first come first served within one client's: a
 client that queues ten requests gets one turn in each round, as another that queues one does, so
 it cannot make the others wait behind all of its own. Each admitted request's cancel event is
@@ -31,6 +31,7 @@ class Admission:
     """The queue's count and the admitted requests' cancel events; safe from any thread."""
 
     queue: int = 8  # requests that may wait beside the one running
+    shared: bool = False  # several clients (API keys) to keep apart: each holds at most half the places
     admitted: int = 0  # running + waiting
     closing: bool = False
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
@@ -39,8 +40,9 @@ class Admission:
 
     @property
     def client_share(self) -> int:
-        """Requests one client may have admitted: half the places (and one at least)."""
-        return max((self.queue + 1) // 2, 1)
+        """Requests one client may have admitted: half the places (one at least) on a server of
+        several keys; all of them where there is no other key to keep room for."""
+        return max((self.queue + 1) // 2, 1) if self.shared else self.queue + 1
 
     def admit(self, client: object = None) -> None:
         """A request of `client` joins: 503 when the server is stopping, 429 past the queue or

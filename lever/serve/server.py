@@ -320,10 +320,10 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
     if page:  # the live page (lever.serve.page) over every generation's cycles
         tok = llm.tokenizer
         watch = Watch(lambda t: tok.token_bytes(t).decode("utf-8", "replace"), max_bytes=live_bytes)
-        admission = Admission(queue)
+        admission = Admission(queue, shared=len(access.api_keys) > 1)
         live = Page(watch, lambda: admission.closing)
     else:
-        admission = Admission(queue)
+        admission = Admission(queue, shared=len(access.api_keys) > 1)
     s = Server(llm, model_id, admission, Preparer(llm, timeout_s), session, metrics=Metrics() if metrics else None,
                page=live)
     handlers = {HTTPException: _http_error, Exception: _internal_error}

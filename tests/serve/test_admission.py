@@ -16,7 +16,7 @@ from lever.serve.request import BadRequest
 
 
 def test_one_client_gets_half_the_places_and_another_still_gets_in():
-    a = Admission(queue=8)  # nine places: one running, eight waiting
+    a = Admission(queue=8, shared=True)  # nine places: one running, eight waiting
     for _ in range(a.client_share):
         a.admit("mallory")
     with pytest.raises(BadRequest, match="its share") as e:
@@ -26,6 +26,9 @@ def test_one_client_gets_half_the_places_and_another_still_gets_in():
     a.release("mallory")
     a.admit("mallory")  # a place given back is hers again
     assert a.admitted == a.client_share + 1
+    alone = Admission(queue=8)  # one key (or none): nobody else to keep room for
+    for _ in range(9):
+        alone.admit("bob")
 
 
 def _served_order(arrivals: list[str]) -> list[str]:
