@@ -18,6 +18,7 @@ import lever
 from lever.errors import LeverError
 from lever.gguf.render_child import DATA_LIMIT_BYTES
 from lever.shipped import shipped
+from tests.load import within
 
 GB = 1_000_000_000
 HOSTILE_TEMPLATES = [
@@ -53,7 +54,7 @@ def test_a_hostile_template_is_one_line_and_the_apps_memory_stays_put(template, 
             with pytest.raises(LeverError, match=words) as e:
                 call()
             assert str(e.value).startswith("chat_template: ") and "\n" not in str(e.value)
-        assert time.monotonic() - t0 < 6.0
+        assert within(time.monotonic() - t0, 6.0)
         assert status_mib("VmHWM") - rss < 64  # the template's gigabyte was never in this process
         pid = llm.renderer.process.pid
         if pid is not None:  # a child that survived its refusal stayed within its bound
@@ -116,7 +117,7 @@ def test_a_hostile_schema_through_the_qwen_pair_is_one_line_before_any_compile(q
         t0 = time.monotonic()
         with pytest.raises(LeverError, match=words):
             call()
-        assert time.monotonic() - t0 < 1.0
+        assert within(time.monotonic() - t0, 1.0)
     assert qwen.grammars.compiled == compiled
 
 
@@ -132,7 +133,7 @@ def test_hostile_tools_through_the_qwen_pair_are_one_line(qwen, parameters, word
         t0 = time.monotonic()
         with pytest.raises(LeverError, match=words):
             qwen.chat(ASK, tools=tools, tool_choice=choice, max_tokens=4)
-        assert time.monotonic() - t0 < 1.0
+        assert within(time.monotonic() - t0, 1.0)
 
 
 TEXT = st.text(st.sampled_from("ab <>|/\n_:system user"), max_size=8)

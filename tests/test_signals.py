@@ -53,7 +53,7 @@ t0 = time.monotonic()
 rc = main(sys.argv[4:])
 ended_s = time.monotonic() - t0
 timer.cancel(); timer.join()
-deadline = time.monotonic() + 2  # executor threads wind down just after their last task
+deadline = time.monotonic() + 30  # executor threads wind down just after their last task (a loaded machine: later)
 while time.monotonic() < deadline and [t for t in threading.enumerate() if t.ident not in threads0]:
     time.sleep(0.02)
 threads = [t.name for t in threading.enumerate() if t.ident not in threads0]

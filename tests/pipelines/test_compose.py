@@ -23,6 +23,7 @@ from lever.pipelines.compose import Request, compose
 from lever.pipelines.engine import run_pipeline
 from lever.pipelines.plan import RunPlan
 from lever.pipelines.target import FlashTarget
+from tests.load import within
 
 PROMPT = "the theory in the thin"
 
@@ -101,10 +102,12 @@ def test_cancellation_stops_within_a_second_and_releases_everything(tiny_model):
     anyio.run(main)
     stopped_s = time.perf_counter() - t0 - 0.5
     target.close()
-    assert stopped_s < 1.0
+    assert within(stopped_s, 1.0), stopped_s
     assert 0 < len(h.output.tokens) < 100000
-    time.sleep(0.1)
-    assert threading.active_count() <= threads0
+    deadline = time.monotonic() + 30  # worker threads end just after the run (later on a loaded machine)
+    while threading.active_count() > threads0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= threads0, [t.name for t in threading.enumerate()]
     assert {f.path for f in proc.open_files()} <= files0
 
 

@@ -30,6 +30,7 @@ from lever.errors import LeverError
 from lever.pipelines.engine import run_pipeline
 from tests.backends.flash.files import disk_dir  # noqa: F401 (a fixture
 from tests.conftest import ROOT
+from tests.load import within
 
 MODELS = ROOT / "examples" / "models"
 TARGET, DRAFT = "stdlib-target-q4_0.gguf", "stdlib-draft-q8_0.gguf"
@@ -70,8 +71,9 @@ def target(pair_dir, reference, request) -> Path:
     path.unlink(missing_ok=True)
 
 
-def settled(check, timeout_s: float = 1.0) -> bool:
-    """check() within timeout_s: worker threads end just after the run does."""
+def settled(check, timeout_s: float = 30.0) -> bool:
+    """check() within timeout_s: worker threads end just after the run does (on a loaded machine
+    that may take a while; an idle one returns at once)."""
     end = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > end:
@@ -114,7 +116,7 @@ def fails(cfg, faults: Faults) -> tuple[str, float]:
     del info
     released.check(faults)
     print(f"{faults.fired[0][0]} at read {faults.fired[0][1]}: stopped in {1e3 * stop_s:.1f} ms: {msg}")
-    assert "\n" not in msg and stop_s < 1.0
+    assert "\n" not in msg and within(stop_s, 1.0), stop_s
     return msg, stop_s
 
 
