@@ -10,15 +10,18 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
 import lever
 from lever.shipped import shipped
+from tests.load import within
 from tests.serve.live import JSON, TEMPLATE, start_server, stderr_text, stop
 
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 PROMPT = "def parse_args(argv):"
 KEYS = ("key-alice", "key-bob")
+SLOW_FLASH = "flash.bandwidth_cap_bytes_per_s=1e7"  # 5.4 MB a pass streamed (budget 0): 480 tokens take ~25 s
 
 
 def auth(key: str) -> dict:
@@ -31,6 +34,33 @@ def server():
     yield proc, url
     assert stop(proc) == 128 + signal.SIGINT
     assert "Traceback" not in stderr_text(proc), stderr_text(proc)
+
+
+def waited(check, what: str, timeout_s: float = 60) -> None:
+    """check() comes true: waited for, not slept, so a loaded machine's slowness is no failure."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def accepted(proc, url: str) -> int:
+    """Connections the server has taken (accepted, in its own descriptors)."""
+    port = int(url.rsplit(":", 1)[1])
+    return sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
+               for c in psutil.Process(proc.pid).net_connections("tcp"))
+
+
+def rendering(proc) -> bool:
+    """The server's render child is in a render: it has spent more CPU than its start takes
+    (about 0.2 s), a clock that a loaded machine does not run faster."""
+    for child in psutil.Process(proc.pid).children():
+        try:
+            if "lever.gguf.render_child" in child.cmdline() and sum(child.cpu_times()[:2]) > 0.6:
+                return True
+        except psutil.Error:
+            pass
+    return False
 
 
 def health_ms(url: str) -> float:
@@ -55,8 +85,8 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized_and_health_keeps_answer
     t.join()
     r = out["r"]
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-    assert "context" in r.json()["error"]["message"] and out["s"] < 2.0
-    assert worst < 500, f"/health took {worst:.0f} ms while a big prompt was handled"
+    assert "context" in r.json()["error"]["message"] and within(out["s"], 2.0), out["s"]
+    assert within(worst / 1000, 0.5), f"/health took {worst:.0f} ms while a big prompt was handled"
 
 
 def test_a_declared_500_mb_body_is_refused_unread(server):
@@ -117,7 +147,7 @@ def test_idle_connections_give_way_and_half_open_ones_are_closed(server):
         idle[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers never finished
         t0 = time.monotonic()
         assert httpx.get(url + "/health", timeout=5).status_code == 200  # an idle one made room at once
-        assert time.monotonic() - t0 < 1
+        assert within(time.monotonic() - t0, 1.0)
         for s in idle[:6]:  # the oldest idle ones were closed to make room
             s.settimeout(5)
             assert s.recv(4096) == b""
@@ -131,7 +161,9 @@ def test_idle_connections_give_way_and_half_open_ones_are_closed(server):
 
 
 def test_a_new_connection_gets_503_only_when_every_one_is_serving():
-    proc, url = start_server("--max-connections", "2", "--set", "flash.dram_budget=0")
+    # flash-streamed (budget 0) at 10 MB/s: the stream lasts 25 s or more, however slow the machine
+    # is to set up the rest (the test ends long before)
+    proc, url = start_server("--max-connections", "2", "--set", "flash.dram_budget=0", "--set", SLOW_FLASH)
     try:
         body = {"prompt": PROMPT, "max_tokens": 480, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
@@ -140,7 +172,7 @@ def test_a_new_connection_gets_503_only_when_every_one_is_serving():
             queued = threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
                                       kwargs={"json": {"prompt": PROMPT, "max_tokens": 4}, "timeout": 30})
             queued.start()  # the other waiting for the engine: serving too
-            time.sleep(0.5)
+            waited(lambda: accepted(proc, url) >= 2, "the queued request's connection")
             r2 = httpx.get(url + "/health", timeout=5)
             assert r2.status_code == 503 and r2.json()["error"]["message"] == "too many connections"
         queued.join(30)
@@ -163,16 +195,13 @@ def test_queued_clients_that_leave_free_their_places_quietly(server):
             except httpx.TimeoutException:
                 gave_up.append(1)
 
-        clients = [threading.Thread(target=leave) for _ in range(3)]
+        clients = [threading.Thread(target=leave) for _ in range(2)]  # the share of one key of two: 2 of 5 places
         for t in clients:
             t.start()
         for t in clients:
             t.join()
-        assert len(gave_up) == 3
-    deadline = time.monotonic() + 5
-    while httpx.get(url + "/health").json()["admitted"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert httpx.get(url + "/health").json()["admitted"] == 0
+        assert len(gave_up) == 2
+    waited(lambda: httpx.get(url + "/health").json()["admitted"] == 0, "the places given back")
     assert "Traceback" not in stderr_text(proc) and "ExceptionGroup" not in stderr_text(proc), stderr_text(proc)
 
 
@@ -197,7 +226,7 @@ def test_templates_that_loop_or_raise_are_one_line_and_the_server_goes_on():
             r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
                            timeout=30)
             assert r.status_code == status and words in r.json()["error"]["message"], r.text
-            assert time.monotonic() - t0 < 5 and health_ms(url) < 500
+            assert within(time.monotonic() - t0, 5.0) and within(health_ms(url) / 1000, 0.5)
             assert httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
         finally:
             stop(proc)
@@ -214,20 +243,21 @@ def test_sigterm_during_a_long_render_stops_within_a_second():
 
     t = threading.Thread(target=chat)
     t.start()
-    time.sleep(1.0)
+    waited(lambda: rendering(proc), "the chat's render")
     t0 = time.monotonic()
     rc = stop(proc, signal.SIGTERM, timeout_s=10)
     took = time.monotonic() - t0
     t.join(10)
-    assert rc == 143 and took < 1.5, took
+    assert rc == 143 and within(took, 1.5), took
     assert out["r"].status_code == 503
     lines = stderr_text(proc).strip().splitlines()
     assert lines[-1] == "lever: interrupted (SIGTERM)" and "Traceback" not in stderr_text(proc)
 
 
 def test_sigterm_with_a_queue_waiting_cuts_the_running_one_and_turns_the_waiting_away():
-    # flash-streamed (budget 0): 480 tokens take seconds, so the grace of 0.2 s cuts the stream
-    proc, url = start_server("--grace", "0.2", "--set", "flash.dram_budget=0", queue=4)
+    # flash-streamed (budget 0) at 10 MB/s: 480 tokens take 25 s or more, so the grace of 0.2 s cuts
+    # the stream, however long a loaded machine takes to queue the others
+    proc, url = start_server("--grace", "0.2", "--set", "flash.dram_budget=0", "--set", SLOW_FLASH, queue=4)
     results = []
 
     def one(stream: bool):
@@ -240,9 +270,7 @@ def test_sigterm_with_a_queue_waiting_cuts_the_running_one_and_turns_the_waiting
             results.append(("plain", r.status_code, r.json()))
 
     def admitted(n: int) -> None:
-        deadline = time.monotonic() + 10
-        while httpx.get(url + "/health").json()["admitted"] < n and time.monotonic() < deadline:
-            time.sleep(0.02)
+        waited(lambda: httpx.get(url + "/health").json()["admitted"] >= n, f"{n} admitted")
 
     threads = [threading.Thread(target=one, args=(i == 0,)) for i in range(4)]
     threads[0].start()
@@ -282,7 +310,7 @@ def test_sigterm_while_big_prompts_arrive_stops_within_a_second():
     took = time.monotonic() - t0
     for t in threads:
         t.join(30)
-    assert rc == 143 and took < 1.5, took
+    assert rc == 143 and within(took, 1.5), took
     assert all(g in (400, 503) or isinstance(g, str) for g in got), got
     assert stderr_text(proc).strip().splitlines()[-1] == "lever: interrupted (SIGTERM)"
 
@@ -378,6 +406,6 @@ def test_sigterm_during_grammar_compiles_stops_within_two_seconds():
     took = time.monotonic() - t0
     for t in threads:
         t.join(30)
-    assert rc == 143 and took < 2.0, took
+    assert rc == 143 and within(took, 2.0), took
     assert 503 in got and all(g in (200, 503) or isinstance(g, str) for g in got), got
     assert stderr_text(proc).strip().splitlines()[-1] == "lever: interrupted (SIGTERM)"
