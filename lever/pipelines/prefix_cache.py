@@ -100,10 +100,15 @@ class PrefixCache:
         return snap
 
     def put(self, client: object, snap: KVSnapshot) -> None:
-        """Keeps `snap` for `client`; the client's oldest entries leave until its bytes fit its
-        share (one bigger than the share is not kept). Other clients' entries are not touched."""
+        """Keeps `snap` for `client`, in place of its entries `snap` begins with (the same prompt
+        again is kept once); the client's oldest entries leave until its bytes fit its share (one
+        bigger than the share is not kept). Other clients' entries are not touched."""
         if snap.nbytes > self.share_bytes or not snap.ids:
             return
+        for key in [k for k, s in self.entries.items() if k[0] == client and shared(s.ids, snap.ids) == len(s.ids)]:
+            old = self.entries.pop(key)  # a prefix of this one (the same prompt again): this one serves it too
+            self.used_bytes -= old.nbytes
+            self._by_client[client] -= old.nbytes
         self.entries[(client, self._next)] = snap
         self._next += 1
         self.used_bytes += snap.nbytes

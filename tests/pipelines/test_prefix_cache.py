@@ -107,3 +107,13 @@ def test_a_clients_puts_never_push_out_anothers_entries():
             assert c.used_bytes == sum(s.nbytes for s in c.entries.values())
 
     check()
+
+
+def test_the_same_prompt_again_is_kept_once():
+    c = PrefixCache(1 << 20)
+    for _ in range(5):
+        c.put("k", snap(list(range(10))))
+    c.put("k", snap([*range(10), 5, 6]))  # a longer one that begins with it takes its place
+    c.put("k", snap([7, 8, 9]))
+    assert [s.ids for s in c.entries.values()] == [(*range(10), 5, 6), (7, 8, 9)]
+    assert c.used_bytes == sum(s.nbytes for s in c.entries.values())
