@@ -102,20 +102,35 @@ class LayerWeightsC(ctypes.Structure):
 _lib = _load()
 n_threads_default = 0  # 0: all cores; set through default_threads
 _local = threading.local()
+_open_defaults: list[list[int]] = []  # the default_threads blocks open now, in any thread, latest last
+_base_default = 0  # n_threads_default before the first of them opened
+_defaults_lock = threading.Lock()
 
 
 @contextmanager
 def default_threads(n: int):
     """Kernel threads for every call in the process inside the block (0: leave as it is):
-    `[runtime] threads` or `--threads` for one command or one run."""
-    global n_threads_default
-    prev = n_threads_default
-    if n:
+    `[runtime] threads` or `--threads` for one command or one run. Blocks may overlap across
+    threads (a server's request thread, lever.api's stream thread, beside a run in the main
+    thread): the latest block still open holds, and when the last one ends the process is back
+    where it was. Each block ends only itself; a block that sets nothing changes nothing, even
+    when it ends inside another thread's."""
+    global n_threads_default, _base_default
+    if not n:
+        yield
+        return
+    mine = [n]
+    with _defaults_lock:
+        if not _open_defaults:
+            _base_default = n_threads_default
+        _open_defaults.append(mine)
         n_threads_default = n
     try:
         yield
     finally:
-        n_threads_default = prev
+        with _defaults_lock:
+            del _open_defaults[next(i for i, b in enumerate(_open_defaults) if b is mine)]
+            n_threads_default = _open_defaults[-1][0] if _open_defaults else _base_default
 
 
 @contextmanager
