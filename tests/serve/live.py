@@ -16,6 +16,7 @@ import httpx
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 QUEUE = 4
 JSON = {"Content-Type": "application/json"}
+START_S = 180  # a server answers /health in 2-5 s on an idle machine; waited for, so a busy one may take longer
 
 
 def _free_port() -> int:
@@ -36,7 +37,7 @@ def start_server(*extra: str, queue: int = QUEUE, template: str | None = TEMPLAT
     proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stderr=err, stdin=subprocess.DEVNULL, text=True)
     proc.err_file = err
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
         try:
             if httpx.get(url + "/health", timeout=1, headers=headers).status_code == 200:
@@ -46,7 +47,7 @@ def start_server(*extra: str, queue: int = QUEUE, template: str | None = TEMPLAT
                 raise AssertionError(f"lever serve exited: {stderr_text(proc)}")
             time.sleep(0.2)
     proc.kill()
-    raise AssertionError("lever serve did not answer /health within 60 s")
+    raise AssertionError(f"lever serve did not answer /health within {START_S} s")
 
 
 
