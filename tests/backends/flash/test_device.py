@@ -3,6 +3,7 @@ was put in the page cache on purpose; bandwidth caps and latency are asserted as
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -13,8 +14,22 @@ import pytest
 from lever.backends.flash import FlashConfig, FlashStore
 from lever.backends.flash.device import process_read_bytes
 from tests.backends.flash.files import MODES, read_into_page_cache
+from tests.conftest import QWEN_DRAFT, require
 
 # -- flash is real: the device is read even when the file sits in the page cache
+
+
+@pytest.fixture(scope="session")
+def qwen_own(disk_dir) -> Path:
+    """The Qwen draft copied to a file of this run's own. The shared one may be mapped by another
+    process on the machine (a test run beside this one that loaded the pair), and pages mapped
+    elsewhere stay in the page cache whatever this process advises: fewer bytes would come from
+    the device than were read, and the device counts below would fail beside other work."""
+    shared = require(QWEN_DRAFT)
+    path = disk_dir / f"own-{shared.name}"
+    if not path.exists():
+        shutil.copyfile(shared, path)
+    return path
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -22,7 +37,7 @@ from tests.backends.flash.files import MODES, read_into_page_cache
 def test_device_bytes_match_streamed_bytes(which, mode, streaming_model, request):
     if process_read_bytes() is None:
         pytest.skip("/proc/self/io read_bytes unavailable")
-    path = streaming_model if which == "generated" else request.getfixturevalue("qwen_small")
+    path = streaming_model if which == "generated" else request.getfixturevalue("qwen_own")
     read_into_page_cache(path)
     with FlashStore(path, FlashConfig(mode=mode)) as store:
         assert store.streamed_bytes >= 40 * 2**20
