@@ -59,6 +59,8 @@ def test_slow_bodies_of_one_key_leave_another_key_served(server):
         assert r.status_code == 200, r.text
         r = httpx.post(url + "/tokenize", json={"content": "def f(x):"}, headers=auth(KEYS[1]), timeout=60)
         assert r.status_code == 200 and r.json()["tokens"], r.text
+        for s in slow:  # they were being read all along: the server cuts each once it stalls (5 s)
+            assert s.recv(64).split(b" ")[1] == b"408"
     finally:
         for s in slow:
             s.close()
