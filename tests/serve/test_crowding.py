@@ -18,6 +18,7 @@ import pytest
 
 from lever.serve.page import MAX_READERS
 from tests.serve.live import JSON, start_server, stderr_text, stop
+from tests.serve.test_page import newest
 
 KEYS = ("key-mallory", "key-bob")
 DECLARED = 4 << 20  # each slow body's Content-Length: the body bound
@@ -90,23 +91,14 @@ def test_a_burst_of_live_readers_meets_the_bound(server):
     raise AssertionError("the readers' places did not come back")
 
 
-def newest(url: str, key: str) -> int:
-    with httpx.stream("GET", url + "/live", headers=auth(key), timeout=30) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if m := re.match(r": lever live, newest (\d+)", line):
-                return int(m.group(1))
-    raise AssertionError("no newest line")
-
-
 def test_an_idle_keys_live_sequence_does_not_move_with_anothers_runs(server):
     url = server[1]
-    before = newest(url, KEYS[1])
+    before = newest(url, auth(KEYS[1]))
     for n in (4, 16):
         r = httpx.post(url + "/v1/completions", json={"prompt": "def f(x):", "max_tokens": n}, headers=auth(KEYS[0]),
                        timeout=120)
         assert r.status_code == 200
-    assert newest(url, KEYS[1]) == before and newest(url, KEYS[0]) > 0
+    assert newest(url, auth(KEYS[1])) == before and newest(url, auth(KEYS[0])) > 0
 
 
 def test_one_keys_conversations_do_not_push_out_anothers(server):
