@@ -27,6 +27,7 @@ from lever.errors import LeverError
 from lever.gguf.chat_template import Rendered, check_messages
 from lever.serve import TIMEOUT_S
 from lever.serve.pool import Hold
+from lever.serve.rate import BodyRate
 from lever.serve.request import BadRequest, parse, parse_bytes, read_body, sampling
 from lever.serve.tokens import detokenize, tokenize
 
@@ -46,6 +47,7 @@ class Preparer:
 
     llm: LLM
     timeout_s: float = TIMEOUT_S
+    rate: BodyRate = attrs.field(factory=BodyRate)  # how fast one client's bodies are read
     _prep: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(PREP_THREADS))
     _renders: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))  # one child
     _compiles: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))  # one grammar child
@@ -95,7 +97,7 @@ class Preparer:
     async def _parsed(self, request: Request, endpoint: str, hold: Hold):
         """The body read and parsed, its bytes then what parsing may allocate held first
         (lever.serve.request.parse_bytes): a body whose JSON would take more is refused unparsed."""
-        body = await read_body(request, hold=hold, timeout_s=self.timeout_s)
+        body = await read_body(request, hold=hold, timeout_s=self.timeout_s, rate=self.rate)
         need = await anyio.to_thread.run_sync(parse_bytes, body, limiter=self._prep)
         if need > MAX_PARSE_BYTES:
             raise BadRequest(f"the request body's JSON would take {need >> 20} MiB to parse (its values), over "

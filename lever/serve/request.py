@@ -66,12 +66,13 @@ def parse_bytes(body: bytes) -> int:
 
 
 async def read_body(request: Request, *, hold, timeout_s: float, idle_s: float = IDLE_S,
-                    max_bytes: int = MAX_BODY_BYTES) -> bytes:
+                    max_bytes: int = MAX_BODY_BYTES, rate=None) -> bytes:
     """The body, checked against its bound before it is read (Content-Length) and while it is
     read (a client that lies or chunks); its bytes held in the server's pool (`hold`,
     lever.serve.pool) as they arrive, twice (the chunks, then the body they join into): 413
     past the bound, 408 past the timeout or when no byte comes for `idle_s`, 503 when the pool
-    or the client's share of it is full."""
+    or the client's share of it is full. With a `rate` (lever.serve.rate.BodyRate), each chunk
+    is paid for at the client's rate before the next is read (408 when it cannot be in time)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -81,6 +82,8 @@ async def read_body(request: Request, *, hold, timeout_s: float, idle_s: float =
     chunks, n = [], 0
     stream = request.stream().__aiter__()
     deadline = anyio.current_time() + timeout_s
+    if rate is not None:
+        rate.check(hold.client, deadline)
     try:
         while True:
             wait = min(idle_s, deadline - anyio.current_time())
@@ -96,6 +99,8 @@ async def read_body(request: Request, *, hold, timeout_s: float, idle_s: float =
                 raise BadRequest(f"the request body is over the bound of {max_bytes} bytes", status=413)
             hold.add(2 * len(chunk))
             chunks.append(chunk)
+            if rate is not None:
+                await rate.take(hold.client, len(chunk), deadline)
     except ClientDisconnect:
         raise BadRequest("the client left before its body arrived", status=400) from None
     return b"".join(chunks)

@@ -311,7 +311,9 @@ def test_sigterm_while_big_prompts_arrive_stops_within_a_second():
     for t in threads:
         t.join(30)
     assert rc == 143 and within(took, 1.5), took
-    assert all(g in (400, 503) or isinstance(g, str) for g in got), got
+    # 400: over the context; 503: shutting down; 408: past what one client's bodies may send at once
+    # (lever.serve.rate: 12 MB of them together)
+    assert all(g in (400, 408, 503) or isinstance(g, str) for g in got), got
     assert stderr_text(proc).strip().splitlines()[-1] == "lever: interrupted (SIGTERM)"
 
 
