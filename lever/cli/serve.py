@@ -15,13 +15,12 @@ from pathlib import Path
 from lever import signals
 from lever.cli.common import add_common, add_set, check_sets, float_in, input_text_file, int_in, port
 from lever.errors import LeverError
-from lever.serve import TIMEOUT_S
+from lever.serve import MAX_CONNECTIONS, TIMEOUT_S
 from lever.serve.guard import LOOPBACK_HOSTS, Access
 from lever.shipped import shipped
 
 MAX_QUEUE = 1024
 GRACE_S = 5.0  # on shutdown, how long the running generation may go on before it is cancelled
-MAX_CONNECTIONS = 64  # open at once; past it a connection gets 503 (a phone serves a few apps, not a crowd)
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long (uvicorn's default)
 MAX_KEY_FILE_BYTES = 1 << 20
 MAX_KEY_CHARS = 256
@@ -45,7 +44,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--allowed-origins", default="", metavar="ORIGINS",
                    help="web origins whose pages may call the server, e.g. http://localhost:3000 (comma-separated)")
     s.add_argument("--max-connections", type=int_in(1, 65536), default=MAX_CONNECTIONS,
-                   help="connections open at once; past it, 503 and closed")
+                   help="connections open at once; past it, 503 and closed (with several keys, a key's requests "
+                        "under way: half of it)")
     s.add_argument("--cache-ram", type=int_in(0, 1 << 20), default=256, metavar="MIB",
                    help="MiB of other conversations' KV rows kept between requests, per client key (0: none)")
     s.add_argument("--metrics", action="store_true",
@@ -141,7 +141,8 @@ def main(args) -> int:
     try:
         model_id = Path(llm.config.model.target).stem
         asgi = app(llm, model_id=model_id, queue=args.queue, access=rules, timeout_s=args.timeout,
-                   metrics=args.metrics, cache_bytes=args.cache_ram << 20, page=args.page)
+                   metrics=args.metrics, cache_bytes=args.cache_ram << 20, page=args.page,
+                   max_connections=args.max_connections)
         server_state = asgi.app.state.server
         http = protocol_class(max_connections=args.max_connections, header_timeout_s=args.timeout)
         server = _server_class()(uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning",

@@ -9,12 +9,13 @@ can check its flags and name a missing extra before that.
 """
 
 TIMEOUT_S = 10.0  # a request's headers, its body, and a chat template's render may each take this long
+MAX_CONNECTIONS = 64  # open at once; past it a connection gets 503 (a phone serves a few apps, not a crowd)
 # the live page's files (lever/serve/static) -> media type: the only files served, and the paths
 # the guard opens without a key (a browser cannot send one when it opens a page)
 PAGE_FILES = {"index.html": "text/html; charset=utf-8", "lever.js": "text/javascript; charset=utf-8",
               "lever.css": "text/css; charset=utf-8"}
 
-__all__ = ["PAGE_FILES", "TIMEOUT_S", "Server", "app"]
+__all__ = ["MAX_CONNECTIONS", "PAGE_FILES", "TIMEOUT_S", "Server", "app"]
 
 
 def __getattr__(name: str):

@@ -13,12 +13,17 @@ can resolve to 127.0.0.1 and read the answers. So, before any route runs:
 - a POST's body must be declared JSON (a form or text/plain is a cross-site request) -> 415;
 - with API keys (`--api-key`, `--api-key-file`), every route but /health and the page's files needs
   `Authorization: Bearer KEY` -> 401; the key also names the client whose prefix cache a request
-  may use (lever.serve.server: one client's prompts are never measured by another's).
+  may use (lever.serve.server: one client's prompts are never measured by another's);
+- with several keys, one key has at most `max_requests` requests under way (half the server's
+  connections) -> 429 past them: the connection cap (lever.serve.protocol) makes room by closing
+  idle connections, and once every connection serves a request a new one gets 503, so a key
+  that kept the cap busy (held streams, slow bodies, bursts) would lock every other key out.
 Refusals are OpenAI-style JSON errors, as the routes' own are.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import hmac
@@ -98,7 +103,9 @@ class Guard:
 
     app: object
     access: Access
+    max_requests: int | None = None  # one key's requests under way at once (None: no bound but the server's)
     refused: int = 0
+    _under_way: collections.Counter = attrs.field(factory=collections.Counter)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -121,6 +128,9 @@ class Guard:
             client = self.access.client_key(headers.get("authorization", ""))
             if client is None:
                 refusal = (401, "invalid_api_key", "Authorization: a valid 'Bearer KEY' is required")
+            elif self.max_requests is not None and self._under_way[client] >= self.max_requests:
+                refusal = (429, "rate_limit_exceeded", f"this key has {self._under_way[client]} requests under way, "
+                                                       f"its share of the server's connections; try again")
         origin = headers.get("origin")
         cors = origin is not None and refusal is None and self.access.cross_origin_ok(origin)
         if cors and scope["method"] == "OPTIONS":  # a page of an allowed origin asks first (CORS preflight)
@@ -138,7 +148,16 @@ class Guard:
                 if message["type"] == "http.response.start":
                     message = {**message, "headers": [*message.get("headers", []), *_cors_headers(origin)]}
                 await inner(message)
-        await self.app(scope, receive, send)
+        if client is None:
+            await self.app(scope, receive, send)
+            return
+        self._under_way[client] += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._under_way[client] -= 1
+            if not self._under_way[client]:
+                del self._under_way[client]
 
 
 def _hostname(host_header: str) -> str:

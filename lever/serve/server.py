@@ -40,7 +40,7 @@ from lever.model.grammar import GrammarError
 from lever.model.stop import StopReason
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.watch import LIVE_BYTES, Watch
-from lever.serve import TIMEOUT_S
+from lever.serve import MAX_CONNECTIONS, TIMEOUT_S
 from lever.serve.admission import SHUTTING_DOWN, Admission, Turns
 from lever.serve.guard import Access, Guard
 from lever.serve.metrics import Metrics
@@ -309,9 +309,10 @@ def _param(message: str) -> str | None:
 
 def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None,
         timeout_s: float = TIMEOUT_S, metrics: bool = False, cache_bytes: int = CACHE_BYTES, page: bool = True,
-        live_bytes: int = LIVE_BYTES) -> Guard:
+        live_bytes: int = LIVE_BYTES, max_connections: int = MAX_CONNECTIONS) -> Guard:
     """The ASGI app behind its Guard (lever.serve.guard); `.app.state.server` is its Server
-    (for `shutdown` and `memory_plan`)."""
+    (for `shutdown` and `memory_plan`). With several keys, each has at most half of
+    `max_connections` (the server's, lever.serve.protocol) under way."""
     access = access or Access()
     # the kept conversations' bytes split evenly among the keys: one key's cannot push another's out
     shares = max(len(access.api_keys), 1)
@@ -336,7 +337,8 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
         routes += [Route("/", live.file), Route("/page/{name}", live.file), Route("/live", live.events)]
     a = Starlette(routes=routes, exception_handlers=handlers)
     a.state.server = s
-    return Guard(a, access)
+    several = len(access.api_keys) > 1
+    return Guard(a, access, max_requests=max(max_connections // 2, 1) if several else None)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -67,6 +67,34 @@ def test_slow_bodies_of_one_key_leave_another_key_served(server):
             s.close()
 
 
+def test_one_keys_requests_under_way_take_at_most_half_the_connections(server):
+    """Forty slow bodies of one key on a server of 64 connections: 32 are read (slowly), the rest
+    get 429 at once, and the other key, whose keep-alive the cap could close to make room, is
+    served."""
+    url = server[1]
+    slow, statuses = [], []
+    try:
+        for _ in range(40):
+            s = _connect(url)
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      f"Authorization: Bearer {KEYS[0]}\r\nContent-Length: 100\r\n\r\n{{".encode())
+            slow.append(s)
+        time.sleep(1.0)  # the refused answered at once; the rest still read (cut only after 5 s of nothing)
+        for s in slow:
+            s.setblocking(False)
+            try:
+                statuses.append(s.recv(64).split(b" ")[1])
+            except BlockingIOError:
+                statuses.append(b"reading")
+        assert statuses.count(b"429") == 40 - 32 and statuses.count(b"reading") == 32, b" ".join(statuses)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 2}, headers=auth(KEYS[1]),
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        for s in slow:
+            s.close()
+
+
 def test_a_burst_of_live_readers_meets_the_bound(server):
     """Forty readers arriving together: at most MAX_READERS are answered 200, the rest 503, and
     once they leave their places come back."""

@@ -169,3 +169,56 @@ def test_every_key_is_compared_as_digests_of_one_length(keys, data):
         found = Access(api_keys=tuple(keys)).client_key(f"Bearer {token}")
     assert found == (token if token in keys else None)
     assert calls == [(32, 32)] * len(keys)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["start", "end"])), max_size=40),
+       st.integers(1, 4))
+def test_a_key_has_at_most_its_share_under_way_and_another_key_is_let_through(ops, share):
+    """Requests of two keys start and end in any order: one past its key's share under way gets 429
+    before its route runs, whatever the other key holds; one within it always reaches its route."""
+    keys = {"a": "k-one", "b": "k-two"}
+
+    async def main():
+        open_, reached = {"a": [], "b": []}, []
+
+        async def route(scope, receive, send):
+            done = asyncio.Event()
+            open_[{v: k for k, v in keys.items()}[scope["state"]["client"]]].append(done)
+            reached.append(scope["state"]["client"])
+            await done.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        g = Guard(route, Access(api_keys=tuple(keys.values())), max_requests=share)
+        tasks = {"a": [], "b": []}
+        for who, op in ops:
+            if op == "end":
+                if open_[who]:
+                    open_[who].pop(0).set()
+                    await asyncio.wait_for(tasks[who].pop(0), 5)
+                continue
+            statuses = []
+
+            async def send(message, statuses=statuses):
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            scope = {"type": "http", "method": "GET", "path": "/v1/x", "query_string": b"",
+                     "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {keys[who]}".encode())]}
+            before, held = len(reached), len(open_[who])
+            task = asyncio.create_task(g(scope, None, send))
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            if held >= share:
+                await asyncio.wait_for(task, 5)
+                assert statuses == [429] and len(reached) == before
+            else:
+                assert len(reached) == before + 1 and not statuses
+                tasks[who].append(task)
+        for who in open_:
+            for done in open_[who]:
+                done.set()
+        await asyncio.gather(*tasks["a"], *tasks["b"])
+
+    asyncio.run(main())
