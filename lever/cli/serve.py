@@ -189,10 +189,10 @@ def _load(args, load):
         return load(args.config or shipped("default.toml"), overrides=args.set)
     from lever.backends.flash.config import parse_bytes
     from lever.pipelines.watch import LIVE_BYTES
-    from lever.serve.pool import POOL_BYTES
+    from lever.serve.pool import POOL_BYTES, server_parts
 
     mem = parse_bytes(args.mem)
-    own = POOL_BYTES + (args.cache_ram << 20) + (LIVE_BYTES if args.page else 0)
+    own = sum(server_parts(cache_bytes=args.cache_ram << 20, live_bytes=LIVE_BYTES if args.page else 0).values())
     where = (f"--mem {args.mem}: {own >> 20} MiB of it go to requests ({POOL_BYTES >> 20}), kept conversations "
              f"(--cache-ram {args.cache_ram}) and the live page")
     if own >= mem:

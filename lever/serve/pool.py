@@ -24,6 +24,14 @@ POOL_BYTES = 64 << 20  # requests' bodies, their parsing and their queued calls,
 SHARE = 0.5  # of the pool, one client's at most: another client always finds half
 
 
+def server_parts(*, cache_bytes: int, live_bytes: int) -> dict[str, int]:
+    """What a server holds beside its run, by part (bytes), as lever.serve.app builds it: the
+    pool of requests, the kept conversations, the live page (0: none). `lever serve --mem`
+    plans the run within what these leave (lever.cli.serve); Server.memory_plan reads the same
+    parts off the server it built."""
+    return {"requests": POOL_BYTES, "kept conversations": cache_bytes, "live page": live_bytes}
+
+
 @attrs.define
 class RequestPool:
     """The pool's count, in total and per client; safe from any thread."""

@@ -60,3 +60,21 @@ def test_the_counts_add_up_and_never_pass_the_bounds(ops):
     for h in holds:
         h.release()
     assert pool.used_bytes == 0
+
+
+@pytest.mark.parametrize("cache_mib, page", [(0, False), (4, True)])
+def test_the_server_holds_the_parts_its_command_plans_for(cache_mib, page):
+    """`lever serve --mem` plans the run within what `server_parts` leaves; the server app()
+    builds holds exactly those parts (its memory_plan reads them off its objects)."""
+    import lever
+    from lever.pipelines.watch import LIVE_BYTES
+    from lever.serve import app
+    from lever.serve.pool import server_parts
+    from lever.shipped import shipped
+
+    with lever.load(shipped("default.toml")) as llm:
+        asgi = app(llm, model_id="m", cache_bytes=cache_mib << 20, page=page)
+        plan = asgi.app.state.server.memory_plan()
+        asgi.app.state.server.prep.close()
+    assert {k: v for k, v in plan.items() if k != "run"} == server_parts(
+        cache_bytes=cache_mib << 20, live_bytes=LIVE_BYTES if page else 0)
