@@ -22,12 +22,15 @@ from collections import Counter
 
 import attrs
 
+from lever.errors import LeverError
+
 ATTACK_KEY = "bench-serve-attacker"  # every hostile worker's: the good client is another key's
 PROMPT = "def parse_args(argv):"
 MAX_CONNECTIONS = 32  # the servers' --max-connections
 RETRIES = 5  # a trespasser's tries past the connection cap
 BURST = 20  # /live readers arriving together: past the bound of 8, within the connections' cap
-NICE = 19  # the attackers' process: the lowest priority
+STOP_S = 120.0  # a worker's last request ends within this once told to stop (they are bounded by their timeouts)
+NICE = 19  # the attackers' process: the lowest priority (a test on a loaded machine passes 0: starved, they crawl)
 
 
 @attrs.frozen
@@ -275,16 +278,21 @@ EACH = (fat_bodies, slow_bodies, reader_burst, cache_pressure, long_streams)
 HOSTILE = (bodies, slow_headers, crowd, trespass, leavers, grammars, *EACH)
 
 
-def _attack(target: Target, workers, stop, results) -> None:
-    """The child's work: `workers` in threads until `stop` (a process's event), then what they
-    saw into `results` (a queue)."""
-    os.nice(NICE)
+def _attack(target: Target, workers, events, results, nice: int) -> None:
+    """The child's work: `workers` in threads from when it is up (`events`' first, set here)
+    until told to stop (their second), then what they saw into `results` (a queue)."""
+    os.nice(nice)
+    ready, stop = events
     seen: Counter = Counter()
     threads = [threading.Thread(target=w, args=(target, stop, seen), daemon=True) for w in workers]
     for t in threads:
         t.start()
+    ready.set()
+    stop.wait()
+    deadline = time.monotonic() + STOP_S
     for t in threads:
-        t.join()
+        t.join(max(deadline - time.monotonic(), 0))
+    seen["attackers still running when counted"] = sum(t.is_alive() for t in threads)
     results.put(dict(seen))
 
 
@@ -292,16 +300,20 @@ class Attack:
     """`workers` against `target` in a child process at the lowest priority, from `start` until
     `stop` returns what they saw (by outcome)."""
 
-    def __init__(self, target: Target, workers) -> None:
+    def __init__(self, target: Target, workers, nice: int = NICE) -> None:
         ctx = multiprocessing.get_context("spawn")  # the bench's threads are never forked
-        self._stop, self._results = ctx.Event(), ctx.Queue()
-        self._proc = ctx.Process(target=_attack, args=(target, tuple(workers), self._stop, self._results),
-                                 daemon=True)
+        self._ready, self._stop, self._results = ctx.Event(), ctx.Event(), ctx.Queue()
+        self._proc = ctx.Process(target=_attack, args=(target, tuple(workers), (self._ready, self._stop),
+                                                       self._results, nice), daemon=True)
 
     def start(self) -> None:
+        """Returns once the workers run (a child starts in seconds on a loaded machine: the phase
+        counts from its attack, not from its imports)."""
         self._proc.start()
+        if not self._ready.wait(STOP_S):
+            raise LeverError("bench serve: the attackers' process did not start")
 
-    def stop(self, timeout_s: float = 120) -> dict:
+    def stop(self, timeout_s: float = 2 * STOP_S) -> dict:
         self._stop.set()
         try:
             seen = self._results.get(timeout=timeout_s)

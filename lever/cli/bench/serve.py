@@ -39,7 +39,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from lever.cli.bench.attacks import ATTACK_KEY, EACH, HOSTILE, MAX_CONNECTIONS, PROMPT, Attack, Target, endless_renders
+from lever.cli.bench import attacks
+from lever.cli.bench.attacks import ATTACK_KEY, EACH, HOSTILE, MAX_CONNECTIONS, PROMPT, Attack, Target
 from lever.cli.common import add_common, add_set, check_sets, float_in, input_text_file, output_file
 from lever.cli.table import show
 from lever.errors import LeverError
@@ -159,14 +160,14 @@ def conversation(live: Live, before=None) -> tuple[dict, int]:
     return r, ((r.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
-def phase(live: Live, seconds: float, workers=()) -> dict:
+def phase(live: Live, seconds: float, workers=(), nice: int = attacks.NICE) -> dict:
     """The good client (and /health) for `seconds` beside `workers` (lever.cli.bench.attacks, in
     a process of their own); its conversation started before and continued after, to see
     whether the workers pushed it out of the kept ones."""
     first, _ = conversation(live)
     stop = threading.Event()
     out = {"ms": [], "status": Counter(), "health_ms": [], "rss": 0.0, "child_rss": 0.0}
-    attack = Attack(Target(live.url, live.port), workers) if workers else None
+    attack = Attack(Target(live.url, live.port), workers, nice) if workers else None
     threads = [threading.Thread(target=good_client, args=(live, stop, out), daemon=True),
                threading.Thread(target=health_poller, args=(live, stop, out), daemon=True)]
     if attack is not None:
@@ -191,7 +192,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def bench_serve(config: str | None, sets: list[str], seconds: float, *, mem: str | None = None, out=print,
-                json_path=None) -> dict:
+                json_path=None, nice: int = attacks.NICE) -> dict:
     """The phases (module doc); with `mem`, each server runs with `--mem mem` in a memory cgroup
     of that size (lever.cli.bench.cgroup), as a phone would hold it to its share."""
     results = {}
@@ -200,10 +201,10 @@ def bench_serve(config: str | None, sets: list[str], seconds: float, *, mem: str
         live = Live(config, sets if config else [f"model.chat_template={json.dumps(CHATML)}", *sets], *extra,
                     "--cache-ram", str(CACHE_RAM_MIB), wrap=wrap)
         try:
-            results["calm"] = phase(live, seconds)
+            results["calm"] = phase(live, seconds, nice=nice)
             for worker in EACH:
-                results[worker.__name__.replace("_", " ")] = phase(live, seconds / 2, (worker,))
-            results["hostile"] = phase(live, seconds, HOSTILE)
+                results[worker.__name__.replace("_", " ")] = phase(live, seconds / 2, (worker,), nice)
+            results["hostile"] = phase(live, seconds, HOSTILE, nice)
             for r in results.values():
                 r["plan_mib"] = live.plan_mib
         finally:
@@ -213,7 +214,7 @@ def bench_serve(config: str | None, sets: list[str], seconds: float, *, mem: str
         loop = Live(config, [*sets, f"model.chat_template={json.dumps(LOOP_TEMPLATE)}"], *extra, "--cache-ram",
                     str(CACHE_RAM_MIB), wrap=wrap)
         try:
-            results["template"] = phase(loop, seconds, (endless_renders,))
+            results["template"] = phase(loop, seconds, (attacks.endless_renders,), nice)
             results["template"]["plan_mib"] = loop.plan_mib
         finally:
             rc2 = loop.stop()
