@@ -139,10 +139,16 @@ def run_async(fn):
             loop.call_soon_threadsafe(lambda: None)  # wake a select() waiting on a long timeout
 
         with on_stop(stop):
+            if early:  # it came while the loop was being built: the run ends before it starts
+                return None
             return await fn()
 
+    # a signal while the event loop is built or torn down is remembered, never raised there: raised
+    # inside asyncio's loop constructor it left a half-built loop whose __del__ printed a traceback
+    early: list[int] = []
     try:
-        result = anyio.run(main)
+        with on_stop(early.append):
+            result = anyio.run(main)
     except asyncio.CancelledError:
         if _received is not None:
             raise Interrupted(_received) from None
