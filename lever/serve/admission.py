@@ -19,11 +19,10 @@ import threading
 import attrs
 
 from lever.api import Cancelled
-from lever.serve.request import BadRequest
+from lever.serve.request import SHUTTING_DOWN, BadRequest
 
 WAIT_POLL_S = 0.1  # how often a waiting request looks at its cancel event
 
-SHUTTING_DOWN = ("the server is shutting down", 503, "server_shutting_down")
 
 
 @attrs.define

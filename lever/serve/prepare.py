@@ -51,6 +51,7 @@ class Preparer:
     _prep: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(PREP_THREADS))
     _renders: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))  # one child
     _compiles: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(1))  # one grammar child
+    closed: bool = False  # shutting down: bodies still arriving get 503
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -97,7 +98,8 @@ class Preparer:
     async def _parsed(self, request: Request, endpoint: str, hold: Hold):
         """The body read and parsed, its bytes then what parsing may allocate held first
         (lever.serve.request.parse_bytes): a body whose JSON would take more is refused unparsed."""
-        body = await read_body(request, hold=hold, timeout_s=self.timeout_s, rate=self.rate)
+        body = await read_body(request, hold=hold, timeout_s=self.timeout_s, rate=self.rate,
+                               closing=lambda: self.closed)
         need = await anyio.to_thread.run_sync(parse_bytes, body, limiter=self._prep)
         if need > MAX_PARSE_BYTES:
             raise BadRequest(f"the request body's JSON would take {need >> 20} MiB to parse (its values), over "
@@ -150,8 +152,9 @@ class Preparer:
             raise BadRequest(str(e), e.field) from None
 
     def close(self) -> None:
-        """Stops the children: a render or a grammar's compile under way fails at once (safe
-        from a signal handler: nothing here waits)."""
+        """Bodies still arriving get 503; the children stop: a render or a grammar's compile
+        under way fails at once (safe from a signal handler: nothing here waits)."""
+        self.closed = True
         self.llm.renderer.close(wait=False)
         self.llm.grammars.close()
 

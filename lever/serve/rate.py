@@ -54,15 +54,13 @@ class BodyRate:
         if bucket is not None and bucket.paid_s > deadline:
             raise self._late()
 
-    async def take(self, client: object, nbytes: int, deadline: float) -> None:
-        """`nbytes` of `client`'s just arrived: wait (its next chunk unread) until they are paid
-        for; 408 if that is past `deadline` (anyio's clock)."""
-        now = anyio.current_time()
-        due = self.due(client, nbytes, now)
+    def pay(self, client: object, nbytes: int, deadline: float) -> float:
+        """`nbytes` of `client`'s just arrived: when they are paid for (anyio's clock; its next
+        chunk is read only then); 408 if that is past `deadline`."""
+        due = self.due(client, nbytes, anyio.current_time())
         if due > deadline:
             raise self._late()
-        if due > now:
-            await anyio.sleep(due - now)
+        return due
 
     def _late(self) -> BadRequest:
         return BadRequest(f"the request body would take past the server's timeout to arrive at this client's rate "

@@ -12,18 +12,23 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 
 import anyio
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from lever.api.call import MAX_LOGPROBS
 from lever.config import KNOBS
 
 MAX_BODY_BYTES = 4 << 20
+CLOSING_POLL_S = 0.05  # a body's reader sees the server shutting down within this
 IDLE_S = 5.0  # a body that sends nothing for this long is cut (it holds a connection, if no memory)
 PARSE_BASE_BYTES = 4 << 10  # the parser's own state, whatever the body (1.3 kB measured)
 PER_VALUE_BYTES = 96  # a parsed JSON value's most, its place in its container included (measured: 36-68)
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal, escapes included (unrolled: fast)
+
+
+SHUTTING_DOWN = ("the server is shutting down", 503, "server_shutting_down")  # message, status, OpenAI's type
 
 
 class BadRequest(Exception):
@@ -66,13 +71,15 @@ def parse_bytes(body: bytes) -> int:
 
 
 async def read_body(request: Request, *, hold, timeout_s: float, idle_s: float = IDLE_S,
-                    max_bytes: int = MAX_BODY_BYTES, rate=None) -> bytes:
+                    max_bytes: int = MAX_BODY_BYTES, rate=None, closing: Callable[[], bool] = lambda: False) -> bytes:
     """The body, checked against its bound before it is read (Content-Length) and while it is
     read (a client that lies or chunks); its bytes held in the server's pool (`hold`,
     lever.serve.pool) as they arrive, twice (the chunks, then the body they join into): 413
     past the bound, 408 past the timeout or when no byte comes for `idle_s`, 503 when the pool
-    or the client's share of it is full. With a `rate` (lever.serve.rate.BodyRate), each chunk
-    is paid for at the client's rate before the next is read (408 when it cannot be in time)."""
+    or the client's share of it is full, or once `closing` says the server is shutting down
+    (within CLOSING_POLL_S: a body still arriving is not admitted, and shutdown does not wait
+    for it). With a `rate` (lever.serve.rate.BodyRate), each chunk is paid for at the client's
+    rate before the next is read (408 when it cannot be in time)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -80,29 +87,35 @@ async def read_body(request: Request, *, hold, timeout_s: float, idle_s: float =
         if int(declared) > max_bytes:
             raise BadRequest(f"the request body is {declared} bytes, over the bound of {max_bytes}", status=413)
     chunks, n = [], 0
-    stream = request.stream().__aiter__()
     deadline = anyio.current_time() + timeout_s
     if rate is not None:
         rate.check(hold.client, deadline)
-    try:
-        while True:
-            wait = min(idle_s, deadline - anyio.current_time())
-            with anyio.move_on_after(max(wait, 0)) as late:
-                chunk = await anext(stream, None)
-            if late.cancelled_caught:
-                why = f"took over {timeout_s:g} s to arrive" if wait < idle_s else f"stalled for {idle_s:g} s"
+    more = True
+    while more:
+        until = min(anyio.current_time() + idle_s, deadline)
+        message = None
+        while message is None:  # in slices, to see shutdown: the ASGI receive may be cancelled and called again
+            if closing():
+                raise BadRequest(SHUTTING_DOWN[0], status=503, kind=SHUTTING_DOWN[2])
+            with anyio.move_on_after(max(min(CLOSING_POLL_S, until - anyio.current_time()), 0)):
+                message = await request.receive()
+            if message is None and anyio.current_time() >= until:
+                why = f"took over {timeout_s:g} s to arrive" if until >= deadline else f"stalled for {idle_s:g} s"
                 raise BadRequest(f"the request body {why}", status=408, kind="request_timeout")
-            if chunk is None:
-                break
-            n += len(chunk)
-            if n > max_bytes:
-                raise BadRequest(f"the request body is over the bound of {max_bytes} bytes", status=413)
-            hold.add(2 * len(chunk))
-            chunks.append(chunk)
-            if rate is not None:
-                await rate.take(hold.client, len(chunk), deadline)
-    except ClientDisconnect:
-        raise BadRequest("the client left before its body arrived", status=400) from None
+        if message["type"] == "http.disconnect":
+            raise BadRequest("the client left before its body arrived", status=400)
+        chunk, more = message.get("body", b""), message.get("more_body", False)
+        n += len(chunk)
+        if n > max_bytes:
+            raise BadRequest(f"the request body is over the bound of {max_bytes} bytes", status=413)
+        hold.add(2 * len(chunk))
+        chunks.append(chunk)
+        if rate is not None:
+            due = rate.pay(hold.client, len(chunk), deadline)
+            while (wait := due - anyio.current_time()) > 0:
+                if closing():
+                    raise BadRequest(SHUTTING_DOWN[0], status=503, kind=SHUTTING_DOWN[2])
+                await anyio.sleep(min(wait, CLOSING_POLL_S))
     return b"".join(chunks)
 
 

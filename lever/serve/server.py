@@ -41,14 +41,14 @@ from lever.model.stop import StopReason
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.watch import LIVE_BYTES, Watch
 from lever.serve import MAX_CONNECTIONS, TIMEOUT_S
-from lever.serve.admission import SHUTTING_DOWN, Admission, Turns
+from lever.serve.admission import Admission, Turns
 from lever.serve.guard import Access, Guard
 from lever.serve.metrics import Metrics
 from lever.serve.page import Page
 from lever.serve.pool import Hold, RequestPool
 from lever.serve.prepare import Preparer, Shape, named
 from lever.serve.render import OPENAI_FINISH, Reply, sse, timings
-from lever.serve.request import BadRequest
+from lever.serve.request import SHUTTING_DOWN, BadRequest
 from lever.serve.streamed import Streamed
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that its client is still there

@@ -4,23 +4,28 @@ name, nesting refused in one line."""
 from __future__ import annotations
 
 import json
+import time
 
 import anyio
 import pytest
 from starlette.requests import Request
 
 from lever.serve.pool import RequestPool
-from lever.serve.request import MAX_BODY_BYTES, BadRequest, parse, read_body, sampling
+from lever.serve.rate import BodyRate
+from lever.serve.request import CLOSING_POLL_S, MAX_BODY_BYTES, BadRequest, parse, read_body, sampling
+from tests.load import within
 
 
 def _request(headers: dict, chunks: list[bytes], delay_s: float = 0.0):
-    """A Request whose body arrives in `chunks` (each after `delay_s`); `.reads` counts receives."""
+    """A Request whose body arrives in `chunks` (each after `delay_s`); `sent["n"]` counts the receives answered."""
     sent = {"n": 0}
 
-    async def receive():
+    async def receive():  # as uvicorn's: cancelled while it waits, it loses nothing
+        if delay_s:  # the next chunk arrives delay_s after the one before was taken, whoever waits
+            sent.setdefault("at", anyio.current_time() + delay_s)
+            await anyio.sleep(max(sent["at"] - anyio.current_time(), 0))
+            sent["at"] = anyio.current_time() + delay_s
         sent["n"] += 1
-        if delay_s:
-            await anyio.sleep(delay_s)
         i = sent["n"] - 1
         more = i + 1 < len(chunks)
         return {"type": "http.request", "body": chunks[i] if i < len(chunks) else b"", "more_body": more}
@@ -62,6 +67,21 @@ def test_a_stalled_body_is_cut_before_the_timeout():
     with pytest.raises(BadRequest, match="stalled for 0.2 s") as e:
         _read(req, timeout_s=60, idle_s=0.2)
     assert e.value.status == 408
+
+
+@pytest.mark.parametrize("waiting_on", ["its next chunk", "its rate"])
+def test_a_body_still_arriving_when_the_server_closes_gets_503_at_once(waiting_on):
+    if waiting_on == "its next chunk":  # a chunk every second
+        req, sent = _request({}, [b"{"] * 100, delay_s=1.0)
+        rate = None
+    else:  # every chunk at once, paid for at 1 kB/s
+        req, sent = _request({}, [b"{" * 1000] * 100)
+        rate = BodyRate(rate_bytes_per_s=1000, burst_bytes=1000)
+    t0 = time.monotonic()
+    with pytest.raises(BadRequest) as e:
+        _read(req, timeout_s=600, rate=rate, closing=lambda: time.monotonic() > t0 + 0.1)
+    assert e.value.status == 503 and "shutting down" in e.value.message
+    assert sent["n"] < 100 and within(time.monotonic() - t0 - 0.1, 2 * CLOSING_POLL_S)
 
 
 def test_a_body_within_its_bounds_is_read_whole_and_held_as_it_arrived():
