@@ -230,6 +230,9 @@ class TreeBuilder:
 
     def price_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float:
         """What growth weighs: the latency, less the pass's idle compute time at what drafting
-        ahead makes of it (`idle_value`: the share of cycles that start from rows drafted ahead)."""
+        ahead makes of it (`idle_value`: the share of cycles that start from rows drafted ahead),
+        up to what drafting ahead can spend (`usable_s`). So a node's compute costs drafting
+        ahead nothing while the pass leaves more idle time than that: at phone scale a 2-4 s
+        read leaves seconds, and charging each node its compute at `idle_value` shrank the trees."""
         n = self.n_nodes if n_nodes is None else n_nodes
-        return self.latency_s(n, extra_draft_s) - self.ahead.idle_value * self.cost.idle_s(n)
+        return self.latency_s(n, extra_draft_s) - self.ahead.idle_value * min(self.cost.idle_s(n), self.ahead.usable_s)

@@ -128,6 +128,14 @@ class TreeCycle:
         n = len(self.tree_sizes)
         return (self.lookahead_hits + IDLE_PRIOR_CYCLES / 2) / (n + IDLE_PRIOR_CYCLES)
 
+    def ahead_usable_s(self, cost: Cost) -> float:
+        """The most drafting ahead spends in one pass: its node cap, in full rounds (0 where
+        nothing drafts ahead, or no draft model runs)."""
+        cfg = self.config
+        if not cfg.lookahead_nodes or not cfg.drafts:
+            return 0.0
+        return -(-cfg.lookahead_nodes // cfg.round_nodes) * cost.expand_s(cfg.round_nodes)
+
     def stats(self) -> TreeStats:
         fb = self.learner.fallback
         return TreeStats(tuple(self.tree_sizes), self.lookahead_hits, tuple(self.learner.cycles),
@@ -160,7 +168,8 @@ class TreeCycle:
         b = TreeBuilder(cfg, learner.priced_by, acc.pass_id + 1, room=self.n_ctx - self.committed,
                         remaining=remaining, acceptance=learner.acceptance if learner.prices_by_table else None,
                         bar_rate=learner.bar_rate, free=free,
-                        ahead=Lookahead(beside=self.ahead_beside, idle_value=self.idle_value))
+                        ahead=Lookahead(beside=self.ahead_beside, idle_value=self.idle_value,
+                                        usable_s=self.ahead_usable_s(learner.priced_by)))
         b.add(acc.tokens[-1], -1, 1.0)
         if not self.config.drafts:
             if free is not None:

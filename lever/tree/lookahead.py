@@ -33,6 +33,8 @@ class Lookahead:
 
     beside: bool = False  # drafting ahead has cores of its own: it may use the whole pass, not its idle time
     idle_value: float = 0.0  # seconds of drafting saved per second of idle compute in the pass (0: no drafting ahead)
+    # the most drafting ahead can spend in one pass (its node cap, in rounds): idle time past it is worth nothing
+    usable_s: float = float("inf")
     carried: dict[tuple[int, int], int] = attrs.field(factory=dict)  # (parent row, token) -> row drafted ahead
     spent_s: float = 0.0  # estimated drafting time spent ahead of this tree's pass
     n_ahead: int = 0  # nodes expanded ahead

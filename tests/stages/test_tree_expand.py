@@ -308,3 +308,12 @@ def test_the_drafts_cache_holds_the_whole_accepted_text_cycle_after_cycle(tiny_m
             req = cycle.expanded(b, req, exp, draft_s=0.01)
         cycle.sent(b, acc)
         acc = Accepted(n, (b.nodes.tokens[1], b.nodes.tokens[2], 9), (0, 1, 2))  # the chain, then 9
+
+
+@pytest.mark.parametrize("lookahead_nodes, round_nodes, rounds", [(20, 8, 3), (16, 8, 2), (1, 8, 1), (0, 8, 0)])
+def test_drafting_ahead_can_use_its_node_cap_in_rounds_of_idle_time(lookahead_nodes, round_nodes, rounds):
+    cfg = TreeExpandConfig(lookahead_nodes=lookahead_nodes, round_nodes=round_nodes)
+    cost = FlatCost(draft_step_s=0.03)
+    cycle = TreeCycle.for_run(cfg, [1, 2, 3], cost=cost)
+    b, _ = cycle.start(Accepted(0, (5,), (0, 1, 2)))
+    assert b.ahead.usable_s == pytest.approx(rounds * 0.03)

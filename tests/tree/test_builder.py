@@ -9,6 +9,7 @@ from lever.policy.cost import FlatCost
 from lever.tree.builder import TreeBuilder
 from lever.tree.config import TreeExpandConfig
 from lever.tree.free import FreeSources
+from lever.tree.lookahead import Lookahead
 from tests.tree.fake_draft import FakeDraft
 
 
@@ -138,3 +139,22 @@ def test_a_forward_reads_the_free_chain_below_the_node_it_expands():
     assert (b.nodes.tokens[nine] == 9 and b.nodes.row[nine] >= 0
             and "model" not in [x[0] for x in b.nodes.also.get(nine, ())])
     assert all(b.nodes.gain[n] == 0.0 for n in chain[3:])  # run by the draft, not confirmed: no gain below
+
+
+def test_idle_time_past_what_drafting_ahead_can_spend_makes_no_node_dearer():
+    """A node's compute takes idle time from drafting ahead only once the pass leaves less
+    than drafting ahead can spend: before that, it costs what it adds to the cycle, nothing more."""
+    cost = FlatCost(read_s=3.0, compute_per_token_s=0.05, draft_step_s=0.02)  # idle until 60 nodes
+    for usable_s in (0.1, 0.5, 1.0, float("inf")):
+        b = TreeBuilder(TreeExpandConfig(), cost, cycle=1, room=1000,
+                        ahead=Lookahead(idle_value=0.5, usable_s=usable_s))
+        b.add(5, -1, 1.0)
+        for n in range(1, 70):
+            extra = b.price_s(n + 1) - b.price_s(n)
+            latency = b.latency_s(n + 1) - b.latency_s(n)
+            if cost.idle_s(n + 1) >= usable_s:  # drafting ahead has all it can use either way
+                assert extra == latency
+            else:  # the node's compute comes out of drafting ahead's time, at its value
+                assert extra >= latency
+        if usable_s < 3.0:
+            assert b.price_s(10) - b.price_s(5) == b.latency_s(10) - b.latency_s(5)
