@@ -19,10 +19,9 @@ import threading
 import attrs
 
 from lever.api import Cancelled
-from lever.serve.request import SHUTTING_DOWN, BadRequest
+from lever.serve.request import BadRequest, shutting_down
 
 WAIT_POLL_S = 0.1  # how often a waiting request looks at its cancel event
-
 
 
 @attrs.define
@@ -48,7 +47,7 @@ class Admission:
         past the client's share of it."""
         with self._lock:
             if self.closing:
-                raise BadRequest(SHUTTING_DOWN[0], status=503, kind=SHUTTING_DOWN[2])
+                raise shutting_down()
             if self.admitted > self.queue:  # one running and `queue` waiting
                 raise BadRequest(f"the server is busy: {self.queue} requests already wait", status=429,
                                  kind="rate_limit_exceeded")

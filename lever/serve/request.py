@@ -39,6 +39,11 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
 
+def shutting_down() -> BadRequest:
+    """The refusal of a request the server will not serve because it is stopping."""
+    return BadRequest(SHUTTING_DOWN[0], status=SHUTTING_DOWN[1], kind=SHUTTING_DOWN[2])
+
+
 # the fields each endpoint reads, with the JSON types they may have (others are ignored, as OpenAI's clients
 # send more): the generation knobs by their call names (lever.config.KNOBS), and the request's own
 COMMON = {**{k.arg: (int,) if k.call.integer else (int, float) for k in KNOBS.values()},
@@ -96,7 +101,7 @@ async def read_body(request: Request, *, hold, timeout_s: float, idle_s: float =
         message = None
         while message is None:  # in slices, to see shutdown: the ASGI receive may be cancelled and called again
             if closing():
-                raise BadRequest(SHUTTING_DOWN[0], status=503, kind=SHUTTING_DOWN[2])
+                raise shutting_down()
             with anyio.move_on_after(max(min(CLOSING_POLL_S, until - anyio.current_time()), 0)):
                 message = await request.receive()
             if message is None and anyio.current_time() >= until:
@@ -114,7 +119,7 @@ async def read_body(request: Request, *, hold, timeout_s: float, idle_s: float =
             due = rate.pay(hold.client, len(chunk), deadline)
             while (wait := due - anyio.current_time()) > 0:
                 if closing():
-                    raise BadRequest(SHUTTING_DOWN[0], status=503, kind=SHUTTING_DOWN[2])
+                    raise shutting_down()
                 await anyio.sleep(min(wait, CLOSING_POLL_S))
     return b"".join(chunks)
 

@@ -48,7 +48,7 @@ from lever.serve.page import Page
 from lever.serve.pool import Hold, RequestPool
 from lever.serve.prepare import Preparer, Shape, named
 from lever.serve.render import OPENAI_FINISH, Reply, sse, timings
-from lever.serve.request import SHUTTING_DOWN, BadRequest
+from lever.serve.request import SHUTTING_DOWN, BadRequest, shutting_down
 from lever.serve.streamed import Streamed
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that its client is still there
@@ -163,7 +163,7 @@ class Server:
         chat = endpoint == "chat"
         try:
             if self.closing:
-                raise BadRequest(SHUTTING_DOWN[0], status=503, kind=SHUTTING_DOWN[2])
+                raise shutting_down()
             # checked before queueing: a bad request never waits for its 400 (lever.serve.prepare)
             shape, call = await self.prep.call(request, endpoint, hold)
             self.admission.admit(hold.client)
