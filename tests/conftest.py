@@ -11,7 +11,20 @@ import pytest
 from tests.tiny_gguf import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+
+
+def find_shared() -> Path | None:
+    """The shared models and tools: $LEVER_SHARED, else a `shared/` beside the clone or beside
+    any folder above it (a clone nested one level deeper still finds them)."""
+    if os.environ.get("LEVER_SHARED"):
+        return Path(os.environ["LEVER_SHARED"]).resolve()
+    for above in ROOT.parents:
+        if (above / "shared" / "models").is_dir():
+            return above / "shared"
+    return None
+
+
+SHARED = find_shared() or ROOT.parent / "shared"
 MODELS = SHARED / "models"
 STORIES = MODELS / "stories260K.gguf"
 QWEN_DIR = Path(os.environ.get("LEVER_MODELS", Path.home() / ".cache" / "lever" / "models"))
@@ -110,3 +123,11 @@ def qwen_small() -> Path:
 
 # Files on a real disk (O_DIRECT needs one): the flash, convert and cancellation tests share them.
 from tests.backends.flash.files import disk_dir, stories_aligned, stories_copy, streaming_model  # noqa: E402, F401
+
+
+def pytest_sessionstart(session) -> None:
+    """A run without the shared models would skip a tenth of the suite and pass: that green
+    would be a lie, so it stops here with one line saying what to set."""
+    if not STORIES.exists() and os.environ.get("LEVER_ALLOW_NO_SHARED") != "1":
+        pytest.exit(f"{STORIES} absent: set LEVER_SHARED to the folder holding models/ and tools/ "
+                    "(../shared beside the clone), or LEVER_ALLOW_NO_SHARED=1 to skip its tests", returncode=4)
