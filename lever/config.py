@@ -99,14 +99,22 @@ PIPELINE_KINDS = {k.name: k for k in (PipelineKind("flash-ar", all_resident=Fals
 class ChannelsConfig:
     """Capacities of the bounded channels between stages (small integers, never unbounded)."""
 
-    layers: int = 2  # Prefetch -> PrunedVerify: streamed layers waiting to be computed
+    # Prefetch -> PrunedVerify: streamed layers waiting to be computed; 0: as many as the staging
+    # window holds ([flash] window_layers), so the window, not this channel, says how far reads run
+    # ahead (a fixed 2 held a 12-layer window to 3 layers ahead of compute: drafting stalled the reads)
+    layers: int = 0
     tokens: int = 1  # TreeExpand -> PrunedVerify and Accept -> TreeExpand: one cycle in flight
 
     def __attrs_post_init__(self):
         for f in attrs.fields(type(self)):
             v = getattr(self, f.name)
-            if not 1 <= v <= 64:
-                raise LeverError(f"[channels] {f.name}: capacity must be between 1 and 64, got {v}")
+            if not (0 if f.name == "layers" else 1) <= v <= 64:
+                lo = "0 (the window)" if f.name == "layers" else "1"
+                raise LeverError(f"[channels] {f.name}: capacity must be between {lo} and 64, got {v}")
+
+    def layers_for(self, window_layers: int) -> int:
+        """The layers channel's capacity under a staging window of `window_layers` buffers."""
+        return self.layers or window_layers
 
 
 def _knob(default, help: str, *, arg: str = "", flag: str = "", call: Range | None = None):

@@ -45,8 +45,10 @@ def test_wrong_type_names_key_and_value(tmp_path):
 def test_bad_value_names_key(tmp_path):
     with pytest.raises(LeverError, match=r"\[flash\] mode"):
         load_config(write(tmp_path, "[flash]\nmode = 'floppy'\n"))
-    with pytest.raises(LeverError, match=r"\[channels\] layers: capacity must be between 1 and 64"):
-        load_config(None, ["channels.layers=0"])
+    with pytest.raises(LeverError, match=r"\[channels\] layers: capacity must be between 0 \(the window\) and 64"):
+        load_config(None, ["channels.layers=-1"])
+    with pytest.raises(LeverError, match=r"\[channels\] tokens: capacity must be between 1 and 64"):
+        load_config(None, ["channels.tokens=0"])
     with pytest.raises(LeverError, match=r"\[pipeline\] kind: unknown pipeline 'magic'"):
         load_config(None, ['pipeline.kind="magic"'])
 

@@ -140,7 +140,7 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
     ch = plan.channels
     p = Pipeline(tree.policy)
     p.connect(expand, "tree", verify, "tree", ch.tokens)
-    p.connect(prefetch, "layers", verify, "layers", ch.layers)
+    p.connect(prefetch, "layers", verify, "layers", ch.layers_for(plan.flash.window_layers))
     p.connect(verify, "free", prefetch, "free", plan.flash.window_layers)
     p.connect(verify, "verified", accept, "verified", 1)
     p.connect(accept, "accepted", expand, "accepted", ch.tokens)

@@ -186,3 +186,16 @@ def test_run_without_a_prompt_uses_the_configs(tmp_path, capsys):
     cfg.write_text('[model]\ntarget = "x.gguf"\n')
     assert main(["run", "-c", str(cfg)]) == 1
     assert "no prompt" in capsys.readouterr().err
+
+
+def test_reads_run_as_far_ahead_as_the_window(tiny_model):
+    """The layers channel holds what the staging window holds: with compute slowed, the reads
+    fill every buffer of a window of 5 (all five wait while the next tree is drafted), where a
+    fixed channel of 2 let no more than 2 wait whatever the window."""
+    path = tiny_model("llama", "F32", n_layer=8)
+    proc = run_cli("run", "-c", str(ROOT / "examples" / "flash-ar.toml"), "-p", "the", "-n", "4", "--json",
+                   "--set", f'model.target="{path}"', "--set", "flash.window_layers=5",
+                   "--set", "runtime.emulate_layer_ms_per_token=20")
+    assert proc.returncode == 0, proc.stderr
+    layers = json.loads(proc.stdout)["channels"]["prefetch.layers -> verify.layers"]
+    assert layers["capacity"] == 5 and layers["peak_waiting"] == 5, layers
