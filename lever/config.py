@@ -191,9 +191,16 @@ class RuntimeConfig:
     # Emulates a compute-bound verification unit (an NPU busy with a big tree): each target layer
     # of a pass takes at least this many ms per token, waiting out the rest (0: the CPU as it is).
     emulate_layer_ms_per_token: float = 0.0
+    # A what-if: trees are priced as if flash read this many bytes/s (a phone's UFS 4.0: 4.2e9),
+    # and the online corrections leave the read alone; the reads themselves stay this machine's,
+    # so a cycle's predicted time is the what-if's and its tokens are real (0: price what is measured).
+    what_if_read_bytes_per_s: float = 0.0
 
     def __attrs_post_init__(self):
         _check_limits("runtime", self, {"threads": THREADS, "ahead_cores": THREADS})
+        if not 0 <= self.what_if_read_bytes_per_s <= 1e12:  # not finite: refused where TOML is read
+            raise LeverError(f"[runtime] what_if_read_bytes_per_s: must be in [0, 1e12], "
+                             f"got {self.what_if_read_bytes_per_s}")
         if not 0 <= self.emulate_layer_ms_per_token <= MAX_EMULATED_MS:
             raise LeverError(f"[runtime] emulate_layer_ms_per_token: must be in [0, {MAX_EMULATED_MS}], "
                              f"got {self.emulate_layer_ms_per_token}")

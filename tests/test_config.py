@@ -49,6 +49,9 @@ def test_bad_value_names_key(tmp_path):
         load_config(None, ["channels.layers=-1"])
     with pytest.raises(LeverError, match=r"\[channels\] tokens: capacity must be between 1 and 64"):
         load_config(None, ["channels.tokens=0"])
+    for bad in ("-1", "2e12"):
+        with pytest.raises(LeverError, match=r"\[runtime\] what_if_read_bytes_per_s: must be in \[0, 1e12\]"):
+            load_config(None, [f"runtime.what_if_read_bytes_per_s={bad}"])
     with pytest.raises(LeverError, match=r"\[pipeline\] kind: unknown pipeline 'magic'"):
         load_config(None, ['pipeline.kind="magic"'])
 

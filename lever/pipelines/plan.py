@@ -175,7 +175,8 @@ class RunPlan:
         if pk.speculates:
             cost = cost_model_for(target=cfg.model.target, draft=cfg.model.draft or None, flash=flash,
                                   resident=resident, profile=cfg.profile,
-                                  emulate_layer_ms_per_token=cfg.runtime.emulate_layer_ms_per_token, target_file=f)
+                                  emulate_layer_ms_per_token=cfg.runtime.emulate_layer_ms_per_token,
+                                  what_if_read_bytes_per_s=cfg.runtime.what_if_read_bytes_per_s, target_file=f)
             pruning, acceptance = _calibrated(cfg, spec)
         placement = placement_for(cfg.placement, cfg.qnn, flash_mode=cfg.flash.mode, target_spec=spec,
                                   draft_spec=draft_spec, n_ctx=n_ctx)
@@ -240,4 +241,5 @@ def cost_model(cfg: Config, target_file: GGUFFile | None = None) -> CostModel:
     if not cfg.model.target:
         raise LeverError(f"{cfg.where}: [model] target is not set")
     return cost_model_for(target=cfg.model.target, draft=cfg.model.draft or None, flash=cfg.flash, profile=cfg.profile,
-                          emulate_layer_ms_per_token=cfg.runtime.emulate_layer_ms_per_token, target_file=target_file)
+                          emulate_layer_ms_per_token=cfg.runtime.emulate_layer_ms_per_token,
+                                  what_if_read_bytes_per_s=cfg.runtime.what_if_read_bytes_per_s, target_file=target_file)

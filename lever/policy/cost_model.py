@@ -115,6 +115,7 @@ class CostModel:
     resident_layer_s: tuple[float, ...] = attrs.field(default=(), converter=_monotone)
     pass_delay_s: float = 0.0  # a pass's waits for cores held by drafting ahead (measured online; the profile has none)
     overhead_s: float = 0.0  # what a running cycle spends beyond its parts (measured online: hand-offs, tree building)
+    read_what_if: bool = False  # the read speed is a what-if ([runtime] what_if_read_bytes_per_s): measurements leave it
 
     def __attrs_post_init__(self):
         if not self.read_bytes_per_s > 0:
@@ -182,9 +183,12 @@ class CostModel:
                    window_layers=flash.window_layers, tokens=TOKEN_BUCKETS, layer_s=[layer(n) for n in TOKEN_BUCKETS],
                    head_rows=HEAD_ROWS, head_s=[head(n) for n in HEAD_ROWS], source="fallback", **tables)
 
-    def with_read_bytes_per_s(self, bytes_per_s: float) -> CostModel:
-        """The same machine behind another flash bandwidth (what-if, e.g. a phone's UFS)."""
-        return attrs.evolve(self, read_bytes_per_s=bytes_per_s)
+    def with_read_bytes_per_s(self, bytes_per_s: float, what_if: bool = False) -> CostModel:
+        """The same machine behind another flash bandwidth (e.g. a phone's UFS); `what_if`:
+        a run prices its trees by it whatever its own reads measure (OnlineCost)."""
+        return attrs.evolve(self, read_bytes_per_s=bytes_per_s, read_what_if=what_if,
+                            source=f"{self.source}, reads at {bytes_per_s / 1e9:g} GB/s (what-if)" if what_if
+                            else self.source)
 
     # -- the parts
 
@@ -356,12 +360,13 @@ def _analytic_model(f, kv_rows: int):
 
 
 def cost_model_for(*, target: str | os.PathLike, draft: str | os.PathLike | None, flash: FlashConfig,
-                   profile: ProfileConfig, emulate_layer_ms_per_token: float = 0.0,
+                   profile: ProfileConfig, emulate_layer_ms_per_token: float = 0.0, what_if_read_bytes_per_s: float = 0.0,
                    target_file: GGUFFile | None = None, resident: frozenset[int] | None = None) -> CostModel:
     """The cost model a run uses: the [profile] path when set (checked to be a profile of the
     configured target and draft), else the one `lever profile` wrote beside the target if it
     fits, else the analytic fallback; with the verification unit emulated slower ([runtime]
-    emulate_layer_ms_per_token), as slow. `resident`: the target layers kept in DRAM (a RunPlan's),
+    emulate_layer_ms_per_token), as slow; with a what-if read speed ([runtime]
+    what_if_read_bytes_per_s), that fast. `resident`: the target layers kept in DRAM (a RunPlan's),
     else planned from `flash`."""
     target, draft = Path(target), Path(draft) if draft else None
     model = _cost_model_for(target, draft, flash, profile, target_file=target_file, resident=resident)
@@ -370,6 +375,8 @@ def cost_model_for(*, target: str | os.PathLike, draft: str | os.PathLike | None
         floor = lambda table: [max(s, n * ms / 1e3) for n, s in zip(model.tokens, table)] if table else table
         model = attrs.evolve(model, layer_s=floor(model.layer_s), resident_layer_s=floor(model.resident_layer_s),
                              source=f"{model.source}, layers at least {ms} ms/token")
+    if what_if_read_bytes_per_s:
+        model = model.with_read_bytes_per_s(what_if_read_bytes_per_s, what_if=True)
     return model
 
 

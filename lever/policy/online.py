@@ -73,7 +73,8 @@ class OnlineCost:
         the model's for its node count, Accept against the head over the accepted rows, and
         the pass's waits for cores that drafting ahead held (added to the cycle as measured)."""
         s, b, w = self.scales, self.base, self.weight
-        read = _ema(s.read, t.read_s, t.read_bytes / b.read_bytes_per_s, w) if t.read_bytes else s.read
+        read = _ema(s.read, t.read_s, t.read_bytes / b.read_bytes_per_s, w) \
+            if t.read_bytes and not b.read_what_if else s.read
         delay = (1 - w) * s.pass_delay_s + w * t.slot_wait_s if math.isfinite(t.slot_wait_s) else s.pass_delay_s
         self.scales = attrs.evolve(s, read=read, compute=_ema(s.compute, t.compute_s, b.compute_s(t.n_tokens), w),
                                    head=_ema(s.head, t.accept_s, b.accept_s(accepted_rows), w), pass_delay_s=delay)
@@ -89,6 +90,8 @@ class OnlineCost:
         which its own scale corrects) and averaged longer than the parts (OVERHEAD_WEIGHT):
         one cycle's rest is noisy, and it prices every node of the next tree."""
         if not (math.isfinite(measured_s) and math.isfinite(predicted_s) and measured_s > 0 and predicted_s > 0):
+            return
+        if self.base.read_what_if:  # the cycle's reads are not the what-if's: its rest would be theirs
             return
         s = self.scales
         rest = max(measured_s - (predicted_s - s.overhead_s), 0.0)

@@ -200,6 +200,17 @@ def test_an_emulated_slow_verification_unit_is_in_the_cost_model(tiny_model):
     assert npu.marginal_verify_s(20) > cpu.marginal_verify_s(20)  # bigger trees cost more: they shrink
 
 
+def test_a_what_if_read_speed_prices_the_run(tiny_model):
+    """[runtime] what_if_read_bytes_per_s: the run's model reads at the what-if's speed, marked so
+    the online corrections leave it (tests/policy/test_online.py), its compute unchanged."""
+    target, draft = tiny_model("qwen2", "Q4_0", n_layer=4), tiny_model("qwen2", "Q8_0", n_layer=2, seed=3)
+    base = [f"model.target='{target}'", f"model.draft='{draft}'", "flash.mode='mmap'"]
+    here = cost_model(load_config(None, base))
+    phone = cost_model(load_config(None, base + ["runtime.what_if_read_bytes_per_s=4.2e9"]))
+    assert phone.read_bytes_per_s == 4.2e9 and phone.read_what_if and not here.read_what_if
+    assert phone.compute_s(16) == here.compute_s(16) and "what-if" in phone.source
+
+
 def test_resident_layers_are_priced_by_their_own_table():
     """A resident layer (tile layout) costs what the profile measured for resident layers, a
     streamed one what it measured for streamed ones: with every layer resident a pass is the

@@ -102,3 +102,19 @@ def test_what_no_part_explains_is_a_fixed_cost_per_cycle_never_negative():
     assert 0 <= on.scales.overhead_s < 1e-6
     on.observe_cycle(float("nan"), 0.1)
     assert math.isfinite(on.scales.overhead_s) and 0 < OVERHEAD_WEIGHT < 1
+
+
+@pytest.mark.parametrize("read", [0.25, 1.0, 4.0])
+def test_a_what_if_read_speed_holds_whatever_the_reads_measure(read):
+    """[runtime] what_if_read_bytes_per_s: trees are priced at the what-if's reads (a phone's UFS
+    behind this machine's cores), so neither the read scale nor the cycle's rest learns from
+    this disk's reads; the compute still does."""
+    cm = model(bw=1e9)
+    on = OnlineCost(cm.with_read_bytes_per_s(4e9, what_if=True))
+    for _ in range(4):
+        on.observe_pass(timing_as(cm, 16, read=read, compute=2.0), accepted_rows=4)
+        on.observe_cycle(measured_s=5.0 * cm.cycle_s(16, 0.0, 4), predicted_s=on.model.cycle_s(16, 0.0, 4))
+    assert on.scales.read == 1.0 and on.scales.overhead_s == 0.0
+    assert on.scales.compute == pytest.approx(2.0, rel=0.1)
+    assert on.model.read_s == pytest.approx(cm.read_s / 4)
+    assert best_tree(on.model) == best_tree(cm.with_read_bytes_per_s(4e9).scaled(compute=on.scales.compute))
