@@ -115,7 +115,7 @@ class CostModel:
     resident_layer_s: tuple[float, ...] = attrs.field(default=(), converter=_monotone)
     pass_delay_s: float = 0.0  # a pass's waits for cores held by drafting ahead (measured online; the profile has none)
     overhead_s: float = 0.0  # what a running cycle spends beyond its parts (measured online: hand-offs, tree building)
-    read_what_if: bool = False  # the read speed is a what-if ([runtime] what_if_read_bytes_per_s): measurements leave it
+    read_what_if: bool = False  # the read speed is a what-if ([runtime] what_if_read_bytes_per_s): not measured
 
     def __attrs_post_init__(self):
         if not self.read_bytes_per_s > 0:
@@ -360,7 +360,8 @@ def _analytic_model(f, kv_rows: int):
 
 
 def cost_model_for(*, target: str | os.PathLike, draft: str | os.PathLike | None, flash: FlashConfig,
-                   profile: ProfileConfig, emulate_layer_ms_per_token: float = 0.0, what_if_read_bytes_per_s: float = 0.0,
+                   profile: ProfileConfig, emulate_layer_ms_per_token: float = 0.0,
+                   what_if_read_bytes_per_s: float = 0.0,
                    target_file: GGUFFile | None = None, resident: frozenset[int] | None = None) -> CostModel:
     """The cost model a run uses: the [profile] path when set (checked to be a profile of the
     configured target and draft), else the one `lever profile` wrote beside the target if it
