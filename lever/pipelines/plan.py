@@ -242,5 +242,4 @@ def cost_model(cfg: Config, target_file: GGUFFile | None = None) -> CostModel:
         raise LeverError(f"{cfg.where}: [model] target is not set")
     return cost_model_for(target=cfg.model.target, draft=cfg.model.draft or None, flash=cfg.flash, profile=cfg.profile,
                           emulate_layer_ms_per_token=cfg.runtime.emulate_layer_ms_per_token,
-                                  what_if_read_bytes_per_s=cfg.runtime.what_if_read_bytes_per_s,
-                                  target_file=target_file)
+                          what_if_read_bytes_per_s=cfg.runtime.what_if_read_bytes_per_s, target_file=target_file)
