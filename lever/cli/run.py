@@ -23,22 +23,19 @@ from lever.cli.common import (
     knob_values,
     output_file,
 )
+from lever.cli.models import add_models, check_models, config_and_sets
 from lever.config import load_config
 from lever.errors import LeverError, read_text
 from lever.model.grammar import GrammarError
 from lever.pipelines.engine import run_pipeline
 from lever.policy.memory import FILL_PROMPT_TOKENS
-from lever.shipped import shipped
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="generate through a configured pipeline (target streamed from flash)")
-    r.add_argument("-c", "--config", type=Path, default=None,
-                   help="TOML config (default: examples/default.toml, the shipped model pair)")
+    add_models(r, default="examples/default.toml, the shipped model pair")
     r.add_argument("-p", "--prompt", default=None, help="default: the config's [generate] prompt; '-': read stdin")
     r.add_argument("-f", "--file", type=Path, default=None, help="read the prompt from this file")
-    r.add_argument("-m", "--model", default=None, help="the target GGUF (overrides [model] target)")
-    r.add_argument("-md", "--model-draft", default=None, help="the draft GGUF (overrides [model] draft)")
     add_knobs(r, "n_predict", "temperature", "seed")  # each overrides its [generate] key
     add_set(r)
     add_constraint(r)
@@ -55,8 +52,7 @@ def check_args(args) -> None:
         raise LeverError("-f and -p: give the prompt one way")
     if args.file is not None:
         input_text_file(args.file, "-f", "file")
-    if args.config is not None:
-        input_text_file(args.config, "-c", "config file")
+    check_models(args)
     check_sets(args)
     constraint_file(args)
     output_file(args.trace, "--trace")  # a missing folder fails now, not after the whole run
@@ -71,16 +67,11 @@ def constraint_args(args) -> dict | None:
     return {dict(CONSTRAINT_FLAGS)[flag]: read_text(path, flag)}
 
 
-def _quoted(path: str) -> str:
-    return json.dumps(str(path))  # a TOML basic string
-
-
 def main(args) -> int:
     check_args(args)
-    paths = [(args.model, "model.target"), (args.model_draft, "model.draft")]
-    overrides = [*args.set, *(f"generate.{key}={v!r}" for key, v in knob_values(args).items()),
-                 *(f"{key}={_quoted(v)}" for v, key in paths if v is not None)]
-    cfg = load_config(args.config or shipped("default.toml"), overrides)
+    config, model_sets = config_and_sets(args)
+    overrides = [*model_sets, *args.set, *(f"generate.{key}={v!r}" for key, v in knob_values(args).items())]
+    cfg = load_config(config, overrides)
     prompt = read_text(args.file, "file") if args.file is not None else args.prompt
     if prompt == "-":
         prompt = sys.stdin.read()

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from lever import signals
 from lever.cli.common import add_common, add_set, check_sets, float_in, input_text_file, int_in, port
+from lever.cli.models import add_models, check_models, config_and_sets
 from lever.errors import LeverError
 from lever.serve import MAX_CONNECTIONS, TIMEOUT_S
 from lever.serve.guard import LOOPBACK_HOSTS, Access
-from lever.shipped import shipped
 
 MAX_QUEUE = 1024
 GRACE_S = 5.0  # on shutdown, how long the running generation may go on before it is cancelled
@@ -25,11 +25,14 @@ KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long (uvi
 MAX_KEY_FILE_BYTES = 1 << 20
 MAX_KEY_CHARS = 256
 KEY_ENV = "LEVER_API_KEY"
+MAX_ALIAS_CHARS = 256
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the configured pipeline")
-    s.add_argument("-c", "--config", type=Path, default=None, help="TOML config (default: the shipped pair)")
+    add_models(s)
+    s.add_argument("-a", "--alias", default=None, metavar="NAME",
+                   help="the model's name in the API (/v1/models, each reply's model; default: the target's file name)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=port, default=8080)
     s.add_argument("--queue", type=int_in(0, MAX_QUEUE), default=8,
@@ -66,8 +69,9 @@ def check_args(args) -> None:
     """--port and --queue are bounded by their types (lever.cli.common); the rest, before loading."""
     if not args.host or any(c.isspace() for c in args.host):
         raise LeverError(f"--host: not a host name or address: {args.host!r}")
-    if args.config is not None:
-        input_text_file(args.config, "-c", "config file")
+    check_models(args)
+    if args.alias is not None and not 0 < len(args.alias) <= MAX_ALIAS_CHARS:
+        raise LeverError(f"--alias: 1-{MAX_ALIAS_CHARS} characters, got {len(args.alias)}")
     for k in args.api_key:
         _check_key(k, "--api-key")
     if args.api_key_file is not None:
@@ -139,7 +143,7 @@ def main(args) -> int:
     llm = _load(args, load)
     server_state = None
     try:
-        model_id = Path(llm.config.model.target).stem
+        model_id = args.alias or Path(llm.config.model.target).stem
         asgi = app(llm, model_id=model_id, queue=args.queue, access=rules, timeout_s=args.timeout,
                    metrics=args.metrics, cache_bytes=args.cache_ram << 20, page=args.page,
                    max_connections=args.max_connections)
@@ -185,8 +189,9 @@ def main(args) -> int:
 def _load(args, load):
     """The pipeline; under --mem, planned within what the server's own parts leave of it (its
     requests, kept conversations, live page), so the whole server keeps to --mem."""
+    config, model_sets = config_and_sets(args)
     if getattr(args, "mem", None) is None:
-        return load(args.config or shipped("default.toml"), overrides=args.set)
+        return load(config, overrides=[*model_sets, *args.set])
     from lever.backends.flash.config import parse_bytes
     from lever.pipelines.watch import LIVE_BYTES
     from lever.serve.pool import POOL_BYTES, server_parts
@@ -198,7 +203,7 @@ def _load(args, load):
     if own >= mem:
         raise LeverError(f"{where}, which leaves nothing for the run; give more, or a smaller --cache-ram")
     try:
-        return load(args.config or shipped("default.toml"), overrides=[*args.set, f"memory.limit={mem - own}"])
+        return load(config, overrides=[*model_sets, *args.set, f"memory.limit={mem - own}"])
     except LeverError as e:
         raise LeverError(f"{where}; the run in the {(mem - own) >> 20} MiB left: {e}") from None
 

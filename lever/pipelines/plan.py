@@ -41,6 +41,7 @@ from lever.policy.memory import (
     FILL_PROMPT_TOKENS,
     MemoryConfig,
     MemoryPlan,
+    auto_limit_bytes,
     fill_residency,
     plan_memory,
     runtime_bytes_for,
@@ -205,9 +206,8 @@ def _fill(cfg: Config, f: GGUFFile, spec: ModelSpec, *, flash: FlashConfig, tree
     """[flash] dram_budget = "fill": the layers [memory] limit holds beside everything else
     the run plans (run_memory's parts, for a prompt of up to FILL_PROMPT_TOKENS)."""
     limit = cfg.memory.limit_bytes
-    if limit is None:
-        raise LeverError(f'{cfg.where}: [flash] dram_budget: "fill" fills [memory] limit, which is "auto": '
-                         f"give a size (--mem 2G, or [memory] limit)")
+    if limit is None:  # "auto": a share of what the machine (or its cgroup) has available now
+        limit = auto_limit_bytes()
     process_bytes = psutil.Process().memory_info().rss  # once: every candidate is priced against the same process
 
     def plan(resident: frozenset[int]) -> MemoryPlan:

@@ -48,7 +48,8 @@ class MemoryConfig:
 
     limit: int | str = "auto"
     """The whole run's DRAM: bytes (int, or "6GiB", "800MB"), or "auto": what the machine has
-    available now. A configuration whose plan exceeds it is refused with the figures."""
+    available now (what [flash] dram_budget = "fill" fills: AUTO_FILL_SHARE of it). A
+    configuration whose plan exceeds it is refused with the figures."""
 
     def __attrs_post_init__(self):
         self.limit_bytes  # noqa: B018  (parses it, so a bad value fails when the config loads)
@@ -211,6 +212,16 @@ def check(plan: MemoryPlan, cfg: MemoryConfig, where: str = "config") -> None:
     if more > available:
         raise LeverError(f"{where}: this run needs {plan.describe()}; {mib(more)} more than now, but {whose} "
                          f"has {mib(available)} available; {largest(plan)}")
+
+
+# [memory] limit = "auto" under dram_budget = "fill": the share of the memory available now that
+# resident layers may fill; the rest is left to the phone's other apps and the page cache
+AUTO_FILL_SHARE = 0.75
+
+
+def auto_limit_bytes() -> int:
+    """What "fill" fills when [memory] limit is "auto" (`-m` with no --mem)."""
+    return int(AUTO_FILL_SHARE * room_bytes()[0])
 
 
 def room_bytes() -> tuple[int, str]:
