@@ -73,3 +73,15 @@ def config_and_sets(args, *, default: str = "default.toml", say=None) -> tuple[P
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def bench_config(args, *, required: bool = True, say=None) -> tuple[str | None, list[str]]:
+    """A bench's config and overrides (its children run `lever run -c CONFIG --set ...`): the
+    model flags' sets first, the command line's --set after. Without -c or -m: the shipped
+    pair's config when not `required` (None: the children's own default), else refused."""
+    if args.config is None and args.model is None:
+        if required:
+            raise LeverError("give -c CONFIG, or -m TARGET.gguf [-md DRAFT.gguf]")
+        return None, list(getattr(args, "set", None) or ())
+    config, sets = config_and_sets(args, say=say)
+    return str(config), [*sets, *(getattr(args, "set", None) or ())]

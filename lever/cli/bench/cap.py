@@ -47,6 +47,7 @@ from lever.cli.common import (
     output_file,
     parse_list,
 )
+from lever.cli.models import add_models, bench_config, check_models
 from lever.cli.table import show
 from lever.config import load_config
 from lever.errors import LeverError
@@ -341,7 +342,7 @@ def plot(summary: dict, path) -> None:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("cap", help="Lever beside llama.cpp under the same memory cap (page cache counted)")
-    b.add_argument("-c", "--config", type=Path, required=True, help="a speculative pipeline's TOML config")
+    add_models(b, default="none: give -c or -m")
     b.add_argument("--prompts", type=Path, default=None,
                    help="a file of prompts separated by lines holding only --- (default: the shipped code prompts)")
     b.add_argument("--caps", default=DEFAULT_CAPS, help=f"memory caps, bytes with K/M/G (default {DEFAULT_CAPS})")
@@ -380,7 +381,8 @@ def check_args(args) -> tuple[list[str], tuple[int, ...], list[str] | None]:
         if not rows or unknown:
             what = f"{unknown[0]!r} is no row" if unknown else "names no row"
             raise LeverError(f"--rows: {what}; the rows: {', '.join(known)}")
-    input_text_file(args.config, "-c", "config file")
+    check_models(args)
+    bench_config(args)  # -c or -m
     if args.prompts is not None:
         input_text_file(args.prompts, "--prompts", "prompts file", MAX_PROMPT_BYTES)
     if args.llama_cpp is not None and not Path(args.llama_cpp).is_dir():
@@ -398,6 +400,7 @@ def check_args(args) -> tuple[list[str], tuple[int, ...], list[str] | None]:
 def main(args) -> int:
     caps, ks, rows = check_args(args)
     prompts = read_prompts(args.prompts or shipped("prompts", "code.txt"))
-    bench_cap(config=str(args.config), prompts=prompts, caps=caps, n=args.n_gen, spec_ks=ks, sets=list(args.set or ()),
+    config, sets = bench_config(args, say=print)
+    bench_cap(config=config, prompts=prompts, caps=caps, n=args.n_gen, spec_ks=ks, sets=sets,
               llama_dir=args.llama_cpp, rows=rows, json_path=args.json, plot_path=args.plot)
     return 0

@@ -25,6 +25,7 @@ from lever.cli.common import (
     int_in,
     output_file,
 )
+from lever.cli.models import add_models, bench_config, check_models
 from lever.cli.table import show
 from lever.errors import LeverError
 from lever.outputs import write_json
@@ -147,7 +148,7 @@ def bench_chat(config: str, turns: list[str], max_tokens: int, sets: list[str] =
 
 def add_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("chat", help="a multi-turn chat: time to first token and per turn, with and without sessions")
-    b.add_argument("-c", "--config", type=Path, required=True, help="a config whose target has a chat template")
+    add_models(b, default="none: give -c or -m; the target needs a chat template")
     b.add_argument("--turns", type=Path, default=None, help="user turns separated by lines of --- (default: "
                    "examples/prompts/chat.txt)")
     b.add_argument("--n-turns", type=int_in(1, MAX_TURNS), default=4)
@@ -163,7 +164,8 @@ MAX_TURNS = 64  # each turn is run four times (two pipelines, with and without a
 
 
 def check_args(args) -> None:
-    input_text_file(args.config, "-c", "config file")
+    check_models(args)
+    bench_config(args)  # -c or -m
     if args.turns is not None:
         input_text_file(args.turns, "--turns", "turns file", MAX_PROMPT_BYTES)
     output_file(args.json, "--json")
@@ -173,5 +175,6 @@ def check_args(args) -> None:
 def main(args) -> int:
     check_args(args)
     turns = read_prompts(args.turns or shipped("prompts", "chat.txt"))[: args.n_turns]
-    bench_chat(str(args.config), turns, args.max_tokens, args.set, json_path=args.json)
+    config, sets = bench_config(args, say=print)
+    bench_chat(config, turns, args.max_tokens, sets, json_path=args.json)
     return 0

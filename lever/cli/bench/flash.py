@@ -8,14 +8,15 @@ Flash-AR comes to max(read, compute), and with --cap the same under a bandwidth 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+from collections.abc import Sequence
 
 import attrs
 
 from lever.backends.flash import FlashConfig
 from lever.cli.bench import rows
 from lever.cli.bench.child import run_json
-from lever.cli.common import add_common, bench_tokens, check_sets, float_in, input_text_file
+from lever.cli.common import add_common, bench_tokens, check_sets, float_in
+from lever.cli.models import add_models, bench_config, check_models
 from lever.cli.table import show
 from lever.config import load_config
 from lever.errors import LeverError
@@ -25,14 +26,14 @@ FLASH_AR = (*rows.FLASH_AR, *rows.NO_BASELINE)
 
 
 def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75, 1.0), cap_bytes_per_s: float = 0.0,
-                out=print) -> list[dict]:
+                out=print, sets: Sequence[str] = ()) -> list[dict]:
     """Flash-AR at several DRAM budgets, side by side in one run; then the overlap figures."""
 
-    cfg = load_config(config)
+    cfg = load_config(config, sets)
     model_path = cfg.model.target
     rows, lines = [], []
     for b in budgets:
-        r = run_json(config, [*FLASH_AR, f"flash.dram_budget={b!r}"], prompt, n)
+        r = run_json(config, [*sets, *FLASH_AR, f"flash.dram_budget={b!r}"], prompt, n)
         bound = r["memory"]["rss_bound_bytes"]  # lever.policy.memory's plan before loading, plus its stated margin
         streamed = r["flash"]["streamed_bytes_per_pass"]
         dev_ratio = r["flash_mb_per_token"] * 1e6 / streamed if streamed else 0
@@ -55,7 +56,7 @@ def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75,
             f"max(read, compute)")
     if cap_bytes_per_s:
         capped = attrs.evolve(cfg.flash, dram_budget=budgets[0], bandwidth_cap_bytes_per_s=cap_bytes_per_s)
-        r = run_json(config, [*FLASH_AR, f"flash.dram_budget={budgets[0]!r}",
+        r = run_json(config, [*sets, *FLASH_AR, f"flash.dram_budget={budgets[0]!r}",
                               f"flash.bandwidth_cap_bytes_per_s={cap_bytes_per_s}"],
                      prompt, n)
         cap_read_ms = read_pass_s(model_path, capped) * 1e3
@@ -66,7 +67,7 @@ def bench_flash(config: str, prompt: str, n: int, budgets=(0.0, 0.25, 0.5, 0.75,
 
 def add_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("flash", help="Flash-AR at DRAM budgets 0-100%%, with overlap figures")
-    b.add_argument("-c", "--config", type=Path, required=True, help="TOML config naming the target")
+    add_models(b, default="none: give -c or -m")
     b.add_argument("-p", "--prompt", default="def quicksort(arr):")
     b.add_argument("--n-gen", type=bench_tokens, default=32, help="tokens generated per run")
     b.add_argument("--cap", type=float_in(0.0, 1e15), default=0.0,
@@ -78,7 +79,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """The cap as [flash] bandwidth_cap_bytes_per_s would take it, before the first run."""
-    input_text_file(args.config, "-c", "config file")
+    check_models(args)
+    bench_config(args)  # -c or -m
     try:
         FlashConfig(bandwidth_cap_bytes_per_s=args.cap)
     except LeverError as e:
@@ -88,5 +90,6 @@ def check_args(args) -> None:
 
 def main(args) -> int:
     check_args(args)
-    bench_flash(str(args.config), args.prompt, args.n_gen, cap_bytes_per_s=args.cap)
+    config, sets = bench_config(args, say=print)
+    bench_flash(config, args.prompt, args.n_gen, cap_bytes_per_s=args.cap, sets=sets)
     return 0

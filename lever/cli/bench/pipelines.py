@@ -46,6 +46,7 @@ from lever.cli.common import (
     parse_list,
     rounds,
 )
+from lever.cli.models import add_models, bench_config, check_models
 from lever.cli.table import show
 from lever.config import load_config
 from lever.errors import LeverError
@@ -297,7 +298,7 @@ def plot(table: dict[float, dict[str, Row]], path) -> None:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("pipelines", help="Flash-AR, Chain-SD, EdgeLLM-like and Lever side by side")
-    b.add_argument("-c", "--config", type=Path, required=True, help="a speculative pipeline's TOML config")
+    add_models(b, default="none: give -c or -m")
     b.add_argument("--prompts", type=Path, default=None,
                    help="a file of prompts separated by lines holding only --- (default: the shipped code prompts)")
     b.add_argument("--n-gen", type=bench_tokens, default=32, help="tokens generated per prompt")
@@ -328,7 +329,8 @@ def check_args(args) -> tuple[tuple[float, ...], tuple[int, ...]]:
 
     budgets = parse_list(args.budgets, "--budgets", BUDGET, max_items=21)
     chain_ks = parse_list(args.chain_ks, "--chain-ks", Range(1, MAX_TREE_SIZE, integer=True), max_items=16)
-    input_text_file(args.config, "-c", "config file")
+    check_models(args)
+    bench_config(args)  # -c or -m
     if args.prompts is not None:
         input_text_file(args.prompts, "--prompts", "prompts file", MAX_PROMPT_BYTES)
     output_file(args.json, "--json")
@@ -365,7 +367,8 @@ def llama_cpp_flags(args) -> list[str]:
 def main(args) -> int:
     budgets, chain_ks = check_args(args)
     prompts = read_prompts(args.prompts or shipped("prompts", "code.txt"))
-    bench_pipelines(str(args.config), prompts, n=args.n_gen, budgets=budgets, chain_ks=chain_ks, sets=args.set,
+    config, sets = bench_config(args, say=print)
+    bench_pipelines(config, prompts, n=args.n_gen, budgets=budgets, chain_ks=chain_ks, sets=sets,
                     json_path=args.json, plot_path=args.plot, pruning=args.pruning, llama_cpp=args.llama_cpp,
                     n_rounds=args.rounds, run_args=constraint_flags(args),
                     llama_cpp_args=llama_cpp_flags(args) if args.llama_cpp else [])

@@ -41,7 +41,8 @@ from pathlib import Path
 
 from lever.cli.bench import attacks
 from lever.cli.bench.attacks import ATTACK_KEY, EACH, HOSTILE, MAX_CONNECTIONS, PROMPT, Attack, Target
-from lever.cli.common import add_common, add_set, check_sets, float_in, input_text_file, output_file
+from lever.cli.common import add_common, add_set, check_sets, float_in, output_file
+from lever.cli.models import add_models, bench_config, check_models
 from lever.cli.table import show
 from lever.errors import LeverError
 from lever.outputs import write_json
@@ -267,7 +268,7 @@ def _capped(mem: str | None):
 
 def add_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("serve", help="lever serve under hostile clients: a good client's latency, RSS vs the plan")
-    b.add_argument("-c", "--config", type=Path, default=None, help="TOML config (default: the shipped pair)")
+    add_models(b)
     b.add_argument("--seconds", type=float_in(1, 3600), default=20.0, help="length of each phase")
     b.add_argument("--json", type=Path, default=None)
     add_set(b)
@@ -277,8 +278,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def check_args(args) -> None:
-    if args.config is not None:
-        input_text_file(args.config, "-c", "config file")
+    check_models(args)
     output_file(args.json, "--json")
     check_sets(args)
 
@@ -286,5 +286,6 @@ def check_args(args) -> None:
 def main(args) -> int:
     check_args(args)
     # --mem: each server runs with it, in a memory cgroup of that size (root)
-    bench_serve(str(args.config) if args.config else None, args.set, args.seconds, mem=args.mem, json_path=args.json)
+    config, sets = bench_config(args, required=False, say=print)
+    bench_serve(config, sets, args.seconds, mem=args.mem, json_path=args.json)
     return 0

@@ -41,6 +41,7 @@ from lever.cli.common import (
     parse_list,
     rounds,
 )
+from lever.cli.models import add_models, bench_config, check_models
 from lever.cli.table import show
 from lever.errors import LeverError
 from lever.outputs import write_json
@@ -141,7 +142,7 @@ def bench_sources(config: str, prompts: list[str], n: int, budgets: tuple[float,
 
 def add_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("sources", help="children from the draft model, prompt lookup and n-grams, side by side")
-    b.add_argument("-c", "--config", type=Path, required=True, help="a speculative pipeline's TOML config")
+    add_models(b, default="none: give -c or -m")
     b.add_argument("--prompts", type=Path, default=None,
                    help="prompts separated by lines holding only --- (default: examples/prompts/repeat.txt)")
     b.add_argument("--n-gen", type=bench_tokens, default=48, help="tokens generated per prompt")
@@ -168,7 +169,8 @@ def parse_variants(text: str) -> tuple[str, ...]:
 def check_args(args) -> tuple[tuple[float, ...], tuple[str, ...]]:
     budgets = parse_list(args.budgets, "--budgets", BUDGET, max_items=21)
     variants = parse_variants(args.variants)
-    input_text_file(args.config, "-c", "config file")
+    check_models(args)
+    bench_config(args)  # -c or -m
     if args.prompts is not None:
         input_text_file(args.prompts, "--prompts", "prompts file", MAX_PROMPT_BYTES)
     output_file(args.json, "--json")
@@ -179,6 +181,7 @@ def check_args(args) -> tuple[tuple[float, ...], tuple[str, ...]]:
 def main(args) -> int:
     budgets, variants = check_args(args)
     prompts = read_prompts(args.prompts or shipped("prompts", "repeat.txt"))
-    bench_sources(str(args.config), prompts, args.n_gen, budgets, args.set, json_path=args.json, rounds=args.rounds,
+    config, sets = bench_config(args, say=print)
+    bench_sources(config, prompts, args.n_gen, budgets, sets, json_path=args.json, rounds=args.rounds,
                   variants=variants)
     return 0
