@@ -107,6 +107,7 @@ class Chunk:
     usage: Usage | None = None  # the last chunk only, as the completion's
     stats: RunResult | None = None  # the last chunk only: the run's figures
     tool_calls: tuple[ToolCall, ...] = ()  # the last chunk only, of a chat with `tools`: the reply's calls
+    tokens: tuple[int, ...] = ()  # the ids of this chunk's tokens (n_tokens of them)
 
 
 def prepare_generate(args: dict, defaults: GenerateConfig, *, n_prompt: int, n_ctx: int, n_ctx_source: str

@@ -223,7 +223,7 @@ class LLM:
 
     def run(self, call: Call, *, session: Session | None = None, client: object = None, on_text=None,
             watch: Watch | None = None, turn=None) -> Completion:
-        """One prepared call (`on_text(text, n_tokens, logprobs)`: each piece as it is final); in
+        """One prepared call (`on_text(text, tokens, logprobs)`: each piece as it is final); in
         `session`, the prefix its caches already hold is not prefilled again, when the
         session's last call was `client`'s (a server's clients never share a prefix); `watch`:
         who sees its cycles (a live page's; default this LLM's `watch`); `turn`: a context the
@@ -255,8 +255,8 @@ class LLM:
         out: queue.Queue = queue.Queue()
         done = object()
 
-        def piece(text: str, n_tokens: int, logprobs: tuple[TokenLogprob, ...]) -> None:
-            out.put(Chunk(text, n_tokens, logprobs=logprobs))
+        def piece(text: str, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...]) -> None:
+            out.put(Chunk(text, len(tokens), logprobs=logprobs, tokens=tokens))
 
         def work():
             try:

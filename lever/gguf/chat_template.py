@@ -203,6 +203,8 @@ def check_messages(messages) -> list[dict]:
         calls = _tool_calls(i, m["tool_calls"]) if role == "assistant" and m.get("tool_calls") else None
         if content is None and calls:  # a reply that only calls
             content = ""
+        if isinstance(content, list):  # OpenAI's content parts: the texts joined by lines, as llama-server does
+            content = _joined_parts(i, content)
         if not isinstance(content, str):
             raise LeverError(f"messages[{i}].content: must be a string, got {type(content).__name__}")
         checked = {"role": role, "content": content}
@@ -212,6 +214,22 @@ def check_messages(messages) -> list[dict]:
             checked["tool_call_id"] = _id(m["tool_call_id"], f"messages[{i}].tool_call_id")
         out.append(checked)
     return out
+
+
+def _joined_parts(i: int, parts: list) -> str:
+    """A message's content given as parts ([{"type": "text", "text": ...}]): their texts joined
+    by newlines; a part of another kind (an image) is refused: no model here sees one."""
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise LeverError(f"{where}: only text parts are supported (this model reads no "
+                             f"{kind if isinstance(kind, str) else 'untyped'} content), got {shown(str(kind))[:40]}")
+        if not isinstance(part.get("text"), str):
+            raise LeverError(f"{where}.text: must be a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _defused(value, pattern: re.Pattern):

@@ -3,7 +3,7 @@
 Beside lever.pipelines.compose, which hands it to Accept as the request's stop rule: after every
 pass Accept gives it the tokens emitted (and their logprobs), and it decodes them (UTF-8 never
 split: lever.gguf.tokenizer.StreamDecoder), holds back text a stop string could still claim, and
-hands on what is final (`on_text(text, n_tokens, logprobs)`) with the logprobs of the tokens it
+hands on what is final (`on_text(text, tokens, logprobs)`) with the logprobs of the tokens it
 covers. Its answer is the only decision it takes: STOP when a stop string completed (under a
 grammar, only where the grammar accepts the text before it: a reply that stops is one the
 grammar accepts, as one that ends by its end token is), CANCELLED when the caller's event is
@@ -32,7 +32,7 @@ class TextStream:
 
     tok: Tokenizer
     stops: tuple[str, ...] = ()
-    on_text: Callable | None = None  # on_text(text, n_tokens, logprobs): each piece as it is final
+    on_text: Callable | None = None  # on_text(text, tokens, logprobs): each piece as it is final, with its ids
     eos_ids: frozenset[int] = frozenset()  # end tokens: not text
     cancel: threading.Event = attrs.field(factory=threading.Event)
     grammar: Grammar | None = None  # the generation's grammar: a stop string counts only where it accepts
@@ -80,7 +80,7 @@ class TextStream:
         if self._calls is not None:
             rest, _ = self._calls.finish()
             if rest and self.on_text is not None:
-                self.on_text(rest, 0, ())
+                self.on_text(rest, (), ())
 
     @property
     def final_text(self) -> str:
@@ -122,8 +122,9 @@ class TextStream:
             if self._calls is not None:
                 piece = self._calls.push(piece)
             if self.on_text is not None:
-                lps = tuple(self.logprobs[len(self.tokens) - self.unsent_tokens :]) if self.logprobs else ()
-                self.on_text(piece, self.unsent_tokens, lps)
+                first = len(self.tokens) - self.unsent_tokens
+                lps = tuple(self.logprobs[first:]) if self.logprobs else ()
+                self.on_text(piece, tuple(self.tokens[first:]), lps)
             self.sent, self.unsent_tokens = max(upto, self.sent), 0
 
 

@@ -26,6 +26,7 @@ from lever.api.render import PromptTooLong
 from lever.errors import LeverError
 from lever.gguf.chat_template import Rendered, check_messages
 from lever.serve import TIMEOUT_S
+from lever.serve.dialect import Dialect
 from lever.serve.pool import Hold
 from lever.serve.rate import BodyRate
 from lever.serve.request import BadRequest, parse, parse_bytes, read_body, sampling
@@ -59,11 +60,11 @@ class Preparer:
         lever.api.render.ChatRenderer.max_prompt_bytes)."""
         return self.llm.renderer.max_prompt_bytes
 
-    async def call(self, request: Request, endpoint: str, hold: Hold) -> tuple[Shape, Call]:
+    async def call(self, request: Request, dialect: Dialect, hold: Hold) -> tuple[Shape, Call]:
         """The request's call, checked (BadRequest or LeverError naming the field), and how its
         answer is shaped; what the request holds meanwhile is in `hold`, and from here on only
         what the call keeps (`call_bytes`)."""
-        data, args, messages, offer = await self._parsed(request, endpoint, hold)
+        data, args, messages, offer = await self._parsed(request, dialect.endpoint, hold, dialect.translate)
         shape = Shape.of(data)
         rendered = None
         if messages is not None:
@@ -95,7 +96,7 @@ class Preparer:
         hold.add(TOKEN_ANSWER_BYTES * len(data["tokens"]) * 4, "its text")
         return await anyio.to_thread.run_sync(detokenize, tok, data, limiter=self._prep)
 
-    async def _parsed(self, request: Request, endpoint: str, hold: Hold):
+    async def _parsed(self, request: Request, endpoint: str, hold: Hold, translate=None):
         """The body read and parsed, its bytes then what parsing may allocate held first
         (lever.serve.request.parse_bytes): a body whose JSON would take more is refused unparsed."""
         body = await read_body(request, hold=hold, timeout_s=self.timeout_s, rate=self.rate,
@@ -107,12 +108,13 @@ class Preparer:
         hold.set(len(body) + need, "parsing its JSON")
         if endpoint in ("tokenize", "detokenize"):
             return await anyio.to_thread.run_sync(parse, body, endpoint, limiter=self._prep), None, None, None
-        return await anyio.to_thread.run_sync(self.parse, body, endpoint, limiter=self._prep)
+        return await anyio.to_thread.run_sync(self.parse, body, endpoint, translate, limiter=self._prep)
 
-    def parse(self, body: bytes, endpoint: str) -> tuple[dict, dict, list[dict] | None, Offer]:
-        """The request's fields and call arguments; a chat's messages checked and bounded (their
-        count, their bytes) before any template sees them, and the functions it offers."""
-        data = parse(body, endpoint)
+    def parse(self, body: bytes, endpoint: str, translate=None) -> tuple[dict, dict, list[dict] | None, Offer]:
+        """The request's fields and call arguments (its dialect's body translated first); a chat's
+        messages checked and bounded (their count, their bytes) before any template sees them,
+        and the functions it offers."""
+        data = parse(body, endpoint, translate)
         args = sampling(data, endpoint)
         if endpoint != "chat":
             self.check_bytes(len(data["prompt"].encode("utf-8", "replace")), "prompt")

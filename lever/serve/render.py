@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from lever.api import Completion
+from lever.api import Chunk, Completion
 from lever.dataflow.messages import TokenLogprob
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.stop import StopReason
@@ -28,14 +28,46 @@ OPENAI_FINISH = {StopReason.STOP: "stop", StopReason.EOS: "stop", StopReason.LEN
                  StopReason.CONTEXT: "length", StopReason.CANCELLED: "stop"}
 
 
+FINGERPRINT = "lever"  # OpenAI's system_fingerprint: which backend answered (llama-server gives its build)
+
+
 @attrs.frozen
 class Reply:
-    """One request's answer in OpenAI's shapes: a whole response, or a stream's chunks."""
+    """One request's answer in OpenAI's shapes: a whole response, or a stream's events. Every
+    dialect's answer (lever.serve.dialect) has these methods: `body`, and for a stream
+    `opening`, `piece`, `closing`, `trailer`, `failed`, each a list of events (or one)."""
 
     rid: str  # "chatcmpl-..." / "cmpl-..."
     chat: bool
     model_id: str
     tok: Tokenizer
+    media_type = "text/event-stream"
+
+    def opening(self) -> list[str]:
+        """A chat stream's first event: the role, its content null (as OpenAI's and llama-server's)."""
+        return [self.chunk({"role": "assistant", "content": None}, None)] if self.chat else []
+
+    def piece(self, chunk: Chunk, n_chars: int, logprobs: bool) -> list[str]:
+        """A chunk's text (and its tokens' logprobs, `n_chars` into the text)."""
+        lps = self.logprobs(chunk.logprobs, n_chars) if logprobs else None
+        return [self.chunk({"content": chunk.text} if self.chat else chunk.text, None, lps)]
+
+    def closing(self, chunk: Chunk) -> list[str]:
+        """The last chunk: the calls a chat's reply made, why it ended, llama.cpp's timings."""
+        out, finish = [], OPENAI_FINISH[chunk.finish_reason]
+        if chunk.tool_calls:
+            finish = finish if chunk.finish_reason is StopReason.LENGTH else "tool_calls"
+            out.append(self.chunk({"tool_calls": [tc.as_openai(i) for i, tc in enumerate(chunk.tool_calls)]}, None))
+        extra = {"timings": timings(chunk.stats, chunk.usage.cached_tokens)} if chunk.stats else {}
+        return [*out, self.chunk({} if self.chat else "", finish, extra=extra)]
+
+    def trailer(self, usage_asked: bool, n_prompt: int, n_out: int) -> list[str]:
+        return [*([self.usage_chunk(n_prompt, n_out)] if usage_asked else []), "data: [DONE]\n\n"]
+
+    @staticmethod
+    def failed(message: str, kind: str, param: str | None = None) -> str:
+        """A stream that fails mid-way ends with an error event, as OpenAI's do; no [DONE]."""
+        return sse({"error": {"message": message, "type": kind, "param": param, "code": None}})
 
     def object(self, chunk: bool) -> str:
         return ("chat.completion" + (".chunk" if chunk else "")) if self.chat else "text_completion"
@@ -48,7 +80,7 @@ class Reply:
         choice = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
         choice.update({"delta": delta} if self.chat else {"text": delta})
         return sse({"id": self.rid, "object": self.object(True), "created": int(time.time()), "model": self.model_id,
-                    "choices": [choice], **(extra or {})})
+                    "system_fingerprint": FINGERPRINT, "choices": [choice], **(extra or {})})
 
     def usage_chunk(self, n_prompt: int, n_out: int) -> str:
         """A stream's last event when `stream_options.include_usage` asks for it."""
@@ -69,8 +101,8 @@ class Reply:
         else:
             choice["text"] = c.text
         return {"id": self.rid, "object": self.object(False), "created": int(time.time()), "model": self.model_id,
-                "choices": [choice], "usage": usage(c.usage.prompt_tokens, c.usage.completion_tokens,
-                                                    c.usage.cached_tokens),
+                "system_fingerprint": FINGERPRINT, "choices": [choice],
+                "usage": usage(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.cached_tokens),
                 "timings": timings(c.stats, c.usage.cached_tokens)}
 
 

@@ -124,9 +124,10 @@ async def read_body(request: Request, *, hold, timeout_s: float, idle_s: float =
     return b"".join(chunks)
 
 
-def parse(body: bytes, endpoint: str) -> dict:
+def parse(body: bytes, endpoint: str, translate: Callable[[dict], dict] | None = None) -> dict:
     """The request's fields this server reads, type-checked; BadRequest naming the first one at
-    fault. Parse the body only once its `parse_bytes` are held."""
+    fault. Parse the body only once its `parse_bytes` are held. `translate`: a dialect's body
+    as the endpoint's fields (lever.serve.dialect), before they are checked."""
     if len(body) > MAX_BODY_BYTES:
         raise BadRequest(f"request body over {MAX_BODY_BYTES} bytes", status=413)
     try:
@@ -137,6 +138,8 @@ def parse(body: bytes, endpoint: str) -> dict:
         raise BadRequest("the body nests too deep") from None
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object")
+    if translate is not None:
+        data = translate(data)
     for name in UNSUPPORTED:
         if name in data and not any(data[name] == d and type(data[name]) is type(d) for d in DEFAULTS):
             raise BadRequest(f"{name}: not supported by this server yet", name)

@@ -42,16 +42,19 @@ from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.watch import LIVE_BYTES, Watch
 from lever.serve import MAX_CONNECTIONS, TIMEOUT_S
 from lever.serve.admission import Admission, Turns
+from lever.serve.dialect import OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect
 from lever.serve.guard import Access, Guard
 from lever.serve.metrics import Metrics
 from lever.serve.page import Page
 from lever.serve.pool import Hold, RequestPool
 from lever.serve.prepare import Preparer, Shape, named
-from lever.serve.render import OPENAI_FINISH, Reply, sse, timings
 from lever.serve.request import SHUTTING_DOWN, BadRequest, shutting_down
 from lever.serve.streamed import Streamed
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting or running request checks that its client is still there
+# the routes of generations, by dialect (llama-server answers OpenAI's with and without /v1)
+GENERATIONS = {"/v1/completions": OPENAI_COMPLETIONS, "/completions": OPENAI_COMPLETIONS,
+               "/v1/chat/completions": OPENAI_CHAT, "/chat/completions": OPENAI_CHAT}
 CACHE_BYTES = 256 << 20  # `lever serve --cache-ram`'s default (MiB there): a few long conversations of a 1.5B pair
 
 
@@ -132,14 +135,15 @@ class Server:
         return Response(self.metrics.text(processing=running, deferred=max(self.admission.admitted - running, 0)),
                         media_type="text/plain; version=0.0.4")
 
-    async def completions(self, request: Request) -> Response:
-        return await self._counted(request, "completions")
+    def generation(self, dialect: Dialect):
+        """The route of a dialect's generations (lever.serve.dialect)."""
+        async def route(request: Request) -> Response:
+            return await self._counted(request, dialect)
+        route.__name__ = dialect.name
+        return route
 
-    async def chat(self, request: Request) -> Response:
-        return await self._counted(request, "chat")
-
-    async def _counted(self, request: Request, endpoint: str) -> Response:
-        response = await self._handle(request, endpoint)
+    async def _counted(self, request: Request, dialect: Dialect) -> Response:
+        response = await self._handle(request, dialect)
         if self.metrics is not None:
             self.metrics.add_status(response.status_code)
         return response
@@ -148,10 +152,10 @@ class Server:
         if self.metrics is not None and stats is not None:
             self.metrics.add_run(stats)
 
-    async def _handle(self, request: Request, endpoint: str) -> Response:
+    async def _handle(self, request: Request, dialect: Dialect) -> Response:
         hold = self.pool.hold(client_of(request))  # given back when the answer ends (a stream's, at its end)
         try:
-            response = await self._answer(request, endpoint, hold)
+            response = await self._answer(request, dialect, hold)
         except BaseException:
             hold.release()
             raise
@@ -159,30 +163,29 @@ class Server:
             hold.release()
         return response
 
-    async def _answer(self, request: Request, endpoint: str, hold: Hold) -> Response:
-        chat = endpoint == "chat"
+    async def _answer(self, request: Request, dialect: Dialect, hold: Hold) -> Response:
+        error = dialect.error
         try:
             if self.closing:
                 raise shutting_down()
             # checked before queueing: a bad request never waits for its 400 (lever.serve.prepare)
-            shape, call = await self.prep.call(request, endpoint, hold)
+            shape, call = await self.prep.call(request, dialect, hold)
             self.admission.admit(hold.client)
         except BadRequest as e:
             return error(e.message, e.status, e.kind, e.param)
         except LeverError as e:
             if self.closing:  # a render cut by shutdown
                 return error(*SHUTTING_DOWN)
-            msg = str(e)
-            return error(msg, 400, "invalid_request_error", _param(msg))
-        reply = Reply(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], chat, self.model_id,
-                      self.llm.tokenizer)
+            return error(**refusal(str(e)))
+        reply = dialect.reply(dialect.rid_prefix + uuid.uuid4().hex[:24], dialect.chat, self.model_id,
+                              self.llm.tokenizer)
         client = request.scope.get("state", {}).get("client")
         if shape.stream:
             def end() -> None:  # however the stream ends, even before its first chunk
                 self.admission.release(hold.client)
                 hold.release()
             return Streamed(self._stream(request, call, reply, shape, client, hold.client), on_end=end,
-                            media_type="text/event-stream")
+                            media_type=reply.media_type)
         try:
             c = await self._generate(request, call, client, hold.client)
         except Cancelled as e:  # its client left while it waited (nobody reads this), or shutdown
@@ -230,15 +233,15 @@ class Server:
                 cancel.set()
             await anyio.sleep(DISCONNECT_POLL_S)
 
-    async def _stream(self, request: Request, call: Call, reply: Reply, shape: Shape, client, whose):
+    async def _stream(self, request: Request, call: Call, reply, shape: Shape, client, whose):
         cancel = call.cancel
         self.admission.track(cancel)
         it = self.llm.stream_call(call, session=self.session, client=client, watch=self._watch(),
                                   turn=self.turns.turn(whose, call.cancel))
         n_out, n_chars = 0, 0
         try:
-            if reply.chat:
-                yield reply.chunk({"role": "assistant", "content": ""}, None)
+            for event in reply.opening():
+                yield event
             while True:
                 try:
                     chunk = await anyio.to_thread.run_sync(next, it, None)
@@ -248,34 +251,26 @@ class Server:
                         return
                 except LeverError as e:  # failed mid-stream: an error event ends it, as OpenAI's do; no [DONE]
                     f = failure(e, shape)
-                    yield sse({"error": {"message": f["message"], "type": f["kind"], "param": f["param"],
-                                         "code": None}})
+                    yield reply.failed(f["message"], f["kind"], f["param"])
                     return
                 if chunk is None:
                     break
                 n_out += chunk.n_tokens
                 self._finished(chunk.stats)
                 if chunk.text or chunk.logprobs:
-                    lps = reply.logprobs(chunk.logprobs, n_chars) if call.logprobs is not None else None
-                    yield reply.chunk({"content": chunk.text} if reply.chat else chunk.text, None, lps)
+                    for event in reply.piece(chunk, n_chars, call.logprobs is not None):
+                        yield event
                     n_chars += len(chunk.text)
                 if chunk.finish_reason is StopReason.CANCELLED and self.closing:
                     # cut by shutdown: an error event, as OpenAI's streams report a failure; no [DONE]
-                    yield sse({"error": {"message": f"the server is shutting down: the generation was cut "
-                                                    f"after {n_out} tokens", "type": SHUTTING_DOWN[2],
-                                         "param": None, "code": None}})
+                    yield reply.failed(f"the server is shutting down: the generation was cut after {n_out} tokens",
+                                       SHUTTING_DOWN[2])
                     return
                 if chunk.finish_reason is not None:  # llama.cpp's timings ride on the last chunk
-                    finish = OPENAI_FINISH[chunk.finish_reason]
-                    if chunk.tool_calls:
-                        finish = finish if chunk.finish_reason is StopReason.LENGTH else "tool_calls"
-                        yield reply.chunk({"tool_calls": [tc.as_openai(i) for i, tc in enumerate(chunk.tool_calls)]},
-                                          None)
-                    extra = {"timings": timings(chunk.stats, chunk.usage.cached_tokens)} if chunk.stats else {}
-                    yield reply.chunk({} if reply.chat else "", finish, extra=extra)
-            if shape.usage:
-                yield reply.usage_chunk(len(call.ids), n_out)
-            yield "data: [DONE]\n\n"
+                    for event in reply.closing(chunk):
+                        yield event
+            for event in reply.trailer(shape.usage, len(call.ids), n_out):
+                yield event
         finally:
             cancel.set()  # a client gone mid-stream: the generation ends at its next pass
             with anyio.CancelScope(shield=True):
@@ -299,6 +294,14 @@ def failure(e: LeverError, shape: Shape) -> dict:
     if isinstance(e, GrammarError):
         return {"message": msg, "status": 400, "kind": "invalid_request_error", "param": _param(msg)}
     return {"message": msg, "status": 500, "kind": "server_error", "param": None}
+
+
+def refusal(message: str) -> dict:
+    """`error`'s arguments for a request the API refused (a LeverError's one line): a prompt
+    past the context is llama-server's exceed_context_size_error, the rest invalid requests."""
+    kind = "exceed_context_size_error" if "context" in message and message.startswith(("prompt", "messages")) \
+        else "invalid_request_error"
+    return {"message": message, "status": 400, "kind": kind, "param": _param(message)}
 
 
 def _param(message: str) -> str | None:
@@ -328,9 +331,9 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
     s = Server(llm, model_id, admission, Preparer(llm, timeout_s), session, metrics=Metrics() if metrics else None,
                page=live)
     handlers = {HTTPException: _http_error, Exception: _internal_error}
-    routes = [Route("/health", s.health), Route("/v1/models", s.models), Route("/props", s.props),
-              Route("/v1/completions", s.completions, methods=["POST"]),
-              Route("/v1/chat/completions", s.chat, methods=["POST"]),
+    routes = [Route("/health", s.health), Route("/v1/health", s.health), Route("/v1/models", s.models),
+              Route("/models", s.models), Route("/props", s.props),
+              *[Route(path, s.generation(d), methods=["POST"]) for path, d in GENERATIONS.items()],
               Route("/tokenize", s.tokens, methods=["POST"]),
               Route("/detokenize", s.tokens, methods=["POST"]), Route("/metrics", s.prometheus)]
     if live is not None:

@@ -1,0 +1,46 @@
+"""How a request speaks: the JSON its route takes in, and the shapes of its answer out.
+
+Between the routes (lever.serve.server) and the request's preparation (lever.serve.prepare):
+every generation route is a Dialect, OpenAI's two, llama-server's own (lever.serve.llama), and
+the ones apps already call. A dialect translates its body into the fields preparation reads
+(OpenAI's chat or completions request), so each field is checked, bounded and refused by name
+in one place; its answer is a Reply-like object (lever.serve.render.Reply's methods: `body`,
+and a stream's `opening`, `piece`, `closing`, `trailer`, `failed`), and its refusals have its
+own form. The generation itself is the same whoever asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+from starlette.responses import JSONResponse
+
+from lever.serve.render import Reply
+
+
+def openai_error(message: str, kind: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+@attrs.frozen
+class Dialect:
+    """One way of asking for a generation."""
+
+    name: str
+    endpoint: str  # "chat" or "completions": what the translated request is (lever.serve.request.FIELDS)
+    reply: Callable  # reply(rid, chat, model_id, tok) -> the answer's shapes (a Reply-like)
+    rid_prefix: str  # a response's id starts with it
+    translate: Callable[[dict], dict] | None = None  # its body as the endpoint's fields; BadRequest names a field
+    error_body: Callable[..., dict] = openai_error  # error_body(message, kind, param) -> its refusal's JSON
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == "chat"
+
+    def error(self, message: str, status: int, kind: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse(self.error_body(message, kind, param), status_code=status)
+
+
+OPENAI_CHAT = Dialect("chat", "chat", Reply, "chatcmpl-")
+OPENAI_COMPLETIONS = Dialect("completions", "completions", Reply, "cmpl-")
