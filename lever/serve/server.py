@@ -40,7 +40,7 @@ from lever.model.grammar import GrammarError
 from lever.model.stop import StopReason
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.watch import LIVE_BYTES, Watch
-from lever.serve import MAX_CONNECTIONS, TIMEOUT_S
+from lever.serve import MAX_CONNECTIONS, TIMEOUT_S, anthropic, ollama
 from lever.serve.admission import Admission, Turns
 from lever.serve.dialect import OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect
 from lever.serve.guard import Access, Guard
@@ -336,6 +336,9 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
               *[Route(path, s.generation(d), methods=["POST"]) for path, d in GENERATIONS.items()],
               Route("/tokenize", s.tokens, methods=["POST"]),
               Route("/detokenize", s.tokens, methods=["POST"]), Route("/metrics", s.prometheus)]
+    routes += [Route(path, s.generation(d), methods=["POST"])
+               for path, d in {**ollama.GENERATIONS, **anthropic.GENERATIONS}.items()]
+    routes += [*ollama.routes(s), *anthropic.routes(s)]
     if live is not None:
         routes += [Route("/", live.file), Route("/page/{name}", live.file), Route("/live", live.events)]
     a = Starlette(routes=routes, exception_handlers=handlers)
