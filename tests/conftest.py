@@ -1,4 +1,5 @@
-"""Shared fixtures: paths to the real models beside the project, and tiny GGUFs made on demand."""
+"""Shared fixtures: paths to the real models (../shared/models, or pulled into $LEVER_MODELS by
+lever.hub when absent), and tiny GGUFs made on demand."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from lever.errors import LeverError
+from lever.hub.pull import pull
+from lever.hub.store import models_dir
 from tests.tiny_gguf import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,36 +30,49 @@ def find_shared() -> Path | None:
 
 SHARED = find_shared() or ROOT.parent / "shared"
 MODELS = SHARED / "models"
-STORIES = MODELS / "stories260K.gguf"
-QWEN_DIR = Path(os.environ.get("LEVER_MODELS", Path.home() / ".cache" / "lever" / "models"))
+QWEN_DIR = models_dir()  # $LEVER_MODELS, else ~/.cache/lever/models: where `lever pull` puts models
 QWEN_TARGET = QWEN_DIR / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 QWEN_DRAFT = QWEN_DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+SMALL = {"stories260K.gguf": "stories260k", "llama-2-tiny-random.gguf": "llama-2-tiny-random"}  # -> catalogue name
+
+
+def small_model(filename: str) -> Path:
+    """A small test model: ../shared/models' copy, else the one in $LEVER_MODELS (where the
+    session's start pulls it when the catalogue's source is reachable)."""
+    shared = MODELS / filename
+    return shared if shared.exists() else QWEN_DIR / filename
+
+
+STORIES = small_model("stories260K.gguf")
+LLAMA2 = small_model("llama-2-tiny-random.gguf")
 # llama.cpp as an independent reference: llama-cpp-python, finding libllama through
 # LLAMA_CPP_LIB_PATH, else through a build beside the project (where the developers keep one).
 LLAMA_CPP_LIB = ROOT.parent / "ref" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
 
-
-FETCH_QWEN = SHARED / "tools" / "fetch-qwen-pair"
-_fetch_tried: list[str] = []
+_pulls: dict[str, str] = {}  # catalogue name -> "" once pulled, else why it could not be
 
 
-def fetch_qwen_pair() -> None:
-    """The test command sets up what it needs: the Qwen pair is fetched once (~30 s) when
-    absent, unless LEVER_NO_FETCH=1; a failed fetch leaves its tests skipped with the reason."""
-    if _fetch_tried or os.environ.get("LEVER_NO_FETCH") == "1" or not FETCH_QWEN.exists():
-        return
-    import subprocess
-
-    proc = subprocess.run(["bash", str(FETCH_QWEN), str(QWEN_DIR)], capture_output=True, text=True, timeout=900)
-    _fetch_tried.append(proc.stderr.strip().splitlines()[-1] if proc.returncode and proc.stderr else "")
+def pull_model(name: str) -> str:
+    """The test command sets up what it needs: `lever pull NAME` into $LEVER_MODELS, tried once
+    a session (the Qwen pair takes ~1 min), never under LEVER_NO_FETCH=1; why it failed, or ""."""
+    if name not in _pulls:
+        if os.environ.get("LEVER_NO_FETCH") == "1":
+            _pulls[name] = "LEVER_NO_FETCH=1"
+        else:
+            try:
+                pull(name, root=QWEN_DIR)
+                _pulls[name] = ""
+            except LeverError as e:
+                _pulls[name] = str(e)
+    return _pulls[name]
 
 
 def require(path: Path) -> Path:
-    if not path.exists() and "qwen" in path.name:
-        fetch_qwen_pair()
+    """`path`, pulled first when the catalogue has it; else the test skips, saying why."""
+    name = "qwen2.5-coder" if path.parent == QWEN_DIR and "qwen" in path.name else SMALL.get(path.name)
+    why = pull_model(name) if name and not path.exists() else ""
     if not path.exists():
-        hint = f"{FETCH_QWEN} failed: {_fetch_tried[0]}" if _fetch_tried and _fetch_tried[0] else \
-            "run ../shared/tools/fetch-qwen-pair" if "qwen" in path.name else "needs ../shared/models"
+        hint = f"`lever pull {name}` failed: {why}" if why else "needs ../shared/models"
         pytest.skip(f"{path} absent ({hint})")
     return path
 
@@ -126,8 +143,15 @@ from tests.backends.flash.files import disk_dir, stories_aligned, stories_copy, 
 
 
 def pytest_sessionstart(session) -> None:
-    """A run without the shared models would skip a tenth of the suite and pass: that green
-    would be a lie, so it stops here with one line saying what to set."""
-    if not STORIES.exists() and os.environ.get("LEVER_ALLOW_NO_SHARED") != "1":
-        pytest.exit(f"{STORIES} absent: set LEVER_SHARED to the folder holding models/ and tools/ "
-                    "(../shared beside the clone), or LEVER_ALLOW_NO_SHARED=1 to skip its tests", returncode=4)
+    """The small models come from ../shared/models, else from $LEVER_MODELS, pulled there now
+    when absent. A run with neither would skip a tenth of the suite and pass: that green would
+    be a lie, so it stops here with one line saying what is missing and what to set."""
+    missing = []
+    for path in (STORIES, LLAMA2):
+        why = pull_model(SMALL[path.name]) if not path.exists() else ""
+        if not path.exists():
+            missing.append(f"{path.name} (`lever pull {SMALL[path.name]}`: {why})")
+    if missing and os.environ.get("LEVER_ALLOW_NO_SHARED") != "1":
+        pytest.exit(f"not in {MODELS} nor {QWEN_DIR}: {'; '.join(missing)}. Set LEVER_SHARED to the folder holding "
+                    "models/ (../shared beside the clone), or LEVER_ALLOW_NO_SHARED=1 to skip their tests",
+                    returncode=4)

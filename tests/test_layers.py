@@ -17,6 +17,7 @@ FLOORS = (
     ("lever.errors", "lever.signals"),  # one-line failures; how a signal stops a command
     # every file Lever writes: checked before the work, written atomically; JSON values checked without recursing
     ("lever.outputs", "lever.nesting"),
+    ("lever.hub",),  # models fetched by name into $LEVER_MODELS, checked: moves bytes, loads nothing
     ("lever.gguf", "lever.shipped"),  # what a file says; where the shipped examples are
     ("lever.backends.cpu",),  # the kernels' binding, weights in their layouts, one layer
     ("lever.model",),  # a model in DRAM, sampling, generation, the float64 reference

@@ -27,7 +27,8 @@ import traceback
 
 from lever import signals
 
-COMMANDS = ("run", "generate", "chat", "inspect", "logits", "calibrate", "profile", "convert", "bench", "serve")
+COMMANDS = ("run", "generate", "chat", "inspect", "logits", "calibrate", "profile", "convert", "bench", "serve",
+            "pull", "list")
 EPILOG = ("INT, TERM and HUP stop any command cleanly (exit 128 + the signal's number); a second one while it "
           "cleans up quits at once, leaving temp files for the next run to remove.")
 BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE

@@ -14,9 +14,9 @@ from lever.errors import LeverError
 from lever.fuzz.inputs import BOOL, KV, STR, U32, RandomChooser, serialize
 from lever.fuzz.models import model_desc
 from lever.gguf.file import GGUFFile
-from tests.conftest import MODELS, QWEN_DRAFT
+from tests.conftest import LLAMA2, QWEN_DRAFT, STORIES
 
-FILES = [MODELS / "stories260K.gguf", MODELS / "llama-2-tiny-random.gguf", QWEN_DRAFT]
+FILES = [STORIES, LLAMA2, QWEN_DRAFT]
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])

@@ -24,10 +24,8 @@ from lever.errors import LeverError
 from lever.fuzz.inputs import ARR, F32, I32, STR, U32, RandomChooser, serialize
 from lever.fuzz.models import model_desc
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer, byte_level_chars
-from tests.conftest import MODELS, QWEN_DRAFT, SHARED, require
+from tests.conftest import LLAMA2, MODELS, QWEN_DRAFT, SHARED, STORIES, require
 
-STORIES = MODELS / "stories260K.gguf"
-LLAMA2 = MODELS / "llama-2-tiny-random.gguf"
 TOK512 = MODELS / "tok512.bin"
 CORPORA = SHARED / "corpora"
 QWEN = QWEN_DRAFT
