@@ -165,13 +165,15 @@ class LLM:
 
     def prepare(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
                 rendered: Rendered | None = None, offer: Offer | None = None, tools: list[dict] | None = None,
-                tool_choice=None, parallel_tool_calls: bool | None = None, **args) -> Call:
+                tool_choice=None, parallel_tool_calls: bool | None = None, ids: Sequence[int] | None = None,
+                **args) -> Call:
         """A generation call, checked once (lever.api.call): a completion of `prompt`, or a
         reply to `messages` through the chat template (`rendered`: already rendered, as a server
         does before it queues the call), with the functions `tools` offers (or an `offer` made
         already) and the call's arguments: the knobs by their call names (lever.config.KNOBS),
         `stop`, `logprobs`, a `grammar` (Lark or GBNF text, a Grammar) or a `json_schema`, a
-        `cancel` event. One line naming the argument at fault."""
+        `cancel` event; or `ids`, a prompt of token ids (a server's, or a FIM prompt: lever.gguf.fim).
+        One line naming the argument at fault."""
         if offer is None:
             offer = self.offer(tools, tool_choice, parallel_tool_calls)
         if offer.grammar is not None:
@@ -181,6 +183,8 @@ class LLM:
             args = {**args, "grammar": offer.grammar}
         if messages is not None:
             ids = self.encode_chat(messages, rendered, tools=list(offer.tools) if offer.tools else None)
+        elif ids is not None and prompt is None:
+            ids = self.prompt_ids(ids)
         elif isinstance(prompt, str):
             ids = self.engine.encode(prompt)
         else:
@@ -190,6 +194,17 @@ class LLM:
         grammar = self.grammars.get(args.get("grammar"), args.get("json_schema"))
         return Call(ids=ids, generate=gen, stop=stops, logprobs=logprobs, grammar=grammar, tools=offer.tools,
                     cancel=args.get("cancel") or threading.Event())
+
+    def prompt_ids(self, ids: Sequence[int]) -> list[int]:
+        """A prompt given as ids, each checked against the vocabulary (one line naming the first
+        that is not in it)."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise LeverError("prompt: empty")
+        bad = next((i for i in ids if not 0 <= i < self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise LeverError(f"prompt: token id {bad} is not in the vocabulary [0, {self.tokenizer.vocab_size})")
+        return ids
 
     def generate(self, prompt: str, **args) -> Completion:
         """A completion of `prompt`; `args`: the generation knobs by their call names

@@ -112,3 +112,12 @@ class Hold:
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f}"
+
+
+def client_of(request) -> object:
+    """Whose a request is, for the shares of what requests hold: its API key, or on a server
+    without keys its peer's address (one host's clients share one share)."""
+    key = request.scope.get("state", {}).get("client")
+    if key is not None:
+        return ("key", key)
+    return ("host", request.client.host if request.client is not None else None)

@@ -25,6 +25,7 @@ from lever.api import LLM, Call, Offer
 from lever.api.render import PromptTooLong
 from lever.errors import LeverError
 from lever.gguf.chat_template import Rendered, check_messages
+from lever.gguf.fim import Extra, fim_ids
 from lever.serve import TIMEOUT_S
 from lever.serve.dialect import Dialect
 from lever.serve.pool import Hold
@@ -143,9 +144,29 @@ class Preparer:
                 offer: Offer) -> Call:
         """The call, checked once (LLM.prepare): the prompt ids within the context, the knobs in
         their ranges, the grammar compiled (and kept)."""
+        if messages is None and any(k in data for k in ("input_prefix", "input_suffix")):
+            return self.llm.prepare(ids=self.infill_ids(data, args), **args)
+        if messages is None and data.get("prompt_ids") is not None:
+            return self.llm.prepare(ids=data["prompt_ids"], **args)
         if messages is None:
             return self.llm.prepare(data["prompt"], **args)
         return self.llm.prepare(messages=messages, rendered=rendered, offer=offer, **args)
+
+    def infill_ids(self, data: dict, args: dict) -> list[int]:
+        """A fill-in-the-middle prompt (lever.gguf.fim): the code around the cursor, other files
+        before it, within the context less what the reply may take (a quarter at most)."""
+        n_ctx = self.llm.n_ctx
+        n_reply = min(args.get("max_tokens") or n_ctx // 4, n_ctx // 4)
+        extra = [Extra(x.get("filename", "tmp"), x.get("text", "")) for x in data.get("input_extra") or ()]
+        return fim_ids(self.llm.tokenizer, prefix=data.get("input_prefix", ""), suffix=data.get("input_suffix", ""),
+                       prompt=data.get("prompt", ""), extra=extra, n_room=n_ctx - n_reply)
+
+    async def rendered(self, request: Request, hold: Hold) -> Rendered:
+        """A chat request's conversation through the template, read and bounded as a chat's
+        (/apply-template: llama-server's view of what a chat would prefill)."""
+        data, _, messages, offer = await self._parsed(request, "chat", hold)
+        hold.add(4 * self.max_prompt_bytes, "its chat template's text")
+        return await anyio.to_thread.run_sync(self.render, messages, offer.tools, limiter=self._renders)
 
     def check_bytes(self, n_bytes: int, field: str) -> None:
         try:
@@ -168,12 +189,14 @@ class Shape:
     stream: bool = False
     usage: bool = False  # stream_options.include_usage: a last chunk with the counts
     schema_field: str = "json_schema"  # the field a JSON schema came in, for the errors about it
+    return_tokens: bool = False  # llama-server's: the answer lists the generated ids
 
     @classmethod
     def of(cls, data: dict) -> Shape:
         rf = data.get("response_format")
         field = "response_format" if isinstance(rf, dict) and rf.get("type") != "text" else "json_schema"
-        return cls(bool(data.get("stream")), bool((data.get("stream_options") or {}).get("include_usage")), field)
+        return cls(bool(data.get("stream")), bool((data.get("stream_options") or {}).get("include_usage")), field,
+                   bool(data.get("return_tokens")))
 
 
 def call_bytes(call: Call) -> int:

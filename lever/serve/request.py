@@ -51,7 +51,10 @@ COMMON = {**{k.arg: (int,) if k.call.integer else (int, float) for k in KNOBS.va
           "stream_options": (dict,), "user": (str,),
           # structured output: OpenAI's response_format, and llama-server's grammar (GBNF or Lark) and json_schema
           "response_format": (dict,), "grammar": (str,), "json_schema": (dict,)}
-FIELDS = {"completions": {**COMMON, "prompt": (str, list), "logprobs": (int, bool)},
+FIELDS = {"completions": {**COMMON, "prompt": (str, list), "logprobs": (int, bool),
+                          # llama-server's: a prompt of token ids, the ids in its answer, the code around a cursor
+                          "prompt_ids": (list,), "return_tokens": (bool,), "input_prefix": (str,),
+                          "input_suffix": (str,), "input_extra": (list,)},
           "chat": {**COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "tools": (list,),
                    "tool_choice": (str, dict), "parallel_tool_calls": (bool,)},
           # llama.cpp's own endpoints, by its field names
@@ -170,6 +173,9 @@ def parse(body: bytes, endpoint: str, translate: Callable[[dict], dict] | None =
             data["prompt"] = p[0]
         if not isinstance(data.get("prompt"), str):
             raise BadRequest("prompt: required, a string", "prompt")
+        ids = data.get("prompt_ids")
+        if ids is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise BadRequest("prompt: a string, or a list of token ids", "prompt")
     elif "messages" not in data:
         raise BadRequest("messages: required, a list of {role, content}", "messages")
     elif data.get("top_logprobs") is not None and not data.get("logprobs"):

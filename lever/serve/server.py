@@ -40,13 +40,13 @@ from lever.model.grammar import GrammarError
 from lever.model.stop import StopReason
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.watch import LIVE_BYTES, Watch
-from lever.serve import MAX_CONNECTIONS, TIMEOUT_S, anthropic, ollama
+from lever.serve import MAX_CONNECTIONS, TIMEOUT_S, anthropic, llama, ollama
 from lever.serve.admission import Admission, Turns
 from lever.serve.dialect import OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect
 from lever.serve.guard import Access, Guard
 from lever.serve.metrics import Metrics
 from lever.serve.page import Page
-from lever.serve.pool import Hold, RequestPool
+from lever.serve.pool import Hold, RequestPool, client_of
 from lever.serve.prepare import Preparer, Shape, named
 from lever.serve.request import SHUTTING_DOWN, BadRequest, shutting_down
 from lever.serve.streamed import Streamed
@@ -179,6 +179,8 @@ class Server:
             return error(**refusal(str(e)))
         reply = dialect.reply(dialect.rid_prefix + uuid.uuid4().hex[:24], dialect.chat, self.model_id,
                               self.llm.tokenizer)
+        if hasattr(reply, "bind"):  # a dialect whose answer repeats the call's settings (lever.serve.llama)
+            reply = reply.bind(call=call, shape=shape)
         client = request.scope.get("state", {}).get("client")
         if shape.stream:
             def end() -> None:  # however the stream ends, even before its first chunk
@@ -278,15 +280,6 @@ class Server:
             self.admission.untrack(cancel)
 
 
-def client_of(request: Request) -> object:
-    """Whose a request is, for the shares of what requests hold: its API key, or on a server
-    without keys its peer's address (one host's clients share one share)."""
-    key = request.scope.get("state", {}).get("client")
-    if key is not None:
-        return ("key", key)
-    return ("host", request.client.host if request.client is not None else None)
-
-
 def failure(e: LeverError, shape: Shape) -> dict:
     """`error`'s arguments for a generation that failed: a grammar the engine gave up on is the
     request's (400 naming its field), anything else (NaN in a model's numbers) the server's."""
@@ -337,7 +330,9 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
               Route("/tokenize", s.tokens, methods=["POST"]),
               Route("/detokenize", s.tokens, methods=["POST"]), Route("/metrics", s.prometheus)]
     routes += [Route(path, s.generation(d), methods=["POST"])
-               for path, d in {**ollama.GENERATIONS, **anthropic.GENERATIONS}.items()]
+               for path, d in {**llama.GENERATIONS, **ollama.GENERATIONS, **anthropic.GENERATIONS}.items()]
+    routes += [Route("/apply-template", _bound(llama.apply_template, s), methods=["POST"]),
+               Route("/slots", _bound(llama.slots, s))]
     routes += [*ollama.routes(s), *anthropic.routes(s)]
     if live is not None:
         routes += [Route("/", live.file), Route("/page/{name}", live.file), Route("/live", live.events)]
@@ -345,6 +340,15 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
     a.state.server = s
     several = len(access.api_keys) > 1
     return Guard(a, access, max_requests=max(max_connections // 2, 1) if several else None)
+
+
+def _bound(endpoint, server: Server):
+    """A route's function of (server, request) as starlette's endpoint of the request alone (a
+    functools.partial would be taken for an ASGI app)."""
+    async def route(request: Request) -> Response:
+        return await endpoint(server, request)
+    route.__name__ = endpoint.__name__
+    return route
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
