@@ -55,16 +55,20 @@ class _Dropped(Exception):
 
 
 @contextlib.contextmanager
-def locked_part(dest: Path) -> Iterator[BinaryIO]:
-    """FILE.part opened for appending, held by this process alone."""
-    part = partial_path(dest)
-    part.parent.mkdir(parents=True, exist_ok=True)
-    with open(part, "ab") as f:
+def locked(path: Path) -> Iterator[BinaryIO]:
+    """`path` opened for appending, held by this process alone (a second pull of it is refused)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as f:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise LeverError(f"{part}: another pull is writing it; wait for that one to end") from None
+            raise LeverError(f"{path}: another pull is writing it; wait for that one to end") from None
         yield f
+
+
+def locked_part(dest: Path) -> contextlib.AbstractContextManager[BinaryIO]:
+    """FILE.part, to append to, held by this process alone."""
+    return locked(partial_path(dest))
 
 
 def fetch(url: str, dest: Path, *, size: int | None, digest: Digest | None, headers: dict | None = None,

