@@ -1,4 +1,4 @@
-"""The real Qwen2.5-Coder pair (fetched by ../shared/tools/fetch-qwen-pair): sensible code, and
+"""The real Qwen2.5-Coder pair (fetched by `lever pull qwen2.5-coder`): sensible code, and
 teacher-forced next-token argmax agreeing with independent engines.
 
 Two quantized engines never agree on every position: 8-bit activations turn the tiniest
