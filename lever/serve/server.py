@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import anyio
 import attrs
@@ -111,13 +112,18 @@ class Server:
 
     async def props(self, request: Request) -> Response:
         """llama-server's /props, its fields Lever has: the chat template (empty without one: a
-        client then sends completions), one slot, the context."""
+        client then sends completions), one slot, the context, the defaults; the model's file
+        by its name only (where it sits on the server's disk is no client's business)."""
         try:
             template = self.llm.chat_template.text
         except LeverError:
             template = ""
-        return JSONResponse({"model_alias": self.model_id, "chat_template": template, "total_slots": 1,
-                             "default_generation_settings": {"n_ctx": self.llm.n_ctx},
+        g = self.llm.config.generate
+        params = {"n_predict": g.n_predict, "seed": g.seed, "temperature": g.temperature, "top_k": g.top_k,
+                  "top_p": g.top_p, "min_p": g.min_p, "repeat_penalty": g.repeat_penalty}
+        return JSONResponse({"model_alias": self.model_id, "model_path": Path(self.llm.config.model.target).name,
+                             "chat_template": template, "total_slots": 1, "modalities": {"vision": False},
+                             "default_generation_settings": {"n_ctx": self.llm.n_ctx, "params": params},
                              "build_info": "lever"})
 
     async def tokens(self, request: Request) -> Response:
