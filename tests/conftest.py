@@ -146,12 +146,13 @@ def pytest_sessionstart(session) -> None:
     """The small models come from ../shared/models, else from $LEVER_MODELS, pulled there now
     when absent. A run with neither would skip a tenth of the suite and pass: that green would
     be a lie, so it stops here with one line saying what is missing and what to set."""
-    missing = []
+    missing, why = [], ""
     for path in (STORIES, LLAMA2):
-        why = pull_model(SMALL[path.name]) if not path.exists() else ""
+        failed = pull_model(SMALL[path.name]) if not path.exists() else ""
         if not path.exists():
-            missing.append(f"{path.name} (`lever pull {SMALL[path.name]}`: {why})")
+            missing.append(path.name)
+            why = why or failed
     if missing and os.environ.get("LEVER_ALLOW_NO_SHARED") != "1":
-        pytest.exit(f"not in {MODELS} nor {QWEN_DIR}: {'; '.join(missing)}. Set LEVER_SHARED to the folder holding "
-                    "models/ (../shared beside the clone), or LEVER_ALLOW_NO_SHARED=1 to skip their tests",
-                    returncode=4)
+        pytest.exit(f"{', '.join(missing)}: not in {MODELS} nor {QWEN_DIR}, and `lever pull` failed ({why}). Set "
+                    "LEVER_SHARED to the folder holding models/ (../shared beside the clone), or "
+                    "LEVER_ALLOW_NO_SHARED=1 to skip their tests", returncode=4)

@@ -76,7 +76,13 @@ def fetch(url: str, dest: Path, *, size: int | None, digest: Digest | None, head
     """`url`'s bytes as `dest`, continuing a FILE.part a previous fetch left; checked against
     `size` and `digest` (when given) before the file takes its name."""
     with locked_part(dest) as f:
-        _transfer(url, f, size=size, headers=headers or {}, progress=progress, transfer=transfer, label=dest.name)
+        try:
+            _transfer(url, f, size=size, headers=headers or {}, progress=progress, transfer=transfer,
+                      label=dest.name)
+        except BaseException:
+            if f.tell() == 0:  # nothing to resume: no empty .part left to look like a pull under way
+                partial_path(dest).unlink(missing_ok=True)
+            raise
         f.flush()
         os.fsync(f.fileno())
         finish(partial_path(dest), dest, size=size, digest=digest, progress=progress)
