@@ -125,7 +125,9 @@ class Guard:
         client = None
         preflight = scope["method"] == "OPTIONS" and "origin" in headers
         if refusal is None and self.access.api_keys and scope["path"] not in OPEN_PATHS and not preflight:
-            client = self.access.client_key(headers.get("authorization", ""))
+            # Anthropic's clients send their key as x-api-key (lever.serve.anthropic), not Authorization
+            auth = headers.get("authorization") or (f"Bearer {headers['x-api-key']}" if "x-api-key" in headers else "")
+            client = self.access.client_key(auth)
             if client is None:
                 refusal = (401, "invalid_api_key", "Authorization: a valid 'Bearer KEY' is required")
             elif self.max_requests is not None and self._under_way[client] >= self.max_requests:
