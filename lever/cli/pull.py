@@ -40,8 +40,10 @@ class Bar:
     """The pull's progress as rich bars on stderr, one per label (a download, a check)."""
 
     def __init__(self):
+        console = Console(stderr=True)
+        # no terminal, no bars: rich would still end them with a blank line before the command's own
         self.bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                             TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+                             TimeRemainingColumn(), console=console, transient=True, disable=not console.is_terminal)
         self.tasks: dict[str, int] = {}
 
     def __call__(self, label: str, done: int, total: int | None) -> None:

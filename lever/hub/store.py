@@ -55,7 +55,7 @@ def file_digest(path: Path, kind: str = "sha256", progress: Progress = quiet) ->
         while chunk := f.read(READ_CHUNK):
             h.update(chunk)
             done += len(chunk)
-            progress(f"checking {path.name}", done, size)
+            progress(f"checking {path.name.removesuffix(PART)}", done, size)
     return h.hexdigest()
 
 

@@ -70,3 +70,12 @@ def test_the_qwen_pair_already_there_is_found_and_checked_by_sha256(qwen_target,
     assert proc.stdout.split() == [str(qwen_target), str(qwen_draft)]
     assert "qwen2.5-coder-1.5b: present, sha256 checked" in proc.stderr
     assert "qwen2.5-coder-0.5b: present, sha256 checked" in proc.stderr
+
+
+def test_without_a_terminal_stderr_holds_the_lines_alone(hub, lever):  # noqa: F811
+    spec = hub.add(REPO, "tiny.gguf", b"G" * 300_000)
+    proc = subprocess.run([sys.executable, "-m", "lever", "pull", spec], capture_output=True, text=True, timeout=600)
+    assert proc.stderr == f"{spec}: fetched, sha256 checked\n"
+    proc = subprocess.run([sys.executable, "-m", "lever", "pull", f"{REPO}/nope.gguf"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 1 and proc.stderr.startswith("lever: error: ") and proc.stderr.count("\n") == 1
