@@ -184,7 +184,7 @@ class LLM:
         if messages is not None:
             ids = self.encode_chat(messages, rendered, tools=list(offer.tools) if offer.tools else None)
         elif ids is not None and prompt is None:
-            ids = self.prompt_ids(ids)
+            ids = prompt_ids(ids, self.tokenizer.vocab_size)
         elif isinstance(prompt, str):
             ids = self.engine.encode(prompt)
         else:
@@ -194,17 +194,6 @@ class LLM:
         grammar = self.grammars.get(args.get("grammar"), args.get("json_schema"))
         return Call(ids=ids, generate=gen, stop=stops, logprobs=logprobs, grammar=grammar, tools=offer.tools,
                     cancel=args.get("cancel") or threading.Event())
-
-    def prompt_ids(self, ids: Sequence[int]) -> list[int]:
-        """A prompt given as ids, each checked against the vocabulary (one line naming the first
-        that is not in it)."""
-        ids = [int(i) for i in ids]
-        if not ids:
-            raise LeverError("prompt: empty")
-        bad = next((i for i in ids if not 0 <= i < self.tokenizer.vocab_size), None)
-        if bad is not None:
-            raise LeverError(f"prompt: token id {bad} is not in the vocabulary [0, {self.tokenizer.vocab_size})")
-        return ids
 
     def generate(self, prompt: str, **args) -> Completion:
         """A completion of `prompt`; `args`: the generation knobs by their call names
@@ -314,3 +303,15 @@ class LLM:
 
 def _empty():
     raise LeverError("empty prompt")
+
+
+def prompt_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """A prompt given as ids, each checked against the vocabulary (one line naming the first
+    that is not in it)."""
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise LeverError("prompt: empty")
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise LeverError(f"prompt: token id {bad} is not in the vocabulary [0, {vocab_size})")
+    return ids

@@ -166,16 +166,7 @@ def parse(body: bytes, endpoint: str, translate: Callable[[dict], dict] | None =
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise BadRequest("tokens: required, a list of token ids", "tokens")
     elif endpoint == "completions":
-        p = data.get("prompt")
-        if isinstance(p, list):
-            if len(p) != 1 or not isinstance(p[0], str):
-                raise BadRequest("prompt: a string, or a list of one string", "prompt")
-            data["prompt"] = p[0]
-        if not isinstance(data.get("prompt"), str):
-            raise BadRequest("prompt: required, a string", "prompt")
-        ids = data.get("prompt_ids")
-        if ids is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise BadRequest("prompt: a string, or a list of token ids", "prompt")
+        _check_prompt(data)
     elif "messages" not in data:
         raise BadRequest("messages: required, a list of {role, content}", "messages")
     elif data.get("top_logprobs") is not None and not data.get("logprobs"):
@@ -189,6 +180,20 @@ def parse(body: bytes, endpoint: str, translate: Callable[[dict], dict] | None =
     # only the fields read from here on: what a client sends beside them (OpenAI's clients send
     # more) is let go now, not kept while the request waits
     return {k: data[k] for k in FIELDS[endpoint] if k in data}
+
+
+def _check_prompt(data: dict) -> None:
+    """A completion's prompt: a string (or a list of one), or llama-server's list of ids."""
+    p = data.get("prompt")
+    if isinstance(p, list):
+        if len(p) != 1 or not isinstance(p[0], str):
+            raise BadRequest("prompt: a string, or a list of one string", "prompt")
+        data["prompt"] = p[0]
+    if not isinstance(data.get("prompt"), str):
+        raise BadRequest("prompt: required, a string", "prompt")
+    ids = data.get("prompt_ids")
+    if ids is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise BadRequest("prompt: a string, or a list of token ids", "prompt")
 
 
 def _schema(data: dict) -> dict | None:
