@@ -313,16 +313,18 @@ def _input(call: ToolCall) -> dict:
     return args if isinstance(args, dict) else {"arguments": args}
 
 
-def stop_sequence(tok: Tokenizer, stats: RunResult | None, n_kept: int) -> str | None:
-    """The stop sequence that ended a reply: the text of its kept tokens past its text. The reply
-    is not told which of the request's sequences matched (a dialect's Reply never sees the
-    request), so when the token that completed it runs past its end, those characters come too."""
+def stop_sequence(tok: Tokenizer, stats: RunResult | None, n_kept: int, stops: tuple[str, ...] = ()) -> str | None:
+    """The stop sequence that ended a reply: of the call's `stops`, the one its kept tokens' text
+    goes on with past the reply's text (the first to complete there: the shortest)."""
     if stats is None:
         return None
     eos = frozenset(tok.eos_ids)
     whole = b"".join(tok.token_bytes(t) for t in stats.output.tokens[:n_kept] if t not in eos)
     whole = whole.decode("utf-8", "replace")
-    return (whole[len(stats.text):] or None) if whole.startswith(stats.text) else None
+    if not whole.startswith(stats.text):
+        return None
+    tail = whole[len(stats.text):]
+    return min((x for x in stops if tail.startswith(x)), key=len, default=tail or None)
 
 
 @attrs.define
@@ -334,9 +336,15 @@ class MessagesReply:
     chat: bool
     model_id: str
     tok: Tokenizer
+    n_prompt: int = 0  # the prompt's tokens (bind): message_start's input_tokens
+    stops: tuple[str, ...] = ()  # the call's stop sequences (bind): which one ended the reply
     n_blocks: int = attrs.field(default=0, init=False)  # content blocks a stream has opened
     text_open: bool = attrs.field(default=False, init=False)  # the last of them is a text block not yet stopped
     media_type = "text/event-stream"
+
+    def bind(self, *, call, shape) -> MessagesReply:
+        """The reply told its call: the prompt's length and the stop sequences."""
+        return attrs.evolve(self, n_prompt=len(call.ids), stops=tuple(call.stop))
 
     def body(self, c: Completion) -> dict:
         reason, sequence = self.stop(c.finish_reason, c.tool_calls, c.stats, len(c.tokens))
@@ -349,14 +357,15 @@ class MessagesReply:
         if calls and finish is not StopReason.LENGTH:  # a reply cut by its limit says so
             return "tool_use", None
         if finish is StopReason.STOP:
-            return "stop_sequence", stop_sequence(self.tok, stats, n_kept)
+            return "stop_sequence", stop_sequence(self.tok, stats, n_kept, self.stops)
         return STOP_REASONS[finish], None
 
     def opening(self) -> list[str]:
-        """message_start: the message without content. Its input_tokens are 0 here (a dialect's
-        opening is not told the prompt's length); message_delta carries the counts."""
+        """message_start: the message without content, the prompt's tokens counted (those a kept
+        conversation held are told apart at the end, in message_delta)."""
         message = {"id": self.rid, "type": "message", "role": "assistant", "model": self.model_id, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
+                   "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": self.n_prompt, "output_tokens": 0}}
         return [_event("message_start", message=message), _event("ping")]
 
     def piece(self, chunk: Chunk, n_chars: int, logprobs: bool) -> list[str]:
