@@ -31,7 +31,8 @@ from lever.model.stop import StopReason
 from lever.model.tool_calls import ToolCall
 from lever.nesting import check_json
 from lever.pipelines.result import RunResult
-from lever.serve.dialect import Dialect
+from lever.serve.dialect import Dialect, refusal
+from lever.serve.pool import client_of
 from lever.serve.request import SHUTTING_DOWN, BadRequest, shutting_down
 
 # Anthropic's stop_reason of each of Lever's (lever.model.stop); a reply that calls says tool_use
@@ -417,7 +418,6 @@ GENERATIONS = {"/v1/messages": MESSAGES}  # route -> Dialect
 def routes(server) -> list:
     """The routes that are not generations: count_tokens, the prompt's tokens as a reply would
     see them (read, rendered and tokenized as a generation's, within the same bounds; never queued)."""
-    from lever.serve.server import client_of, refusal  # the server imports this module
 
     async def count_tokens(request: Request) -> Response:
         with server.pool.hold(client_of(request)) as hold:

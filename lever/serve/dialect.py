@@ -44,3 +44,17 @@ class Dialect:
 
 OPENAI_CHAT = Dialect("chat", "chat", Reply, "chatcmpl-")
 OPENAI_COMPLETIONS = Dialect("completions", "completions", Reply, "cmpl-")
+
+
+def refusal(message: str) -> dict:
+    """`error`'s arguments for a request the API refused (a LeverError's one line): a prompt
+    past the context is llama-server's exceed_context_size_error, the rest invalid requests."""
+    kind = "exceed_context_size_error" if "context" in message and message.startswith(("prompt", "messages")) \
+        else "invalid_request_error"
+    return {"message": message, "status": 400, "kind": kind, "param": param_of(message)}
+
+
+def param_of(message: str) -> str | None:
+    """The field a LeverError's one line names first ("max_tokens: ..."), if any."""
+    head = message.split(":")[0] if ":" in message[:40] else None
+    return head if head and all(c.isalnum() or c in "_.[]" for c in head) else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib.metadata
 import json
 import re
 import threading
@@ -34,7 +35,6 @@ from starlette.routing import Route
 
 from lever.api import Chunk, Completion, Usage
 from lever.api.render import PromptTooLong
-from lever.cli.common import lever_version
 from lever.errors import LeverError
 from lever.gguf.chat_template import DEFUSE
 from lever.gguf.file import GGUFFile
@@ -457,3 +457,10 @@ def routes(server) -> list:
             Route("/api/tags", listing.tags), Route("/api/ps", listing.ps),
             Route("/api/show", listing.show, methods=["POST"]), Route("/api/version", version),
             *[Route(path, not_here(path), methods=[method]) for path, method in NOT_HERE.items()]]
+
+
+def lever_version() -> str:
+    try:
+        return importlib.metadata.version("lever")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
