@@ -12,6 +12,9 @@ takes one of three paths, by when the signal lands:
 - a second signal while that cleanup runs is the documented forced quit: one line and
   `os._exit(128 + n)` at once, with no cleanup (what a user pressing Ctrl-C twice asks for).
 The exit code is 128 + the first signal's number, as a shell reports a process the signal killed.
+A command that reads a terminal may take SIGINT as its own input instead (`on_interrupt`: `lever
+chat` cancels the reply under way, or drops the line being typed): a Ctrl-C it takes is no stop
+at all, and TERM and HUP stop it as any other.
 
 Outside the command (tests, Python callers of lever.api) nothing is installed and `run_async`
 is plain `anyio.run`, so asyncio's own Ctrl-C handling applies.
@@ -39,6 +42,7 @@ _installed: dict[int, object] = {}  # signal -> the handler it had before instal
 _received: int | None = None  # the first terminating signal since install()
 _armed = False  # the command is running: raise or call back instead of remembering
 _callbacks: list = []  # stop callbacks, innermost last
+_interrupts: list = []  # SIGINT's takers (on_interrupt), innermost last
 
 
 def _handler(signum: int, frame) -> None:
@@ -48,6 +52,9 @@ def _handler(signum: int, frame) -> None:
             os.write(2, f"\nlever: forced quit ({signal.Signals(signum).name} during cleanup)\n".encode())
         finally:
             os._exit(128 + _received)
+    # the command's own input when its taker says so (it may raise, to leave a blocking read)
+    if signum == signal.SIGINT and _armed and _interrupts and _interrupts[-1]():
+        return
     _received = signum
     if not _armed:
         return
@@ -74,6 +81,7 @@ def uninstall() -> None:
     _installed.clear()
     _received, _armed = None, False
     _callbacks.clear()
+    _interrupts.clear()
 
 
 def arm() -> None:
@@ -87,6 +95,7 @@ def disarm() -> None:
     global _armed
     _armed = False
     _callbacks.clear()
+    _interrupts.clear()
 
 
 def pending() -> int | None:
@@ -118,6 +127,22 @@ def on_stop(callback):
         yield
     finally:
         _callbacks.remove(callback)
+
+
+@contextmanager
+def on_interrupt(taker):
+    """While inside (the command running), SIGINT first asks `taker()` (in the main thread, from
+    the handler): true, the command took it as its own input and goes on, nothing remembered; false,
+    the ordinary stop. `taker` may raise instead, which takes the signal too: the exception leaves
+    what the main thread was doing (a terminal read), as KeyboardInterrupt would."""
+    if not _installed or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _interrupts.append(taker)
+    try:
+        yield
+    finally:
+        _interrupts.remove(taker)
 
 
 def run_async(fn):

@@ -126,7 +126,7 @@ def test_bad_messages_are_named(llm, messages, where):
 
 
 def test_a_model_without_a_template_names_its_file():
-    with lever.load(shipped("default.toml")) as m:
+    with lever.load(shipped("default.toml"), overrides=['model.chat_template=""']) as m:  # the GGUF's own: none
         with pytest.raises(LeverError, match=r"stdlib-target.*no chat template"):
             m.chat([{"role": "user", "content": "x"}])
     with lever.load(shipped("default.toml"), overrides=[f"model.chat_template={json.dumps(TEMPLATE)}"]) as m:

@@ -124,6 +124,29 @@ def test_a_stop_callback_takes_the_signal_instead(installed):
     assert got == [signal.SIGINT] and signals.pending() == signal.SIGINT
 
 
+def test_an_interrupt_taker_keeps_sigint_from_stopping_the_command(installed):
+    taken = []
+    signals.arm()
+    with signals.on_interrupt(lambda: taken.append(1) or True):  # a chat's reply cancelled: it goes on
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)  # taken again, never a forced quit
+        time.sleep(0.01)
+    assert taken == [1, 1] and signals.pending() is None
+    with signals.on_interrupt(lambda: False), pytest.raises(signals.Interrupted):  # declined: the ordinary stop
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+    assert signals.pending() == signal.SIGINT
+
+
+def test_an_interrupt_taker_leaves_term_alone(installed):
+    signals.arm()
+    with signals.on_interrupt(lambda: True), pytest.raises(signals.Interrupted) as e:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    assert e.value.signum == signal.SIGTERM
+
+
 def test_uninstall_gives_back_the_handlers_it_found():
     before = {s: signal.getsignal(s) for s in SIGNALS}
     signals.install()

@@ -115,7 +115,9 @@ class RenderProcess:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "lever.gguf.render_child", str(self.data_limit_bytes)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+                # a group of its own: a terminal's Ctrl-C is the parent's to take (`lever chat` cancels a
+                # reply with it and goes on); the parent ends the child, by EOF or kill
+                process_group=0, env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
             if _read_line(self._proc, time.monotonic() + START_TIMEOUT_S) != b"ready\n":
                 self._kill()
                 raise TemplateError("chat template: the renderer did not start")

@@ -119,7 +119,9 @@ class CompileProcess:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "lever.model.grammar_child", str(self.data_limit_bytes)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                env={**os.environ, "RAYON_NUM_THREADS": "1"})
+                # a group of its own: a terminal's Ctrl-C is the parent's to take (`lever chat` cancels a
+                # reply with it and goes on); the parent ends the child, by EOF or kill
+                process_group=0, env={**os.environ, "RAYON_NUM_THREADS": "1"})
             vocab = {"n_vocab": self.n_vocab, "specials": {str(i): t for t, i in self.specials.items()},
                      "eos": self.eos_id}
             try:

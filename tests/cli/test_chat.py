@@ -1,12 +1,21 @@
-"""`lever chat` fed from a pipe: turns stream through the template in one session; /save, /reset."""
+"""`lever chat` fed from a pipe: turns stream through the template in one session; /save, /reset,
+/set; the shipped pair chats with no config. On a pseudo-terminal: lines edited with readline (the
+arrow keys move, up recalls), history kept in a file, Ctrl-C cancels a reply and the chat goes on,
+drops a line being typed, and at an empty prompt stops the chat; cut and cancelled replies are marked."""
 
 from __future__ import annotations
 
 import json
+import os
+import pty
+import select
+import signal
 import subprocess
 import sys
+import time
 
 import lever
+from lever.pipelines import saved_session
 from lever.shipped import shipped
 from tests.conftest import ROOT
 
@@ -32,8 +41,8 @@ def test_two_turns_are_one_conversation(tmp_path):
 
 
 def test_a_model_without_a_template_is_refused_before_the_first_turn():
-    p = subprocess.run([sys.executable, "-m", "lever", "chat"], input="hi\n", capture_output=True, text=True,
-                       timeout=60, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-m", "lever", "chat", "--set", 'model.chat_template=""'], input="hi\n",
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 1 and "no chat template" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
@@ -50,3 +59,154 @@ def test_a_template_that_fails_on_one_turn_costs_that_turn_only(tmp_path):
         b = s.chat([{"role": "user", "content": "import sys"}], max_tokens=16).text
     assert p.stdout == f"{a}\n{b}\n"  # the conversation went on without the failed turn
     assert "saved 4 messages" in p.stderr
+
+
+def test_the_shipped_pair_chats_with_no_config(tmp_path):
+    """Its template is examples/default.toml's: the conversation as one Python file; a reply cut by
+    -n is marked on stderr, stdout holds the replies alone."""
+    p = subprocess.run([sys.executable, "-m", "lever", "chat", "-n", "12"], capture_output=True, text=True,
+                       input=f"import os\n/save {tmp_path / 's'}\n", timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    with lever.load(shipped("default.toml")) as llm:
+        c = llm.chat([{"role": "user", "content": "import os"}], max_tokens=12)
+    assert p.stdout == f"{c.text}\n" and c.finish_reason == "length"
+    assert "[cut at 12 tokens: /set n N or -n N for longer replies]" in p.stderr
+    assert [m["role"] for m in saved_session.load(tmp_path / "s").messages] == ["user", "assistant"]
+
+
+def test_set_changes_a_knob_for_the_replies_after_it_and_a_bad_one_is_one_line():
+    p = chat("/set n 3\nimport os\n/set temp hot\n/set nope 1\n/set n 0\n/set\n/exit\n")
+    assert p.returncode == 0, p.stderr
+    assert "[cut at 3 tokens" in p.stderr and "(n = 3)" in p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("lever: error:")]
+    assert len(errors) == 3 and "/set temp: expected a number" in errors[0] and "no knob 'nope'" in errors[1]
+    assert errors[2].startswith("lever: error: /set n: must be")
+    assert "(n 3 · temp 0 · " in p.stderr
+
+
+# --- on a pseudo-terminal ------------------------------------------------------------------------
+
+DEADLINE_S = 120  # for what takes a second or two on an idle machine: waited on, never slept
+
+
+class Terminal:
+    """`lever chat` on a pseudo-terminal (its controlling terminal: Ctrl-C is the terminal's
+    SIGINT), keys in, everything it shows out."""
+
+    def __init__(self, tmp_path, *args: str):
+        env = {**os.environ, "XDG_STATE_HOME": str(tmp_path), "TERM": "dumb", "NO_COLOR": "1"}
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: nothing but exec, and never back into pytest
+            try:
+                os.chdir(ROOT)
+                os.execve(sys.executable, [sys.executable, "-m", "lever", "chat", *args], env)
+            except BaseException as e:
+                os.write(2, f"exec failed: {e!r}\n".encode())
+            finally:
+                os._exit(127)
+        self.seen = b""  # all output so far
+        self.at = 0  # output before this was waited for
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.fd, keys)
+
+    def wait_for(self, text: bytes) -> bytes:
+        """The output from where the last wait ended up to and including `text`."""
+        deadline = time.monotonic() + DEADLINE_S
+        while (i := self.seen.find(text, self.at)) < 0:
+            assert self._read(deadline), f"no {text!r} in {self.seen[self.at:]!r}"
+        got, self.at = self.seen[self.at : i + len(text)], i + len(text)
+        return got
+
+    def _read(self, deadline: float) -> bool:
+        r, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not r:
+            return False
+        try:
+            data = os.read(self.fd, 4096)
+        except OSError:  # the child is gone (EIO)
+            return False
+        self.seen += data
+        return bool(data)
+
+    def exit_code(self) -> int:
+        deadline = time.monotonic() + DEADLINE_S
+        while self._read(deadline):
+            pass
+        _, status = os.waitpid(self.pid, 0)
+        os.close(self.fd)
+        return os.waitstatus_to_exitcode(status)
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def shown(output: bytes) -> str:
+    """Terminal output as the text written (the terminal's \\r\\n is the program's \\n)."""
+    return output.decode().replace("\r\n", "\n")
+
+
+def test_arrow_keys_edit_the_line_up_recalls_it_and_the_history_is_kept(tmp_path):
+    t = Terminal(tmp_path, "-n", "4")
+    try:
+        t.wait_for(b"> ")
+        t.type(b"abc\x1b[D\x1b[DX\r")  # left, left, X: "aXbc"
+        t.wait_for(b"> ")
+        t.type(b"\x1b[A\r")  # up: the last line again
+        t.wait_for(b"> ")
+        t.type(f"/save {tmp_path / 's'}\r".encode())
+        t.wait_for(b"saved")
+        t.type(b"\x04")  # Ctrl-D: the end
+        assert t.exit_code() == 0, t.seen
+    finally:
+        t.kill()
+    assert b"^[[" not in t.seen  # the keys edited the line, none was printed
+    turns = [m["content"] for m in saved_session.load(tmp_path / "s").messages if m["role"] == "user"]
+    assert turns == ["aXbc", "aXbc"]
+    assert shown(t.seen).count("[cut at 4 tokens: /set n N or -n N for longer replies]\n") == 2
+    history = (tmp_path / "lever" / "chat_history").read_text().splitlines()
+    assert history == ["aXbc", f"/save {tmp_path / 's'}"]  # a line the same as the one before is kept once
+
+
+def test_ctrl_c_cancels_the_reply_and_the_conversation_keeps_what_was_shown(tmp_path):
+    t = Terminal(tmp_path, "-n", "500")  # fitted to the context: a reply of seconds
+    try:
+        t.wait_for(b"> ")
+        t.type(b"def f():\r")
+        t.wait_for(b"def f():\r\n")
+        while len(t.seen) == t.at:  # until the reply has begun
+            assert t._read(time.monotonic() + DEADLINE_S), t.seen
+        t.type(b"\x03")
+        reply = shown(t.wait_for(b" [cancelled]\r\n> ")).removesuffix(" [cancelled]\n> ").replace("^C", "")
+        t.type(b"/set n 3\rimport os\r")
+        t.wait_for(b"[cut at 3 tokens")  # the chat went on: the next turn was answered
+        t.wait_for(b"> ")
+        t.type(f"/save {tmp_path / 's'}\r".encode())
+        t.wait_for(b"saved")
+        t.type(b"/exit\r")
+        assert t.exit_code() == 0, t.seen
+    finally:
+        t.kill()
+    messages = saved_session.load(tmp_path / "s").messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert reply and messages[1]["content"] == reply
+
+
+def test_ctrl_c_drops_a_line_being_typed_and_at_an_empty_prompt_stops_the_chat(tmp_path):
+    t = Terminal(tmp_path, "-n", "4")
+    try:
+        t.wait_for(b"> ")
+        t.type(b"import os")
+        t.wait_for(b"import os")  # read by the line editor before Ctrl-C (the terminal flushes what is not)
+        t.type(b"\x03")
+        t.wait_for(b"> ")
+        t.type(b"\x03")
+        t.wait_for(b"lever: interrupted (SIGINT)")
+        assert t.exit_code() == 128 + signal.SIGINT
+    finally:
+        t.kill()
+    assert b"[cut at" not in t.seen  # the dropped line was never a turn
