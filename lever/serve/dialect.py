@@ -11,6 +11,7 @@ own form. The generation itself is the same whoever asked.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import attrs
@@ -44,6 +45,15 @@ class Dialect:
 
 OPENAI_CHAT = Dialect("chat", "chat", Reply, "chatcmpl-")
 OPENAI_COMPLETIONS = Dialect("completions", "completions", Reply, "cmpl-")
+# an absolute path in a message (a model's file, the config): not after a word, a dot or a slash,
+# so a media type (application/json) or a URL's // is no path
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~/-])/(?:[^\s/:'\"]+/)+([^\s/:'\"]+)")
+
+
+def public(message: str) -> str:
+    """A message for a client: every absolute path in it as the file's name (a LeverError names
+    the file at fault by its path; where it sits on the server's disk is no client's business)."""
+    return _ABSOLUTE_PATH.sub(r"\1", message)
 
 
 def refusal(message: str) -> dict:
@@ -51,7 +61,7 @@ def refusal(message: str) -> dict:
     past the context is llama-server's exceed_context_size_error, the rest invalid requests."""
     kind = "exceed_context_size_error" if "context" in message and message.startswith(("prompt", "messages")) \
         else "invalid_request_error"
-    return {"message": message, "status": 400, "kind": kind, "param": param_of(message)}
+    return {"message": public(message), "status": 400, "kind": kind, "param": param_of(message)}
 
 
 def param_of(message: str) -> str | None:

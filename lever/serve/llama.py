@@ -19,7 +19,7 @@ from lever.api import Chunk, Completion
 from lever.errors import LeverError
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.stop import StopReason
-from lever.serve.dialect import Dialect, openai_error
+from lever.serve.dialect import Dialect, openai_error, public
 from lever.serve.pool import client_of
 from lever.serve.render import sse, timings
 from lever.serve.request import BadRequest
@@ -124,7 +124,7 @@ async def apply_template(server, request: Request) -> Response:
         except BadRequest as e:
             return JSONResponse(openai_error(e.message, e.kind, e.param), status_code=e.status)
         except LeverError as e:
-            return JSONResponse(openai_error(str(e), "invalid_request_error"), status_code=400)
+            return JSONResponse(openai_error(public(str(e)), "invalid_request_error"), status_code=400)
     return JSONResponse({"prompt": rendered.text})
 
 

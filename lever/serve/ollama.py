@@ -42,7 +42,7 @@ from lever.gguf.fim import FimTokens
 from lever.gguf.identity import ModelIdentity
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.stop import StopReason
-from lever.serve.dialect import Dialect
+from lever.serve.dialect import Dialect, public
 from lever.serve.render import chat_logprobs
 from lever.serve.request import BadRequest
 
@@ -394,7 +394,7 @@ class Listing:
         try:
             return JSONResponse(await anyio.to_thread.run_sync(lambda: make(self.card())))
         except (LeverError, OSError) as e:
-            return JSONResponse(error_body(f"the model's files: {e}"), status_code=500)
+            return JSONResponse(error_body(f"the model's files: {public(str(e))}"), status_code=500)
 
     def loaded(self, c: Card) -> dict:
         llm = self.server.llm

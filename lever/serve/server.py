@@ -43,7 +43,7 @@ from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.watch import LIVE_BYTES, Watch
 from lever.serve import MAX_CONNECTIONS, TIMEOUT_S, anthropic, llama, ollama
 from lever.serve.admission import Admission, Turns
-from lever.serve.dialect import OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect, param_of, refusal
+from lever.serve.dialect import OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect, param_of, public, refusal
 from lever.serve.guard import Access, Guard
 from lever.serve.metrics import Metrics
 from lever.serve.page import Page
@@ -291,8 +291,8 @@ def failure(e: LeverError, shape: Shape) -> dict:
     request's (400 naming its field), anything else (NaN in a model's numbers) the server's."""
     msg = named(str(e), shape.schema_field)
     if isinstance(e, GrammarError):
-        return {"message": msg, "status": 400, "kind": "invalid_request_error", "param": param_of(msg)}
-    return {"message": msg, "status": 500, "kind": "server_error", "param": None}
+        return {"message": public(msg), "status": 400, "kind": "invalid_request_error", "param": param_of(msg)}
+    return {"message": public(msg), "status": 500, "kind": "server_error", "param": None}
 
 
 def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None,

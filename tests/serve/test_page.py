@@ -18,8 +18,12 @@ from importlib import resources
 import httpx
 import pytest
 
+import lever
 from lever.serve import PAGE_FILES
+from lever.serve.dialect import public
 from lever.serve.page import MAX_READERS
+from lever.shipped import shipped
+from tests.conftest import ROOT
 from tests.serve.browser import chrome, severe_logs
 from tests.serve.live import JSON, TEMPLATE, start_server, stderr_text, stop
 
@@ -47,9 +51,35 @@ def test_props_tells_the_page_whether_to_chat(server):
     props = httpx.get(server[1] + "/props").json()
     assert props["chat_template"] == TEMPLATE and props["total_slots"] == 1
     assert props["default_generation_settings"]["n_ctx"] > 0
-    proc, url = start_server(template=None)  # the shipped pair carries no template: the page sends completions
+    proc, url = start_server("--set", 'model.chat_template=""', template=None)  # the GGUF's own: none
     try:
-        assert httpx.get(url + "/props").json()["chat_template"] == ""
+        assert httpx.get(url + "/props").json()["chat_template"] == ""  # the page sends completions
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}, timeout=60)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "no chat template" in message
+        assert str(ROOT) not in message and "stdlib-target-q4_0" in message  # the model's name, not where it lives
+    finally:
+        stop(proc)
+
+
+def test_a_message_to_a_client_names_a_file_never_where_it_sits():
+    assert public("/srv/models/m.gguf: no chat template; /etc/lever/a.toml: [model] x") == \
+        "m.gguf: no chat template; a.toml: [model] x"
+    for kept in ("Content-Type: must be application/json", "see http://host/a/b", "a/b/c relative", "/v1"):
+        assert public(kept) == kept
+
+
+def test_the_shipped_pair_chats_out_of_the_box():
+    """No config, no template given: examples/default.toml's, which the page's chat box uses."""
+    proc, url = start_server(template=None)
+    try:
+        with lever.load(shipped("default.toml")) as llm:
+            template = llm.chat_template.text
+            want = llm.chat([{"role": "user", "content": "import os"}], max_tokens=8).text
+        assert httpx.get(url + "/props").json()["chat_template"] == template
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "import os"}],
+                                                           "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
     finally:
         stop(proc)
 
