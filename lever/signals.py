@@ -119,14 +119,8 @@ def name(signum: int) -> str:
 def on_stop(callback):
     """While inside, the first signal calls `callback(signum)` (in the main thread, from the
     handler: it must only set flags or schedule work) instead of raising Interrupted."""
-    if not _installed or threading.current_thread() is not threading.main_thread():
+    with _registered(_callbacks, callback):
         yield
-        return
-    _callbacks.append(callback)
-    try:
-        yield
-    finally:
-        _callbacks.remove(callback)
 
 
 @contextmanager
@@ -135,14 +129,21 @@ def on_interrupt(taker):
     the handler): true, the command took it as its own input and goes on, nothing remembered; false,
     the ordinary stop. `taker` may raise instead, which takes the signal too: the exception leaves
     what the main thread was doing (a terminal read), as KeyboardInterrupt would."""
+    with _registered(_interrupts, taker):
+        yield
+
+
+@contextmanager
+def _registered(handlers: list, handler):
+    """`handler` in `handlers` while inside; only where the handlers run (installed, main thread)."""
     if not _installed or threading.current_thread() is not threading.main_thread():
         yield
         return
-    _interrupts.append(taker)
+    handlers.append(handler)
     try:
         yield
     finally:
-        _interrupts.remove(taker)
+        handlers.remove(handler)
 
 
 def run_async(fn):
