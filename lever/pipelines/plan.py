@@ -205,9 +205,10 @@ def _fill(cfg: Config, f: GGUFFile, spec: ModelSpec, *, flash: FlashConfig, tree
           grammar_bytes: int = 0) -> tuple[frozenset[int], MemoryPlan]:
     """[flash] dram_budget = "fill": the layers [memory] limit holds beside everything else
     the run plans (run_memory's parts, for a prompt of up to FILL_PROMPT_TOKENS)."""
-    limit = cfg.memory.limit_bytes
+    limit, auto = cfg.memory.limit_bytes, ""
     if limit is None:  # "auto": a share of what the machine (or its cgroup) has available now
         limit = auto_limit_bytes()
+        auto = " (\"auto\": a share of the memory available now; give one with --mem or [memory] limit)"
     process_bytes = psutil.Process().memory_info().rss  # once: every candidate is priced against the same process
 
     def plan(resident: frozenset[int]) -> MemoryPlan:
@@ -219,7 +220,7 @@ def _fill(cfg: Config, f: GGUFFile, spec: ModelSpec, *, flash: FlashConfig, tree
     try:
         return fill_residency(limit, spec.n_layer, plan)
     except LeverError as e:
-        raise LeverError(f"{cfg.where}: {e}") from None
+        raise LeverError(f"{cfg.where}: {str(e).replace('[memory] limit', '[memory] limit' + auto, 1)}") from None
 
 
 def _calibrated(cfg: Config, spec: ModelSpec) -> tuple[Pruning | None, AcceptanceTable | None]:

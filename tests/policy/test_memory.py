@@ -117,9 +117,23 @@ def test_fill_keeps_the_most_evenly_spread_layers_the_limit_holds():
         memory.fill_residency(105, 4, plan)
 
 
-def test_fill_without_a_limit_says_to_give_one():
-    with pytest.raises(LeverError, match=r'\[flash\] dram_budget: "fill" fills \[memory\] limit.*--mem'):
-        run_pipeline(load_config(DEFAULT, ['flash.dram_budget="fill"']), "def f(x):")
+@pytest.mark.parametrize("room_mib", [300, 4096])
+def test_fill_with_an_auto_limit_fills_a_share_of_the_room_there_is(monkeypatch, room_mib):
+    """[memory] limit = "auto" (the default; `-m` with no --mem): "fill" plans inside
+    AUTO_FILL_SHARE of what the machine (or its cgroup) has available now, whatever that is."""
+    monkeypatch.setattr(memory, "room_bytes", lambda: (room_mib * 2**20, "the machine"))
+    plan = RunPlan.resolve(load_config(DEFAULT, ['pipeline.baseline=""', 'flash.dram_budget="fill"']))
+    assert plan.memory.limit == "auto"
+    assert plan.fill.total_bytes <= memory.AUTO_FILL_SHARE * room_mib * 2**20
+    every = RunPlan.resolve(load_config(DEFAULT, ['pipeline.baseline=""', 'memory.limit="64G"',
+                                                  'flash.dram_budget="fill"']))
+    assert plan.resident == every.resident  # the tiny shipped target fits either room whole
+
+
+def test_an_auto_limit_too_small_says_to_give_one(monkeypatch):
+    monkeypatch.setattr(memory, "room_bytes", lambda: (2**20, "the machine"))
+    with pytest.raises(LeverError, match=r'\[memory\] limit \("auto".*--mem.*\): 0 MiB does not hold this run'):
+        RunPlan.resolve(load_config(DEFAULT, ['pipeline.baseline=""', 'flash.dram_budget="fill"']))
 
 
 def test_fill_keeps_resident_what_the_limit_leaves(monkeypatch):
