@@ -166,7 +166,8 @@ class Accept(Stage):
 
     def step(self, v: Verified) -> Accepted:
         tree = v.tree
-        budget = self.config.n_predict - self.n_emitted
+        # n_predict's rest, and the context's: the text (prompt, reply) stops when it fills it
+        budget = min(self.config.n_predict - self.n_emitted, self.config.n_ctx - self.n_ctx_used - 1)
         n_top = self.config.logprobs
         logprobs: list[TokenLogprob] = []
         on_choice = None if n_top is None else lambda row, tok: logprobs.append(logprob_of(row, tok, n_top))

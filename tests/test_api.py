@@ -106,7 +106,7 @@ def test_chat_renders_the_template_and_generates_from_it(llm):
     ({"temperature": float("nan")}, "temperature"), ({"max_tokens": -1}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"), ({"top_p": 0}, "top_p"),
     ({"seed": -2}, "seed"), ({"stop": 3}, "stop"), ({"stop": [""]}, "stop"), ({"stop": ["x"] * 17}, "stop"),
-    ({"max_tokens": 10**6}, "max_tokens"), ({"temp": 1.0}, "temp"), ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 2**31}, "max_tokens"), ({"temp": 1.0}, "temp"), ({"max_tokens": True}, "max_tokens"),
 ])
 def test_bad_arguments_get_one_line_naming_them(llm, kwargs, names):
     with pytest.raises(LeverError, match=names) as e:
@@ -114,6 +114,20 @@ def test_bad_arguments_get_one_line_naming_them(llm, kwargs, names):
     assert "\n" not in str(e.value)
     with pytest.raises(LeverError, match=names):
         llm.stream(PROMPT, **kwargs)  # at the call, not at the first chunk
+
+
+@pytest.mark.parametrize("n_ctx", [24, 37])
+def test_max_tokens_past_the_context_stops_at_the_context_as_the_pipeline_does(n_ctx):
+    """llama-server's "until the context is full": no refusal; the tokens are the pipeline's own
+    up to the last row the context has (its honest stop, lossless), the reason "context"."""
+    with lever.load(shipped("default.toml"), overrides=[f"model.n_ctx={n_ctx}"]) as m:
+        c = m.generate(PROMPT, max_tokens=10**6)
+        res = run_pipeline(load_config(shipped("default.toml"), [f"model.n_ctx={n_ctx}", "generate.n_predict=1000000"]),
+                           PROMPT)
+        assert c.finish_reason == res.stop_reason == "context" and list(c.tokens) == res.tokens
+        assert c.usage.prompt_tokens + c.usage.completion_tokens == n_ctx
+        with pytest.raises(LeverError, match=rf"prompt: \d+ tokens exceeds the available context size of {n_ctx}"):
+            m.generate("word " * n_ctx)
 
 
 @pytest.mark.parametrize("messages, where", [

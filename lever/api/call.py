@@ -135,10 +135,9 @@ def prepare_generate(args: dict, defaults: GenerateConfig, *, n_prompt: int, n_c
         raise LeverError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
                          f"got {logprobs!r}")
     if n_prompt >= n_ctx:  # the prompt alone: no max_tokens would help
-        raise LeverError(f"prompt: {n_prompt} tokens, over the context of {n_ctx} ({n_ctx_source})")
-    if n_prompt + gen.n_predict > n_ctx:
-        raise LeverError(f"max_tokens: {gen.n_predict} tokens after a prompt of {n_prompt} pass the context of "
-                         f"{n_ctx} ({n_ctx_source})")
+        raise LeverError(f"prompt: {n_prompt} tokens exceeds the available context size of {n_ctx} ({n_ctx_source})")
+    # max_tokens past the context's room is llama-server's "until the context is full": the
+    # generation stops there (StopReason.CONTEXT), honestly, as its own does without a shift
     return gen, stop_strings(args.get("stop")), logprobs
 
 

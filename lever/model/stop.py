@@ -22,11 +22,12 @@ class StopReason(enum.StrEnum):
 def stop_reason(token: int, *, n_emitted: int, n_predict: int, n_rows: int, n_ctx: int,
                 eos_ids: frozenset[int]) -> StopReason | None:
     """After emitting `token`, the n_emitted-th: why the generation ends there (None: it goes on).
-    `n_rows` is the context's rows in use, of n_ctx."""
+    `n_rows` is the context's rows in use, of n_ctx: the text stops when it fills the context,
+    prompt and reply, so all of it fits there to go on from (llama-server's count)."""
     if token in eos_ids:
         return StopReason.EOS
     if n_emitted >= n_predict:
         return StopReason.LENGTH
-    if n_rows >= n_ctx:
+    if n_rows + 1 >= n_ctx:
         return StopReason.CONTEXT
     return None

@@ -143,7 +143,8 @@ class Engine:
         cached, checked against [memory] limit: made before the generation allocates anything."""
         p = self.plan
         if n_past + n_prompt >= p.n_ctx:
-            raise LeverError(f"prompt: {n_past + n_prompt} tokens, over the context of {p.n_ctx} ({self.n_ctx_source})")
+            raise LeverError(f"prompt: {n_past + n_prompt} tokens exceeds the available context size of {p.n_ctx} "
+                             f"({self.n_ctx_source})")
         mem = p.memory_plan(n_prompt, self.process_bytes)
         check_memory(mem, p.memory, p.where)
         return mem

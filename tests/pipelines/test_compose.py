@@ -220,13 +220,17 @@ def test_every_cycle_is_predicted_and_measured(stories):
                      r"flash busy \d+% of the run", buf.getvalue())
 
 
-def test_speculative_stops_at_context_like_generate(tiny_model):
+@pytest.mark.parametrize("n_ctx", [17, 23, 31, 40])
+def test_speculative_stops_at_context_like_generate(tiny_model, n_ctx):
+    """Whatever the trees' depths at the end, the text stops where it fills the context, as
+    autoregressive decoding's does: the same tokens, prompt and reply n_ctx in all."""
     path = tiny_model("llama", "F32", n_layer=2)
-    cfg = config(path, *SPEC, f'model.draft="{path}"', "model.n_ctx=40", "generate.n_predict=100")
+    cfg = config(path, *SPEC, f'model.draft="{path}"', f"model.n_ctx={n_ctx}", "generate.n_predict=100")
     res = run_pipeline(cfg, PROMPT)
     model, tok = Model(path), Tokenizer.from_gguf(path)
-    want = generate(model, tok.encode(PROMPT), 100, n_ctx=40, eos_ids=frozenset(tok.eos_ids))
+    want = generate(model, tok.encode(PROMPT), 100, n_ctx=n_ctx, eos_ids=frozenset(tok.eos_ids))
     assert res.tokens == want.tokens and res.stop_reason == want.stop_reason == "context"
+    assert len(tok.encode(PROMPT)) + len(res.tokens) == n_ctx
 
 
 def test_speculative_needs_a_draft(tiny_model):
