@@ -45,12 +45,12 @@ from lever.cli.models import add_models, bench_config, check_models
 from lever.cli.table import show
 from lever.errors import LeverError
 from lever.outputs import write_json
+from lever.pipelines.pairing import free_sets
 from lever.shipped import shipped
 
-FREE = '["prompt-lookup", "ngram"]'
 VARIANTS = {  # name -> overrides of a speculative gain-cost config
     "model": ['tree_expand.sources=["model"]'],
-    "lookup": [f"tree_expand.sources={FREE}", 'model.draft=""'],
+    "lookup": list(free_sets()),  # the free sources, no draft model: what -m without -md runs
     "model+lookup": ['tree_expand.sources=["model", "prompt-lookup", "ngram"]'],
     "prompt-lookup": ['tree_expand.sources=["prompt-lookup"]', 'model.draft=""'],  # each free source alone
     "ngram": ['tree_expand.sources=["ngram"]', 'model.draft=""'],
