@@ -8,11 +8,15 @@ can resolve to 127.0.0.1 and read the answers. So, before any route runs:
   literal when bound to every interface, or one of `allowed_hosts` (a rebound name is none of
   these) -> 421 otherwise;
 - an Origin header, which browsers send on cross-site requests, must be this server's own or one
-  of `allowed_origins` -> 403; an allowed origin's page gets CORS headers (and its preflight a
-  204), so it can read the answers;
+  of `allowed_origins` -> 403; an allowed origin's page gets CORS headers, so it can read the
+  answers. A preflight (OPTIONS with an Origin) is answered as llama-server answers it, before
+  any key: 200, the Origin echoed, credentials true, its methods and any header. It runs
+  nothing; the request it clears is checked as every other (403 for an origin not allowed);
 - a POST's body must be declared JSON (a form or text/plain is a cross-site request) -> 415;
-- with API keys (`--api-key`, `--api-key-file`), every route but /health and the page's files needs
-  `Authorization: Bearer KEY` -> 401; the key also names the client whose prefix cache a request
+- with API keys (`--api-key`, `--api-key-file`), every route but /health and the page's files
+  (the live page's, and those llama-server's web UI asks: lever.serve.webui) needs
+  `Authorization: Bearer KEY` (or Anthropic's x-api-key) -> 401, llama-server's
+  authentication_error; the key also names the client whose prefix cache a request
   may use (lever.serve.server: one client's prompts are never measured by another's);
 - with several keys, one key has at most `max_requests` requests under way (half the server's
   connections) -> 429 past them: the connection cap (lever.serve.protocol) makes room by closing
@@ -33,19 +37,25 @@ import json
 import attrs
 
 from lever.serve import PAGE_FILES
+from lever.serve.webui import WEB_UI_FILES
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
-# a load balancer's probe, and the live page's files (lever.serve.page: static, nothing secret;
-# a browser cannot send a key when it opens a page); the page's own /live needs the key
-OPEN_PATHS = frozenset({"/health", "/", *(f"/page/{name}" for name in PAGE_FILES)})
+# a load balancer's probe, and the live page's files (lever.serve.page) and the web UI's
+# (lever.serve.webui): static, nothing secret; a browser cannot send a key when it opens a
+# page. The page's own /live needs the key
+OPEN_PATHS = frozenset({"/health", "/v1/health", "/", *(f"/page/{name}" for name in PAGE_FILES), *WEB_UI_FILES})
+# llama-server's answer to a preflight: its methods, any header, credentials
+PREFLIGHT_HEADERS = ((b"access-control-allow-credentials", b"true"),
+                     (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
+                     (b"access-control-allow-headers", b"*"), (b"access-control-max-age", b"600"))
 
 
 @attrs.frozen
 class Access:
     """The server's access rules, made once from the command line (lever.cli.serve)."""
 
-    bound_host: str = "127.0.0.1"
+    bound_host: str = "127.0.0.1"  # the addresses listened on (comma-separated)
     api_keys: tuple[str, ...] = ()
     allowed_hosts: frozenset[str] = frozenset()
     allowed_origins: frozenset[str] = frozenset()
@@ -54,9 +64,10 @@ class Access:
         name = _hostname(host_header)
         if name in LOOPBACK_HOSTS or name in self.allowed_hosts or "*" in self.allowed_hosts:
             return True
-        if self.bound_host in WILDCARD_HOSTS:
-            return _is_ip(name)  # reached by address: no name a page could rebind
-        return name == self.bound_host.strip("[]").lower()
+        bound = {h.strip().strip("[]").lower() for h in self.bound_host.split(",")}
+        if bound & WILDCARD_HOSTS and _is_ip(name):
+            return True  # reached by address: no name a page could rebind
+        return name in bound
 
     def origin_ok(self, origin: str, host_header: str) -> bool:
         origin = origin.rstrip("/").lower()
@@ -117,27 +128,26 @@ class Guard:
         if not self.access.host_ok(host):
             refusal = (421, "misdirected_request", f"Host: {host[:60]!r} is not this server's name "
                                                    "(--allowed-hosts adds names)")
+        elif scope["method"] == "OPTIONS" and "origin" in headers:  # a preflight: no key (browsers send none)
+            await _preflight(send, headers["origin"])
+            return
         elif "origin" in headers and not self.access.origin_ok(headers["origin"], host):
             refusal = (403, "forbidden", f"Origin: {headers['origin'][:60]!r} may not call this server "
                                          "(--allowed-origins adds origins)")
         elif scope["method"] == "POST" and not _is_json(headers.get("content-type", "")):
             refusal = (415, "invalid_request_error", "Content-Type: must be application/json")
         client = None
-        preflight = scope["method"] == "OPTIONS" and "origin" in headers
-        if refusal is None and self.access.api_keys and scope["path"] not in OPEN_PATHS and not preflight:
+        if refusal is None and self.access.api_keys and scope["path"] not in OPEN_PATHS:
             # Anthropic's clients send their key as x-api-key (lever.serve.anthropic), not Authorization
             auth = headers.get("authorization") or (f"Bearer {headers['x-api-key']}" if "x-api-key" in headers else "")
             client = self.access.client_key(auth)
-            if client is None:
-                refusal = (401, "invalid_api_key", "Authorization: a valid 'Bearer KEY' is required")
+            if client is None:  # llama-server's type
+                refusal = (401, "authentication_error", "Authorization: a valid 'Bearer KEY' is required")
             elif self.max_requests is not None and self._under_way[client] >= self.max_requests:
                 refusal = (429, "rate_limit_exceeded", f"this key has {self._under_way[client]} requests under way, "
                                                        f"its share of the server's connections; try again")
         origin = headers.get("origin")
         cors = origin is not None and refusal is None and self.access.cross_origin_ok(origin)
-        if cors and scope["method"] == "OPTIONS":  # a page of an allowed origin asks first (CORS preflight)
-            await _preflight(send, origin)
-            return
         if refusal is not None:
             self.refused += 1
             await _refuse(send, *refusal)
@@ -193,7 +203,6 @@ def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
 
 
 async def _preflight(send, origin: str) -> None:
-    await send({"type": "http.response.start", "status": 204, "headers": [
-        *_cors_headers(origin), (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
-        (b"access-control-allow-headers", b"Authorization, Content-Type"), (b"access-control-max-age", b"600")]})
+    await send({"type": "http.response.start", "status": 200, "headers": [
+        *_cors_headers(origin), *PREFLIGHT_HEADERS, (b"content-length", b"0")]})
     await send({"type": "http.response.body", "body": b""})
