@@ -1,5 +1,5 @@
-"""Admission: how many requests `lever serve` holds, whose turn the model is, and how they end on
-shutdown.
+"""Admission: how many requests `lever serve` holds, whose turn the model is, which slot shows
+it, and how they end on shutdown.
 
 Below the server's routes (lever.serve.server), beside request preparation: one generation runs
 and `queue` wait beside it; past them a request gets 429, and so does one of a client (an API
@@ -8,12 +8,15 @@ next goes round the clients waiting (`Turns`), first come first served within on
 client that queues ten requests gets one turn in each round, as another that queues one does, so
 it cannot make the others wait behind all of its own. Each admitted request's cancel event is
 tracked, so shutdown can refuse new requests at once and cancel the admitted ones after a grace.
+llama-server's slots (`Slots`, `lever serve --parallel N`) are N contexts of n_ctx each; the
+generations still run one at a time through the queue, so one slot at most is processing.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import threading
 
 import attrs
@@ -136,3 +139,37 @@ class Turns:
             del self._waiting[client]
             self._round.remove(client)
         self._cond.notify_all()
+
+
+@attrs.define
+class Slots:
+    """llama-server's slots as Lever has them (GET /slots, /props' total_slots): `n` of them,
+    each a context of `n_ctx` tokens (`lever serve --parallel`). Generations run one at a time
+    (Turns), so at most one slot processes: slot 0, showing its task (its id, prompt tokens and
+    settings) while it runs. Safe from any thread."""
+
+    n: int = 1
+    n_ctx: int = 0
+    speculative: bool = True  # the pipeline drafts (llama-server's "speculative")
+    _running: dict | None = None
+    _tasks: itertools.count = attrs.field(factory=itertools.count)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    @contextlib.contextmanager
+    def hold(self, task: dict):
+        """Slot 0 processes `task` inside (a generation that has its turn)."""
+        with self._lock:
+            self._running = {"id_task": next(self._tasks), **task}
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running = None
+
+    def view(self) -> list[dict]:
+        """llama-server's /slots: each slot's id, context, whether it processes, its task's fields."""
+        with self._lock:
+            running = self._running
+        return [{"id": i, "n_ctx": self.n_ctx, "speculative": self.speculative,
+                 "is_processing": i == 0 and running is not None, **(running if i == 0 and running else {})}
+                for i in range(self.n)]

@@ -1,5 +1,5 @@
-"""lever.serve.admission: the queue's places, a client's share of them, and the model's turns
-going round the clients waiting."""
+"""lever.serve.admission: the queue's places, a client's share of them, the model's turns
+going round the clients waiting, and the slots showing the generation that has its turn."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lever.api import Cancelled
-from lever.serve.admission import Admission, Turns
+from lever.serve.admission import Admission, Slots, Turns
 from lever.serve.request import BadRequest
 
 
@@ -112,3 +112,19 @@ def test_a_waiting_turn_cancelled_leaves_and_the_next_goes_on():
     assert out == ["cancelled"] and not turns._waiting
     with turns.turn("c", threading.Event()):
         pass
+
+
+@settings(max_examples=50, deadline=None, database=None)
+@given(n=st.integers(1, 8), runs=st.integers(0, 5))
+def test_slot_zero_shows_the_task_holding_its_turn_and_only_while_it_does(n, runs):
+    slots = Slots(n, n_ctx=256)
+    assert [s["id"] for s in slots.view()] == list(range(n)) and all(s["n_ctx"] == 256 for s in slots.view())
+    for i in range(runs):
+        with slots.hold({"n_prompt_tokens": 5 + i, "params": {"n_predict": 8}}):
+            view = slots.view()
+            assert [s["is_processing"] for s in view] == [True] + [False] * (n - 1)
+            assert view[0]["id_task"] == i and view[0]["n_prompt_tokens"] == 5 + i
+        assert not any(s["is_processing"] or "params" in s for s in slots.view())
+    with pytest.raises(RuntimeError), slots.hold({}):  # a generation that fails frees its slot too
+        raise RuntimeError
+    assert not slots.view()[0]["is_processing"]
