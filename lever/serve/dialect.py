@@ -39,8 +39,13 @@ class Dialect:
     def chat(self) -> bool:
         return self.endpoint == "chat"
 
-    def error(self, message: str, status: int, kind: str, param: str | None = None) -> JSONResponse:
-        return JSONResponse(self.error_body(message, kind, param), status_code=status)
+    def error(self, message: str, status: int, kind: str, param: str | None = None,
+              extra: dict | None = None) -> JSONResponse:
+        """Its refusal; `extra`: fields an OpenAI-style error carries beside its own (llama-server's)."""
+        body = self.error_body(message, kind, param)
+        if extra and isinstance(body.get("error"), dict):
+            body["error"].update(extra)
+        return JSONResponse(body, status_code=status)
 
 
 OPENAI_CHAT = Dialect("chat", "chat", Reply, "chatcmpl-")
@@ -62,6 +67,24 @@ def refusal(message: str) -> dict:
     kind = "exceed_context_size_error" if "context" in message and message.startswith(("prompt", "messages")) \
         else "invalid_request_error"
     return {"message": public(message), "status": 400, "kind": kind, "param": param_of(message)}
+
+
+# a refusal of a prompt past the context: its size (tokens, or text before it was tokenized) and the context's
+_OVERFLOW = re.compile(r"^(?:prompt|messages|content|input)\b\D*?(\d+) (tokens|bytes|characters)\b.*?\bcontext"
+                       r"(?: size)? of (\d+)")
+
+
+def overflow(message: str, max_token_bytes: int) -> dict | None:
+    """llama-server's fields of a prompt past the context (exceed_context_size_error), from the
+    refusal's line: n_prompt_tokens (a text refused before it was tokenized: the fewest tokens
+    its bytes can be, as lever.api.render bounds it, a token at most twice the longest's bytes)
+    and n_ctx; None for any other refusal."""
+    m = _OVERFLOW.match(message)
+    if m is None:
+        return None
+    n, unit, n_ctx = int(m.group(1)), m.group(2), int(m.group(3))
+    n_tokens = n if unit == "tokens" else -(-n // (2 * max(max_token_bytes, 1)))
+    return {"n_prompt_tokens": n_tokens, "n_ctx": n_ctx}
 
 
 def param_of(message: str) -> str | None:

@@ -21,6 +21,7 @@ from lever.dataflow.messages import TokenLogprob
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.stop import StopReason
 from lever.pipelines.result import RunResult
+from lever.serve.webui import BUILD
 
 # OpenAI's finish_reason of each of Lever's (lever.model.stop); a generation cut by shutdown is
 # never reported as finished (lever.serve.server: 503, or an error event in a stream)
@@ -28,7 +29,7 @@ OPENAI_FINISH = {StopReason.STOP: "stop", StopReason.EOS: "stop", StopReason.LEN
                  StopReason.CONTEXT: "length", StopReason.CANCELLED: "stop"}
 
 
-FINGERPRINT = "lever"  # OpenAI's system_fingerprint: which backend answered (llama-server gives its build)
+FINGERPRINT = BUILD  # OpenAI's system_fingerprint: which backend answered, as llama-server's build string
 
 
 @attrs.frozen
@@ -41,6 +42,8 @@ class Reply:
     chat: bool
     model_id: str
     tok: Tokenizer
+    index: int = 0  # the choice's (several prompts or `n`: lever.serve.server runs them one after another)
+    native: object = None  # llama-server's answer (lever.serve.llama.NativeReply) as its __verbose, when asked
     media_type = "text/event-stream"
 
     def opening(self) -> list[str]:
@@ -77,7 +80,7 @@ class Reply:
 
     def chunk(self, delta, finish: str | None, logprobs: dict | None = None, extra: dict | None = None) -> str:
         """One SSE event of a stream: a chat's `delta` (a dict) or a completion's text."""
-        choice = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": self.index, "finish_reason": finish, "logprobs": logprobs}
         choice.update({"delta": delta} if self.chat else {"text": delta})
         return sse({"id": self.rid, "object": self.object(True), "created": int(time.time()), "model": self.model_id,
                     "system_fingerprint": FINGERPRINT, "choices": [choice], **(extra or {})})
@@ -90,7 +93,7 @@ class Reply:
     def body(self, c: Completion) -> dict:
         """A whole response (a chat's tool calls as `message.tool_calls`)."""
         lps = self.logprobs(c.logprobs) if c.logprobs is not None else None
-        choice = {"index": 0, "finish_reason": OPENAI_FINISH[c.finish_reason], "logprobs": lps}
+        choice = {"index": self.index, "finish_reason": OPENAI_FINISH[c.finish_reason], "logprobs": lps}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
             if c.tool_calls:  # OpenAI's shape: no text is null, and the reason says why it ended
@@ -100,10 +103,13 @@ class Reply:
                     choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = c.text
-        return {"id": self.rid, "object": self.object(False), "created": int(time.time()), "model": self.model_id,
-                "system_fingerprint": FINGERPRINT, "choices": [choice],
-                "usage": usage(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.cached_tokens),
-                "timings": timings(c.stats, c.usage.cached_tokens)}
+        out = {"id": self.rid, "object": self.object(False), "created": int(time.time()), "model": self.model_id,
+               "system_fingerprint": FINGERPRINT, "choices": [choice],
+               "usage": usage(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.cached_tokens),
+               "timings": timings(c.stats, c.usage.cached_tokens)}
+        if self.native is not None:  # llama-server's debugging fields: its own answer, the prompt as read
+            out["__verbose"] = self.native.body(c)
+        return out
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> dict:
