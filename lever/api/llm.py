@@ -37,7 +37,7 @@ from lever.gguf.chat_template import ChatTemplate, Rendered
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.grammar_cache import GrammarCache
 from lever.model.stop import StopReason
-from lever.model.tool_calls import plan
+from lever.model.tool_calls import GENERIC, ToolFormat, detect, plan
 from lever.pipelines.engine import Engine
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.text import TextStream
@@ -159,8 +159,10 @@ class LLM:
     def offer(self, tools: list[dict] | None = None, tool_choice=None, parallel_tool_calls: bool | None = None
               ) -> Offer:
         """The functions a call offers (OpenAI's `tools`, checked) and the grammar a required or
-        named call brings (lever.model.tool_calls.plan; `parallel_tool_calls` false: exactly one)."""
-        shown, grammar = plan(self.engine.tok, tools, tool_choice, parallel_tool_calls is not False)
+        named call brings (lever.model.tool_calls.plan; `parallel_tool_calls` false: exactly one), in
+        the format the chat template teaches (`tool_format`)."""
+        shown, grammar = plan(self.engine.tok, tools, tool_choice, parallel_tool_calls is not False,
+                              fmt=tool_format(self))
         return Offer(tuple(shown) if shown else None, grammar)
 
     def prepare(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
@@ -233,7 +235,8 @@ class LLM:
         who sees its cycles (a live page's; default this LLM's `watch`); `turn`: a context the
         call waits in before it takes the model (a server's turns among its clients)."""
         text = TextStream(self.engine.tok, call.stop, on_text, frozenset(self.engine.tok.eos_ids), call.cancel,
-                          grammar=call.grammar, offered=Offer(call.tools).names if call.tools else None)
+                          grammar=call.grammar, offered=Offer(call.tools).names if call.tools else None,
+                          tool_format=tool_format(self) if call.tools else GENERIC)
         with turn if turn is not None else contextlib.nullcontext(), self.lock:
             if call.cancel.is_set():  # its caller left while it waited
                 raise Cancelled("the generation was cancelled before it started")
@@ -303,6 +306,15 @@ class LLM:
 
 def _empty():
     raise LeverError("empty prompt")
+
+
+def tool_format(llm: LLM) -> ToolFormat:
+    """The format the model's chat template teaches it to write calls in (lever.model.tools.formats,
+    detected once per template text); llama.cpp's generic one for a model without a template."""
+    try:
+        return detect(llm.chat_template.text)
+    except LeverError:
+        return GENERIC
 
 
 def prompt_ids(ids: Sequence[int], vocab_size: int) -> list[int]:

@@ -7,8 +7,9 @@ hands on what is final (`on_text(text, tokens, logprobs)`) with the logprobs of 
 covers. Its answer is the only decision it takes: STOP when a stop string completed (under a
 grammar, only where the grammar accepts the text before it: a reply that stops is one the
 grammar accepts, as one that ends by its end token is), CANCELLED when the caller's event is
-set. With the functions a call offers, text from where a tool call may begin is held too and the
-calls come out whole at the end (`reply`, lever.model.tool_calls). `lever run` prints what it
+set. With the functions a call offers, text that may begin a tool call (in the format the model's
+template teaches, lever.model.tools.formats) is held too, released as soon as it cannot, and the
+calls come out whole at the end (`reply`, lever.model.tools.stream). `lever run` prints what it
 hands on; RunResult.text, the API's Completion and its Chunks, the server's replies are all it.
 """
 
@@ -22,7 +23,7 @@ import attrs
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer
 from lever.model.grammar import Grammar
 from lever.model.stop import StopReason
-from lever.model.tool_calls import CallStream, ToolCall, parse_calls
+from lever.model.tool_calls import HERMES, CallStream, ToolCall, ToolFormat
 
 
 @attrs.define
@@ -37,6 +38,7 @@ class TextStream:
     cancel: threading.Event = attrs.field(factory=threading.Event)
     grammar: Grammar | None = None  # the generation's grammar: a stop string counts only where it accepts
     offered: frozenset[str] | None = None  # the functions a call offers: their calls are held and parsed
+    tool_format: ToolFormat = HERMES  # how the model writes calls (lever.model.tools.formats.detect)
     text: str = ""  # everything decoded, stop string included
     sent: int = 0  # chars of `text` handed on
     tokens: list[int] = attrs.field(factory=list)  # ids kept: past a stop string, none
@@ -49,7 +51,7 @@ class TextStream:
 
     def __attrs_post_init__(self):
         self._decoder = StreamDecoder(self.tok, at_start=False)
-        self._calls = CallStream(self.offered) if self.offered else None
+        self._calls = CallStream(self.offered, self.tool_format) if self.offered else None
 
     def __call__(self, tokens: tuple[int, ...], logprobs: tuple = ()) -> StopReason | None:
         for i, t in enumerate(tokens):
@@ -88,10 +90,11 @@ class TextStream:
         return self.text[: self.stopped_at] if self.stopped_at >= 0 else self.text
 
     def reply(self) -> tuple[str, list[ToolCall]]:
-        """The text and the calls of the functions offered (none offered: the text, no calls)."""
-        if self.offered is None:
+        """The text and the calls of the functions offered (none offered: the text, no calls), as
+        they were streamed (after `finish`)."""
+        if self._calls is None:
             return self.final_text, []
-        return parse_calls(self.final_text, self.offered)
+        return self._calls.reply_text, list(self._calls.calls)
 
     def _find(self, before: int) -> None:
         """A match must end in the text added after `before` chars: it starts at most the
