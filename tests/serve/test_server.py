@@ -192,9 +192,11 @@ WEATHER = {"type": "function", "function": {
 
 
 def test_a_required_tool_call_comes_back_as_tool_calls_plain_and_streamed(client, llm):
-    want = llm.chat(MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=40)
-    r = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=40, tools=[WEATHER],
-                                       tool_choice="required")
+    # one call: TEMPLATE offers no tools, so calls are llama.cpp's generic {"tool_calls": [...]}, whose
+    # array the shipped pair, left to it, never closes
+    one = {"tool_choice": "required", "parallel_tool_calls": False}
+    want = llm.chat(MESSAGES, tools=[WEATHER], max_tokens=64, **one)
+    r = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=64, tools=[WEATHER], **one)
     choice = r.choices[0]
     # a reply cut by max_tokens says so, and a call begun and cut is neither a call nor text
     assert choice.finish_reason == ("length" if want.finish_reason is StopReason.LENGTH else "tool_calls")
@@ -202,7 +204,7 @@ def test_a_required_tool_call_comes_back_as_tool_calls_plain_and_streamed(client
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and call.function.arguments == want.tool_calls[0].arguments
     deltas = [c.choices[0].delta for c in client.chat.completions.create(
-        model="x", messages=MESSAGES, max_tokens=40, tools=[WEATHER], tool_choice="required", stream=True)
+        model="x", messages=MESSAGES, max_tokens=64, tools=[WEATHER], stream=True, **one)
         if c.choices]
     streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
     assert "".join(d.content or "" for d in deltas) == want.text  # what is not a call streams as text
@@ -219,7 +221,7 @@ def test_parallel_tool_calls_false_makes_a_required_reply_one_call(client, llm):
     several = llm.chat(MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=96)
     one = llm.chat(MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=96, parallel_tool_calls=False)
     assert len(one.tool_calls) == 1 and one.text == "" and one.finish_reason.value == "eos"
-    assert len(several.tool_calls) > 1 or several.text  # the grammar is what ended `one`
+    assert len(several.tokens) > len(one.tokens)  # the grammar is what ended `one`
     r = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=96, tools=[WEATHER],
                                        tool_choice="required", parallel_tool_calls=False)
     calls = r.choices[0].message.tool_calls
