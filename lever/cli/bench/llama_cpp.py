@@ -1,8 +1,9 @@
 """llama.cpp's tools, found once and run the same way by every bench that sets Lever beside them.
 
-Below the benches (model, pipelines, cap): where llama-bench, llama-completion and
-llama-speculative are (a path given, an environment variable, beside llama-bench, on PATH), the
-command line of a greedy run of each, and the figures read back from what they print.
+Below the benches (model, pipelines, cap, fim): where llama-bench, llama-completion,
+llama-speculative and llama-server are (a path given, an environment variable, beside
+llama-bench, on PATH), the command line of a greedy run of each (of llama-server: its start),
+and the figures read back from what they print.
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ def find_tool(name: str, explicit: str | None, env: str, beside: str | None = No
         return os.environ[env]
     near = os.path.join(os.path.dirname(beside), name) if beside else None
     return near if near and os.access(near, os.X_OK) else shutil.which(name)
+
+
+def find_server(explicit: str | None) -> str | None:
+    """llama-server: the path given (--llama-server), else $LLAMA_SERVER, else beside llama-bench,
+    else on PATH, else None."""
+    return find_tool("llama-server", explicit, "LLAMA_SERVER", find_llama_bench(None))
+
+
+def server_cmd(binary: str, *, target: str, draft: str | None, n_ctx: int, n_batch: int, threads: int,
+               no_repack: bool = False) -> list[str]:
+    """llama-server on `target` (with `draft`: its speculative decoding), `n_ctx` tokens of
+    context, prompts read `n_batch` at a time; `no_repack`: the weights used as mapped (a cap's
+    runs: repacking copies them out of the page cache, which a phone-sized cap cannot hold
+    twice). The caller adds --port."""
+    cmd = [binary, "-m", target, *(["-md", draft] if draft else []), "-c", str(n_ctx), "-b", str(n_batch),
+           "-t", str(threads)]
+    return cmd + (["--no-repack"] if no_repack else [])
 
 
 def find_pair(llama_dir: str | None) -> tuple[str, str] | None:
