@@ -40,6 +40,16 @@ NO_MEANING = {"--batch-size", "--ubatch-size", "--n-gpu-layers", "-fa", "-ctk", 
 NEVER_PASS = {"-c"}
 # Repositories whose default file is one of the local ones (the suite's presets name no file).
 HF_REPOS = {"ggml-org/test-model-stories260K": "stories260K.gguf"}
+# llama-server's templates written in C++ (llama.cpp's src/llama-chat.cpp), named by --chat-template: Lever has
+# none of them (but ChatML, its fallback's), so these are dropped with a note
+BUILTIN_TEMPLATES = {"llama2", "llama2-sys", "llama2-sys-bos", "llama2-sys-strip", "mistral-v1", "mistral-v3",
+                     "mistral-v3-tekken", "mistral-v7", "mistral-v7-tekken", "phi3", "phi4", "falcon3", "zephyr",
+                     "monarch", "gemma", "orion", "openchat", "vicuna", "vicuna-orca", "deepseek", "deepseek2",
+                     "deepseek3", "deepseek-ocr", "command-r", "llama3", "chatglm3", "chatglm4", "glmedge", "minicpm",
+                     "exaone3", "exaone4", "exaone-moe", "rwkv-world", "granite", "granite-4.0", "granite-4.1",
+                     "gigachat", "megrez", "yandex", "bailing", "bailing-think", "bailing2", "llama4", "smolvlm",
+                     "hunyuan-moe", "gpt-oss", "hunyuan-dense", "hunyuan-vl", "kimi-k2", "seed_oss", "grok-2",
+                     "pangu-embedded", "solar-open"}
 QWEN_TARGET = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 QWEN_DRAFT = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 
@@ -130,6 +140,12 @@ def translated(flag: str, value: str | None) -> list[str] | None:
         return ["--set", f"{sets[flag]}={value}"]
     if flag == "--chat-template-file" and value is not None:
         return ["--set", f"model.chat_template={toml_str(Path(value).read_text())}"]
+    if flag == "--chat-template" and value is not None and value not in BUILTIN_TEMPLATES:
+        # with --jinja (llama-server's default), the text is the template; "chatml" names its fallback's
+        from lever.gguf.chat_template import CHATML
+        return ["--set", f"model.chat_template={toml_str(CHATML if value == 'chatml' else value)}"]
+    if flag == "--reasoning" and value in ("on", "off", "auto"):
+        return ["--set", f"model.reasoning={toml_str(value)}"]
     if flag == "--no-ui":
         return ["--no-page"]  # llama-server's web UI at / is Lever's live page
     if flag == "--verbose":

@@ -58,9 +58,13 @@ class ModelConfig:
     draft: str = ""  # GGUF of the draft model (resident); empty for autoregressive pipelines
     n_ctx: int = 4096  # context length (KV cache rows), capped by the model's trained context
     chat_template: str = ""  # a Jinja2 chat template, for a target whose GGUF has none (or to replace its own)
+    reasoning: str = "auto"  # the template's enable_thinking (llama-server's --reasoning): on, off, or auto (on
+    # when the template has a thinking mode); a request's chat_template_kwargs may say otherwise
 
     def __attrs_post_init__(self):
         _check_limits("model", self, {"n_ctx": CTX})
+        if self.reasoning not in ("on", "off", "auto"):
+            raise LeverError(f"[model] reasoning: must be on, off or auto, got {self.reasoning!r}")
 
 
 @attrs.frozen

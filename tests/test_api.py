@@ -13,7 +13,7 @@ import lever
 from lever.api import Cancelled
 from lever.config import load_config
 from lever.errors import LeverError
-from lever.gguf.chat_template import ChatTemplate
+from lever.gguf.chat_template import CHATML, ChatTemplate
 from lever.pipelines.engine import run_pipeline
 from lever.pipelines.text import TextStream
 from lever.shipped import shipped
@@ -139,10 +139,13 @@ def test_bad_messages_are_named(llm, messages, where):
         llm.chat(messages)
 
 
-def test_a_model_without_a_template_names_its_file():
+def test_a_model_without_a_template_chats_in_chatml_as_llama_server_does():
     with lever.load(shipped("default.toml"), overrides=['model.chat_template=""']) as m:  # the GGUF's own: none
-        with pytest.raises(LeverError, match=r"stdlib-target.*no chat template"):
-            m.chat([{"role": "user", "content": "x"}])
+        t = m.chat_template
+        assert t.text == CHATML and t.fallback and "stdlib-target-q4_0.gguf" in t.note
+        ids = m.encode_chat([{"role": "user", "content": "x"}])
+        assert ids == m.tokenizer.encode("<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n")  # a BOS first
+        assert m.chat([{"role": "user", "content": "x"}], max_tokens=4).usage.prompt_tokens == len(ids)
     with lever.load(shipped("default.toml"), overrides=[f"model.chat_template={json.dumps(TEMPLATE)}"]) as m:
         assert m.chat_template.render([{"role": "user", "content": "x"}]) == "<user>x\n<assistant>"
 

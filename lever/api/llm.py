@@ -102,7 +102,8 @@ class LLM:
 
     def __attrs_post_init__(self):
         self.grammars = GrammarCache(self.engine.tok)  # its compiler's child starts with the first grammar
-        self.renderer = ChatRenderer(self.engine.tok, self.engine.n_ctx, self.engine.n_ctx_source)  # child: lazily
+        self.renderer = ChatRenderer(self.engine.tok, self.engine.n_ctx, self.engine.n_ctx_source,  # child: lazily
+                                     reasoning=self.config.model.reasoning)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -6,6 +6,8 @@ lever.gguf.render_child, which bounds its time and memory; the text it writes is
 what the context could hold (`max_prompt_bytes`), and the messages are checked and bounded by
 the same rule before the template sees them. The child starts with the first chat (a third of a
 second); a render then costs a fraction of a millisecond more than one in-process.
+The template's `enable_thinking` is the model's `[model] reasoning` unless a call gives it (as
+llama-server's --reasoning and a request's chat_template_kwargs).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 import attrs
 
 from lever.errors import LeverError
-from lever.gguf.chat_template import ChatTemplate, Rendered, check_messages
+from lever.gguf.chat_template import ChatTemplate, Rendered, check_messages, check_variables
 from lever.gguf.render_child import RENDER_TIMEOUT_S, RenderProcess
 from lever.gguf.tokenizer import Tokenizer
 
@@ -39,6 +41,7 @@ class ChatRenderer:
     n_ctx_source: str  # which limit set the context, for the refusals
     timeout_s: float = RENDER_TIMEOUT_S  # a render's time bound when the call gives none
     process: RenderProcess = attrs.field(factory=RenderProcess)  # its child starts with the first render
+    reasoning: str = "auto"  # [model] reasoning: enable_thinking on, off, or as the template's thinking mode is
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -48,19 +51,47 @@ class ChatRenderer:
         return 2 * self.n_ctx * self.tok.max_token_bytes
 
     def render(self, template: ChatTemplate, messages: Sequence[dict], tools: list[dict] | None = None, *,
-               timeout_s: float | None = None) -> Rendered:
+               timeout_s: float | None = None, add_generation_prompt: bool = True,
+               variables: dict | None = None) -> Rendered:
         """`messages` (checked: lever.gguf.chat_template.check_messages) through `template` with
-        the functions `tools` offers (checked already: lever.model.tool_calls.check_tools), in the
-        child, within `timeout_s` and `max_prompt_bytes`: a TemplateError naming the template's
-        source for anything the template does, PromptTooLong for text the context cannot hold."""
+        the functions `tools` offers (checked already: lever.model.tool_calls.check_tools) and
+        the template's other `variables` (a request's chat_template_kwargs: check_variables), in
+        the child, within `timeout_s` and `max_prompt_bytes`: a TemplateError naming the
+        template's source for anything the template does, PromptTooLong for text the context
+        cannot hold."""
         checked = check_messages(messages)
+        variables = check_variables(variables)
+        if "enable_thinking" not in variables and self.reasoning != "auto":
+            variables["enable_thinking"] = self.reasoning == "on"
         # a character is a byte at least: messages past the bound are refused before they are sent
-        self.check_bytes(sum(len(m["content"]) for m in checked), "messages", unit="characters")
-        rendered = self.process.render(template, checked, specials=tuple(self.tok.specials),
+        self.check_bytes(sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in checked), "messages",
+                         unit="characters")
+        rendered = self.process.render(template, checked, add_generation_prompt, specials=tuple(self.tok.specials),
                                        timeout_s=self.timeout_s if timeout_s is None else timeout_s,
-                                       max_chars=self.max_prompt_bytes, tools=tools)
+                                       max_chars=self.max_prompt_bytes, tools=tools, variables=variables)
         self.check_bytes(len(rendered.text.encode("utf-8", "replace")), "messages")
-        return rendered
+        return self.bos_first(rendered)
+
+    def bos_first(self, rendered: Rendered) -> Rendered:
+        """The prompt as llama-server tokenizes a chat's: a vocabulary that adds a BOS starts it
+        with one, once (a template that writes it keeps its own; a message's BOS text at the
+        start is text, and a BOS goes before it)."""
+        bos = self._bos()
+        if bos is None or rendered.text.startswith(bos) and 0 not in rendered.foreign:
+            return rendered
+        return Rendered(bos + rendered.text, tuple(i + len(bos) for i in rendered.foreign))
+
+    def shown(self, rendered: Rendered) -> str:
+        """The prompt's text as llama-server's /apply-template shows it: without the BOS the
+        vocabulary adds (bos_first)."""
+        bos = self._bos()
+        if bos is None or not rendered.text.startswith(bos) or 0 in rendered.foreign:
+            return rendered.text
+        return rendered.text[len(bos):]
+
+    def _bos(self) -> str | None:
+        tok = self.tok
+        return tok.token_text(tok.bos_id) if tok.add_bos and tok.bos_id is not None else None
 
     def check_bytes(self, n_bytes: int, field: str, unit: str = "bytes") -> None:
         """PromptTooLong when `n_bytes` of text in `field` (or as many characters: at least as
@@ -76,3 +107,4 @@ class ChatRenderer:
             self.process.stop()
         else:
             self.process.close()
+

@@ -56,7 +56,8 @@ def main(args) -> int:
     from lever.api import load
 
     with load(args.config or shipped("default.toml"), overrides=args.set) as llm:
-        llm.chat_template  # noqa: B018  a model without a template fails here, before the first turn
+        if (note := llm.chat_template.note) is not None:  # a template that cannot be read fails here, before a turn
+            print(f"lever chat: {note}", file=sys.stderr, flush=True)  # the GGUF has none: llama-server's ChatML
         sampling = {KNOBS[key].arg: v for key, v in knob_values(args).items()}
         term = Terminal.open(sys.stdin, sys.stdout, sys.stderr)
         try:

@@ -172,6 +172,7 @@ def main(args) -> int:
               f"{plan['requests']} + kept conversations {plan['kept conversations']} + live page {plan['live page']})"
               + (f"; the live page: http://{args.host}:{args.port}/" if server_state.page is not None else ""),
               file=sys.stderr, flush=True)
+        _say_template(llm)
         if not rules.api_keys and args.host.lower() not in LOOPBACK_HOSTS:
             print(f"lever serve: warning: listening on {args.host} without --api-key: anyone who can reach "
                   "this address can use the model", file=sys.stderr, flush=True)
@@ -184,6 +185,12 @@ def main(args) -> int:
     if (s := signals.pending()) is not None:
         raise signals.Interrupted(s)  # the command ends as every stopped command does: 128 + n
     return 0
+
+
+def _say_template(llm) -> None:
+    """A GGUF with no chat template chats in ChatML (llama-server's fallback): said once, at the start."""
+    if (note := llm.chat_template.note) is not None:
+        print(f"lever serve: {note}", file=sys.stderr, flush=True)
 
 
 def _load(args, load):

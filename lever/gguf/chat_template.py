@@ -1,10 +1,13 @@
 """Chat templates: a conversation as the prompt text the model was tuned on.
 
 An instruct model's GGUF carries its template as `tokenizer.chat_template`, the Jinja2 text
-Hugging Face keeps in tokenizer_config.json. It is rendered the way `apply_chat_template`
-does: in jinja2's sandboxed environment (a template is data from a file, not code), with
-trimmed blocks and stripped leading whitespace, given `messages`, `add_generation_prompt`, the
-special tokens as text (`bos_token`, `eos_token`) and `raise_exception`. The text it renders
+Hugging Face keeps in tokenizer_config.json; a GGUF with none chats in ChatML (CHATML), as
+llama-server does. It is rendered the way `apply_chat_template` does: in jinja2's sandboxed
+environment (a template is data from a file, not code), with trimmed blocks and stripped leading
+whitespace, given `messages`, `add_generation_prompt`, the special tokens as text (`bos_token`,
+`eos_token`) and `raise_exception`; and what llama-server gives its templates beside them
+(`Inputs`): the functions offered (`tools`), today's date (`date_string`, `datetime`,
+`strftime_now`), `enable_thinking`, a request's `chat_template_kwargs`. The text it renders
 holds the special tokens as strings; the tokenizer maps them back to their ids, but only the
 template's own: special-token text inside a message's content is the user's text, never a
 control token (`render_marked` says which are which), or any chat user could forge turns.
@@ -36,6 +39,21 @@ MAX_RENDER_CHARS = 16 << 20  # what any context a model has could hold, many tim
 # is rendered a second time (a private-use character: no vocabulary's special token holds it)
 DEFUSE = "\ue000"
 MAX_NESTING = 64  # levels of a call's arguments or a tool's schema: parsers and templates recurse per level
+# llama-server's fallback for a model with no template (llama.cpp's common/chat.cpp renders the
+# same text): each message as a ChatML turn, then the assistant's
+CHATML = ("{%- for message in messages -%}\n"
+          "  {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}\n"
+          "{%- endfor -%}\n"
+          "{%- if add_generation_prompt -%}\n"
+          "  {{- '<|im_start|>assistant\\n' -}}\n"
+          "{%- endif -%}")
+FALLBACK = " (no chat template: ChatML, llama-server's fallback)"  # its source: the file, then this
+# the names the renderer gives a template itself: a request's chat_template_kwargs cannot replace them
+# (messages and tools are checked on their own fields)
+RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                      "strftime_now"})
+# a conversation that tells whether a template has a thinking mode (llama-server probes with it)
+PROBE = ({"role": "user", "content": "test"},)
 
 
 class TemplateError(LeverError):
@@ -50,46 +68,60 @@ class ChatTemplate:
     source: str  # the GGUF file, or "config" / "code"
     bos_token: str = ""
     eos_token: str = ""
+    fallback: bool = False  # the GGUF has none: ChatML, llama-server's fallback
 
     @classmethod
     def from_gguf(cls, f: GGUFFile, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
-        if not f.has(TEMPLATE_KEY):
-            raise LeverError(f"{f.path}: no chat template ({TEMPLATE_KEY}); give one as chat_template "
-                             "in code or [model] chat_template in the config")
-        text = f.get(TEMPLATE_KEY)
-        if not isinstance(text, str) or not text.strip():
-            raise LeverError(f"{f.path}: {TEMPLATE_KEY} is not a non-empty string")
+        """The GGUF's template; ChatML when it has none (or an empty one), as llama-server does."""
+        text = f.get(TEMPLATE_KEY) if f.has(TEMPLATE_KEY) else ""
+        if not isinstance(text, str):
+            raise LeverError(f"{f.path}: {TEMPLATE_KEY} is not a string")
+        if not text.strip():
+            return cls(CHATML, f"{f.path}{FALLBACK}", bos_token, eos_token, fallback=True)
         return cls(text, str(f.path), bos_token, eos_token)
 
+    @property
+    def note(self) -> str | None:
+        """The line a command says at its start when chats use the fallback, else None."""
+        if not self.fallback:
+            return None
+        return (f"{self.source.removesuffix(FALLBACK)}: no chat template; chats use ChatML (llama-server's "
+                "fallback); give one with [model] chat_template")
+
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
-               max_chars: int = MAX_RENDER_CHARS, tools: list[dict] | None = None) -> str:
+               max_chars: int = MAX_RENDER_CHARS, tools: list[dict] | None = None,
+               variables: dict | None = None) -> str:
         """The prompt for `messages` (each a dict with a `role` and a string `content`; an
-        assistant's `tool_calls`, a tool's `tool_call_id`), with the functions `tools` offers
-        (OpenAI's shape, checked: lever.model.tool_calls.check_tools); a TemplateError when the
-        template fails in any way or writes more than `max_chars`."""
-        return self._render(check_messages(messages), add_generation_prompt, max_chars, tools)
+        assistant's `tool_calls` and `reasoning_content`, a tool's `tool_call_id`), with the
+        functions `tools` offers (OpenAI's shape, checked: lever.model.tool_calls.check_tools) and
+        the template's other `variables` (check_variables; enable_thinking, when not among them,
+        as the template's thinking mode is); a TemplateError when the template fails in any way
+        or writes more than `max_chars`."""
+        inputs = self._inputs(add_generation_prompt, tools, check_variables(variables))
+        return self._render(check_messages(messages), inputs, max_chars)
 
     def render_marked(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
                       specials: Sequence[str], max_chars: int = MAX_RENDER_CHARS,
-                      tools: list[dict] | None = None) -> Rendered:
+                      tools: list[dict] | None = None, variables: dict | None = None) -> Rendered:
         """The prompt, and where special-token text came from the messages' content (`foreign`:
         the offsets of those occurrences, to be tokenized as text). Found by rendering again
         with each such occurrence defused (its first character replaced) in every string the
         template may write: contents, a tool message's `tool_call_id`, a call's id, name and
-        arguments, the tools' definitions. What the template wrote itself is the same in both;
-        a template that changes length with those characters (an escaping `tojson`) cannot be
-        told apart, and the conversation is refused."""
+        arguments, the tools' definitions, the variables. What the template wrote itself is the
+        same in both; a template that changes length with those characters (an escaping
+        `tojson`) cannot be told apart, and the conversation is refused."""
         checked = check_messages(messages)
         if tools is not None and depth(tools) > MAX_NESTING + 4:  # [{function: {parameters: ...}}]
             raise TemplateError(f"tools: nest deeper than {MAX_NESTING} levels")
-        text = self._render(checked, add_generation_prompt, max_chars, tools)
+        inputs = self._inputs(add_generation_prompt, tools, check_variables(variables))
+        text = self._render(checked, inputs, max_chars)
         pattern = special_pattern(specials)
         if pattern is None:
             return Rendered(text, ())
-        defused_messages, defused_tools = _defused(checked, pattern), _defused(tools, pattern)
-        if defused_messages == checked and defused_tools == tools:
+        defused_messages, defused_inputs = _defused(checked, pattern), inputs.defused(pattern)
+        if defused_messages == checked and defused_inputs == inputs:
             return Rendered(text, ())
-        other = self._render(defused_messages, add_generation_prompt, max_chars, defused_tools)
+        other = self._render(defused_messages, defused_inputs, max_chars)
         refused = TemplateError(f"{self.source}: chat template: a message or tool holds special-token text the "
                                 "template rewrites; refused (it would be read as control tokens)")
         if len(other) != len(text):
@@ -103,14 +135,27 @@ class ChatTemplate:
                 raise refused
         return Rendered(text, tuple(foreign))
 
-    def _render(self, checked: list[dict], add_generation_prompt: bool, max_chars: int,
-                tools: list[dict] | None = None) -> str:
+    def thinks(self) -> bool:
+        """Whether the template has a thinking mode: its prompt for PROBE differs with
+        `enable_thinking` (llama-server's test, for --reasoning auto); a template that fails on
+        the probe has none."""
+        return "enable_thinking" in self.text and _thinks(self)
+
+    def _inputs(self, add_generation_prompt: bool, tools: list[dict] | None, variables: dict | None) -> Inputs:
+        """What the template reads beside the messages: `enable_thinking` as the template's
+        thinking mode is unless `variables` give it; the date once (both renders of
+        render_marked see the same)."""
+        variables = dict(variables or {})
+        if "enable_thinking" not in variables:
+            variables["enable_thinking"] = self.thinks()
+        return Inputs(bool(add_generation_prompt), tools or None, variables, datetime.datetime.now())
+
+    def _render(self, checked: list[dict], inputs: Inputs, max_chars: int) -> str:
         try:
             template = _compiled(self.text)
             parts, n = [], 0
-            extra = {"tools": tools} if tools else {}  # templates test `if tools`
-            for piece in template.generate(messages=checked, add_generation_prompt=add_generation_prompt,
-                                           bos_token=self.bos_token, eos_token=self.eos_token, **extra):
+            for piece in template.generate(messages=checked, bos_token=self.bos_token, eos_token=self.eos_token,
+                                           **inputs.context()):
                 n += len(piece)
                 if n > max_chars:
                     raise TemplateError(f"{self.source}: chat template: wrote more than {max_chars} characters")
@@ -128,6 +173,57 @@ class ChatTemplate:
             raise TemplateError(f"{self.source}: chat template: recursion too deep") from None
         except Exception as e:  # noqa: BLE001 -- a template is data: whatever it raises is its failure, one line
             raise TemplateError(f"{self.source}: chat template: {type(e).__name__}: {shown(str(e))}") from None
+
+
+@attrs.frozen
+class Inputs:
+    """What a template reads beside the conversation, as llama-server gives it."""
+
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None  # none: `tools` undefined (templates test `if tools`)
+    variables: dict = attrs.field(factory=dict)  # enable_thinking, a request's chat_template_kwargs
+    now: datetime.datetime = attrs.field(factory=datetime.datetime.now)
+
+    def context(self) -> dict:
+        """The template's variables: today's date as llama-server writes it (`date_string`, Llama
+        3's; `datetime`, firefunction's; `strftime_now`), then the variables given."""
+        now = self.now
+        out = {"add_generation_prompt": self.add_generation_prompt, "date_string": now.strftime("%d %b %Y"),
+               "datetime": now.strftime("%b %d %Y"), "strftime_now": lambda fmt: now.strftime(str(fmt))}
+        if self.tools:
+            out["tools"] = self.tools
+        return out | self.variables
+
+    def defused(self, pattern: re.Pattern) -> Inputs:
+        return attrs.evolve(self, tools=_defused(self.tools, pattern), variables=_defused(self.variables, pattern))
+
+
+@functools.lru_cache(maxsize=8)
+def _thinks(template: ChatTemplate) -> bool:
+    try:
+        on, off = (template._render(list(PROBE), Inputs(True, None, {"enable_thinking": b}), MAX_RENDER_CHARS)
+                   for b in (True, False))
+    except TemplateError:
+        return False
+    return on != off
+
+
+def check_variables(variables) -> dict:
+    """A request's `chat_template_kwargs` as template variables (llama-server's): an object of
+    JSON values, none nesting past MAX_NESTING, none of the names the renderer gives itself
+    (RESERVED); `enable_thinking` a boolean."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict):
+        raise LeverError(f"chat_template_kwargs: must be an object, got {type(variables).__name__}")
+    check_json(variables, "chat_template_kwargs", max_depth=MAX_NESTING)
+    for name in variables:
+        if name in RESERVED:
+            raise LeverError(f"chat_template_kwargs.{name}: the server sets it (give it as the request's field)")
+    if "enable_thinking" in variables and not isinstance(variables["enable_thinking"], bool):
+        raise LeverError("chat_template_kwargs.enable_thinking: must be a boolean, got "
+                         f"{type(variables['enable_thinking']).__name__}")
+    return dict(variables)
 
 
 @attrs.frozen
@@ -210,6 +306,11 @@ def check_messages(messages) -> list[dict]:
         checked = {"role": role, "content": content}
         if calls:
             checked["tool_calls"] = calls
+        reasoning = m.get("reasoning_content") if role == "assistant" else None
+        if reasoning is not None:  # an earlier turn's thinking, for templates that show it (llama-server's field)
+            if not isinstance(reasoning, str):
+                raise LeverError(f"messages[{i}].reasoning_content: must be a string, got {type(reasoning).__name__}")
+            checked["reasoning_content"] = reasoning
         if role == "tool" and m.get("tool_call_id") is not None:
             checked["tool_call_id"] = _id(m["tool_call_id"], f"messages[{i}].tool_call_id")
         out.append(checked)
@@ -260,9 +361,27 @@ def _compiled(text: str) -> jinja2.Template:
     return _environment().from_string(text)
 
 
+class _Environment(ImmutableSandboxedEnvironment):
+    """jinja2's sandbox, with llama-server's `+`: a string and an undefined or none value make
+    the string (templates written for llama-server add variables it leaves unset, as
+    firefunction-v2's `functions`)."""
+
+    intercepted_binops = frozenset({"+"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "+" and isinstance(left, str) and _unset(right):
+            return left
+        if operator == "+" and isinstance(right, str) and _unset(left):
+            return right
+        return super().call_binop(context, operator, left, right)
+
+
+def _unset(value) -> bool:
+    return value is None or isinstance(value, jinja2.Undefined)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env

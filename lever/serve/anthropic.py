@@ -181,7 +181,8 @@ def _messages(messages) -> list[dict]:
 def _turn(i: int, m) -> list[dict]:
     """One of Anthropic's turns as OpenAI's messages: its tool results each a tool message (first:
     they answer the calls of the turn before), its text blocks one message joined by lines (as
-    OpenAI's text parts are), its tool_use blocks that message's tool_calls."""
+    OpenAI's text parts are), its tool_use blocks that message's tool_calls, its thinking blocks
+    its reasoning_content (as llama-server's; a template may show an earlier turn's thinking)."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise _refuse(where, "must be an object {role, content}")
@@ -193,7 +194,7 @@ def _turn(i: int, m) -> list[dict]:
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise _refuse(f"{where}.content", "must be a string or a list of content blocks")
-    texts, calls, results = [], [], []
+    texts, calls, results, thoughts = [], [], [], []
     for j, block in enumerate(content):
         at, kind = f"{where}.content[{j}]", block.get("type") if isinstance(block, dict) else None
         if kind == "text":
@@ -202,12 +203,14 @@ def _turn(i: int, m) -> list[dict]:
             calls.append(_call(block, at))
         elif kind == "tool_result" and role == "user":
             results.append(_result(block, at))
+        elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+            thoughts.append(block["thinking"])  # the turn's reasoning_content, for templates that show it
         elif kind not in ("thinking", "redacted_thinking") or role != "assistant":
             raise _refuse(at, _unsupported(kind, role))
-        # an earlier turn's thinking is left out: Anthropic's API strips it from the context too
-    if texts or calls or not results:
+    if texts or calls or thoughts or not results:
         message = {"role": role, "content": "\n".join(texts)}
-        results.append(message | ({"tool_calls": calls} if calls else {}))
+        results.append(message | ({"tool_calls": calls} if calls else {})
+                       | ({"reasoning_content": "".join(thoughts)} if thoughts else {}))
     return results
 
 

@@ -117,7 +117,8 @@ GENERATIONS = {"/completion": COMPLETION, "/infill": INFILL}
 
 
 async def apply_template(server, request: Request) -> Response:
-    """/apply-template: the conversation as the chat template writes it, to the assistant's turn."""
+    """/apply-template: the conversation as the chat template writes it, to the assistant's turn
+    (as the request's add_generation_prompt and chat_template_kwargs say)."""
     with server.pool.hold(client_of(request)) as hold:  # read, parsed and rendered as a chat's, bounded alike
         try:
             rendered = await server.prep.rendered(request, hold)
@@ -125,7 +126,7 @@ async def apply_template(server, request: Request) -> Response:
             return JSONResponse(openai_error(e.message, e.kind, e.param), status_code=e.status)
         except LeverError as e:
             return JSONResponse(openai_error(public(str(e)), "invalid_request_error"), status_code=400)
-    return JSONResponse({"prompt": rendered.text})
+    return JSONResponse({"prompt": server.llm.renderer.shown(rendered)})  # the BOS its tokenizing adds left out
 
 
 async def slots(server, request: Request) -> Response:

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from lever.api import LLM, Call, Offer
 from lever.api.render import PromptTooLong
 from lever.errors import LeverError
-from lever.gguf.chat_template import Rendered, check_messages
+from lever.gguf.chat_template import Rendered, check_messages, check_variables
 from lever.gguf.fim import Extra, fim_ids
 from lever.serve import TIMEOUT_S
 from lever.serve.dialect import Dialect
@@ -70,7 +70,7 @@ class Preparer:
         rendered = None
         if messages is not None:
             hold.add(4 * self.max_prompt_bytes, "its chat template's text")
-            rendered = await anyio.to_thread.run_sync(self.render, messages, offer.tools, limiter=self._renders)
+            rendered = await anyio.to_thread.run_sync(self.render, messages, offer.tools, data, limiter=self._renders)
         text = data["prompt"] if messages is None else rendered.text
         hold.add(ENCODE_BYTES_PER_BYTE * len(text.encode("utf-8", "replace")), "tokenizing its prompt")
         grammar = args.get("grammar") is not None or args.get("json_schema") is not None or offer.grammar
@@ -125,18 +125,26 @@ class Preparer:
             raise BadRequest(f"messages: {len(data['messages'])} messages cannot fit a context of {n_ctx} tokens",
                              "messages")
         messages = check_messages(data["messages"])
+        data["chat_template_kwargs"] = check_variables(data.get("chat_template_kwargs"))
         self.check_bytes(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "replace")) for m in messages)
-                         + len(json.dumps(data.get("tools") or [], ensure_ascii=False).encode()), "messages")
-        # the functions the template shows, and the grammar a required call brings (as LLM.chat's)
-        offer = self.llm.offer(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
+                         + len(json.dumps(data.get("tools") or [], ensure_ascii=False).encode())
+                         + len(json.dumps(data["chat_template_kwargs"], ensure_ascii=False).encode()), "messages")
+        # the functions the template shows, and the grammar a required call brings (as LLM.chat's); an
+        # empty list offers none, as llama-server reads it
+        offer = self.llm.offer(data.get("tools") or None, data.get("tool_choice"), data.get("parallel_tool_calls"))
         return data, args, messages, offer
 
-    def render(self, messages: list[dict], tools: tuple[dict, ...] | None = None) -> Rendered:
+    def render(self, messages: list[dict], tools: tuple[dict, ...] | None = None, data: dict | None = None
+               ) -> Rendered:
         """The conversation through the template, in the LLM's renderer's child process, bounded
-        in time (the server's timeout) and output."""
+        in time (the server's timeout) and output; with the request's `add_generation_prompt`
+        and `chat_template_kwargs` (its `data`, parsed), as llama-server takes them."""
+        data = data or {}
         try:
             return self.llm.renderer.render(self.llm.chat_template, messages, list(tools) if tools else None,
-                                            timeout_s=self.timeout_s)
+                                            timeout_s=self.timeout_s,
+                                            add_generation_prompt=data.get("add_generation_prompt") is not False,
+                                            variables=data.get("chat_template_kwargs"))
         except PromptTooLong as e:
             raise BadRequest(str(e), e.field) from None
 
@@ -166,7 +174,7 @@ class Preparer:
         (/apply-template: llama-server's view of what a chat would prefill)."""
         data, _, messages, offer = await self._parsed(request, "chat", hold)
         hold.add(4 * self.max_prompt_bytes, "its chat template's text")
-        return await anyio.to_thread.run_sync(self.render, messages, offer.tools, limiter=self._renders)
+        return await anyio.to_thread.run_sync(self.render, messages, offer.tools, data, limiter=self._renders)
 
     def check_bytes(self, n_bytes: int, field: str) -> None:
         try:

@@ -56,7 +56,9 @@ FIELDS = {"completions": {**COMMON, "prompt": (str, list), "logprobs": (int, boo
                           "prompt_ids": (list,), "return_tokens": (bool,), "input_prefix": (str,),
                           "input_suffix": (str,), "input_extra": (list,)},
           "chat": {**COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "tools": (list,),
-                   "tool_choice": (str, dict), "parallel_tool_calls": (bool,)},
+                   "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
+                   # llama-server's: what the chat template is given (lever.gguf.chat_template)
+                   "add_generation_prompt": (bool,), "chat_template_kwargs": (dict,)},
           # llama.cpp's own endpoints, by its field names
           "tokenize": {"content": (str,), "add_special": (bool,), "with_pieces": (bool,)},
           "detokenize": {"tokens": (list,)}}

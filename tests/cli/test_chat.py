@@ -15,6 +15,7 @@ import sys
 import time
 
 import lever
+from lever.gguf.chat_template import CHATML
 from lever.pipelines import saved_session
 from lever.shipped import shipped
 from tests.conftest import ROOT
@@ -40,10 +41,15 @@ def test_two_turns_are_one_conversation(tmp_path):
     assert (tmp_path / "s.msgpack").is_file()
 
 
-def test_a_model_without_a_template_is_refused_before_the_first_turn():
-    p = subprocess.run([sys.executable, "-m", "lever", "chat", "--set", 'model.chat_template=""'], input="hi\n",
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert p.returncode == 1 and "no chat template" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+def test_a_model_without_a_template_chats_in_chatml_and_says_so_once():
+    p = subprocess.run([sys.executable, "-m", "lever", "chat", "-n", "8", "--set", 'model.chat_template=""'],
+                       input="import os\n/exit\n", capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    said = [ln for ln in p.stderr.splitlines() if "no chat template" in ln]
+    assert len(said) == 1 and said[0].startswith("lever chat: ") and "chats use ChatML" in said[0]
+    with lever.load(shipped("default.toml"), overrides=['model.chat_template=""']) as llm:  # llama-server's fallback
+        assert llm.chat_template.text == CHATML
+        assert p.stdout == llm.chat([{"role": "user", "content": "import os"}], max_tokens=8).text + "\n"
 
 
 def test_a_template_that_fails_on_one_turn_costs_that_turn_only(tmp_path):

@@ -159,3 +159,22 @@ def test_a_qwen_tool_call_through_its_own_template(qwen_target, qwen_draft):
         assert text_of(r2) == want.choices[0].message.content, (r2, want)
     finally:
         stop(proc, timeout_s=30)
+
+
+def test_an_earlier_turns_thinking_is_its_reasoning_content():
+    """llama-server's reading: thinking blocks joined as the assistant message's reasoning_content
+    (a template such as Qwen3's shows it), redacted ones left out."""
+    from lever.serve.anthropic import translate
+
+    turn = {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "first ", "signature": "s"}, {"type": "redacted_thinking", "data": "x"},
+        {"type": "thinking", "thinking": "then", "signature": "s"},
+        {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Oslo"}}]}
+    data = translate({"model": "m", "max_tokens": 8, "messages": [*MESSAGES, turn, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "c1", "content": "sunny"}]}]})
+    reply = data["messages"][1]
+    assert reply["role"] == "assistant" and reply["reasoning_content"] == "first then" and reply["content"] == ""
+    assert reply["tool_calls"][0]["function"]["name"] == "get_weather"
+    alone = translate({"model": "m", "max_tokens": 8, "messages": [*MESSAGES, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "hm", "signature": "s"}]}, {"role": "user", "content": "go on"}]})
+    assert alone["messages"][1] == {"role": "assistant", "content": "", "reasoning_content": "hm"}

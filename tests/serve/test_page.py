@@ -19,11 +19,11 @@ import httpx
 import pytest
 
 import lever
+from lever.gguf.chat_template import CHATML
 from lever.serve import PAGE_FILES
 from lever.serve.dialect import public
 from lever.serve.page import MAX_READERS
 from lever.shipped import shipped
-from tests.conftest import ROOT
 from tests.serve.browser import chrome, severe_logs
 from tests.serve.live import JSON, TEMPLATE, start_server, stderr_text, stop
 
@@ -52,14 +52,17 @@ def test_props_tells_the_page_whether_to_chat(server):
     assert props["chat_template"] == TEMPLATE and props["total_slots"] == 1
     assert props["default_generation_settings"]["n_ctx"] > 0
     proc, url = start_server("--set", 'model.chat_template=""', template=None)  # the GGUF's own: none
-    try:
-        assert httpx.get(url + "/props").json()["chat_template"] == ""  # the page sends completions
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}, timeout=60)
-        message = r.json()["error"]["message"]
-        assert r.status_code == 400 and "no chat template" in message
-        assert str(ROOT) not in message and "stdlib-target-q4_0" in message  # the model's name, not where it lives
+    try:  # llama-server's fallback: ChatML, so the page chats
+        assert httpx.get(url + "/props").json()["chat_template"] == CHATML
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                           "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        r = httpx.post(url + "/apply-template", json={"messages": [{"role": "user", "content": "x"}]}, timeout=60)
+        assert r.json() == {"prompt": "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"}
     finally:
         stop(proc)
+    said = [ln for ln in stderr_text(proc).splitlines() if "no chat template" in ln]
+    assert len(said) == 1 and "stdlib-target-q4_0.gguf: no chat template; chats use ChatML" in said[0]  # once, at start
 
 
 def test_a_message_to_a_client_names_a_file_never_where_it_sits():
