@@ -1,4 +1,4 @@
-"""`lever chat [-c CONFIG]`: a terminal conversation through the configured pipeline.
+"""`lever chat [-c CONFIG | -m TARGET.gguf [-md DRAFT.gguf]]`: a terminal conversation through a pipeline.
 
 Each line you type is a user turn; the reply streams as it is decoded, through the target's
 chat template, in a session whose KV caches keep the conversation (a turn prefills only its
@@ -23,20 +23,20 @@ from pathlib import Path
 import attrs
 
 from lever import signals
-from lever.cli.common import add_common, add_knobs, add_set, check_sets, input_text_file, knob_values
+from lever.cli.common import add_common, add_knobs, add_set, check_sets, knob_values
+from lever.cli.models import add_models, check_models, config_and_sets
 from lever.cli.terminal import Terminal
 from lever.config import KNOBS
 from lever.errors import LeverError
 from lever.model.stop import StopReason
 from lever.outputs import writable_destination
-from lever.shipped import shipped
 
 HELP = "/set NAME VALUE · /reset · /save FILE · /load FILE · /exit; Ctrl-C stops a reply, Ctrl-D leaves"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="a terminal chat through the configured pipeline, streamed")
-    c.add_argument("-c", "--config", type=Path, default=None, help="TOML config (default: the shipped pair)")
+    add_models(c)
     c.add_argument("--system", default=None, help="a system message to start the conversation with")
     add_knobs(c, "n_predict", "temperature", "seed", defaults={"n_predict": 256}, call=True)  # -n: per reply
     add_set(c)
@@ -46,8 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def check_args(args) -> None:
-    if args.config is not None:
-        input_text_file(args.config, "-c", "config file")
+    check_models(args)
     check_sets(args)
 
 
@@ -55,7 +54,8 @@ def main(args) -> int:
     check_args(args)
     from lever.api import load
 
-    with load(args.config or shipped("default.toml"), overrides=args.set) as llm:
+    config, model_sets = config_and_sets(args)
+    with load(config, overrides=[*model_sets, *args.set]) as llm:
         if (note := llm.chat_template.note) is not None:  # a template that cannot be read fails here, before a turn
             print(f"lever chat: {note}", file=sys.stderr, flush=True)  # the GGUF has none: llama-server's ChatML
         sampling = {KNOBS[key].arg: v for key, v in knob_values(args).items()}

@@ -216,3 +216,23 @@ def test_ctrl_c_drops_a_line_being_typed_and_at_an_empty_prompt_stops_the_chat(t
     finally:
         t.kill()
     assert b"[cut at" not in t.seen  # the dropped line was never a turn
+
+
+def test_chat_points_at_a_model_with_no_config():
+    """`lever chat -m TARGET -md DRAFT` as run's and serve's: no config, the model's own (here
+    ChatML's fallback) template, the same replies as the API loaded the same way; without -md the
+    free sources draft, said in one line; a draft without its target is one line naming -md."""
+    from lever.pipelines.pairing import pair
+
+    target, draft = (ROOT / "examples" / "models" / n for n in ("stdlib-target-q4_0.gguf", "stdlib-draft-q8_0.gguf"))
+    for flags, note in [(["-md", str(draft)], None), ([], "no draft model given (-md)")]:
+        p = subprocess.run([sys.executable, "-m", "lever", "chat", "-n", "8", "-m", str(target), *flags],
+                           input="import os\n/exit\n", capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert p.returncode == 0, p.stderr
+        assert (note in p.stderr) if note else "drafting from" not in p.stderr
+        with lever.load(shipped("model.toml"), overrides=list(pair(str(target), str(draft) if flags else None).sets)
+                        ) as llm:
+            assert p.stdout == llm.chat([{"role": "user", "content": "import os"}], max_tokens=8).text + "\n"
+    p = subprocess.run([sys.executable, "-m", "lever", "chat", "-md", str(draft)], input="", capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1 and "-md" in p.stderr
