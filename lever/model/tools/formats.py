@@ -37,13 +37,13 @@ Names = Collection[str] | None
 # reply's text (generic's response), or None: not a call
 Read = Callable[..., "list[ToolCall] | str | None"]
 
-OBJECT = Pattern(WS, JSON, "{", WS, '"name"', WS, ":", WS, '"', NAME, '"')
-LIST = Pattern(WS, JSON, "[", WS, "{", WS, '"name"', WS, ":", WS, '"', NAME, '"')
-MISTRAL_HEADS = (Pattern(NAME, "[ARGS]", WS, JSON, "{"), Pattern(NAME, "[CALL_ID]", ID, "[ARGS]", WS, JSON, "{"))
-GENERIC_HEADS = (Pattern(JSON, "{", WS, '"tool_calls"', WS, ":", WS, "[", WS, "{", WS, '"name"', WS, ":", WS, '"',
-                         NAME, '"'),
-                 Pattern(JSON, "{", WS, '"tool_call"', WS, ":", WS, "{", WS, '"name"', WS, ":", WS, '"', NAME, '"'),
-                 Pattern(JSON, "{", WS, '"response"', WS, ":", WS, '"'))
+OBJECT = Pattern([WS, JSON, "{", WS, '"name"', WS, ":", WS, '"', NAME, '"'])
+LIST = Pattern([WS, JSON, "[", WS, "{", WS, '"name"', WS, ":", WS, '"', NAME, '"'])
+MISTRAL_HEADS = (Pattern([NAME, "[ARGS]", WS, JSON, "{"]), Pattern([NAME, "[CALL_ID]", ID, "[ARGS]", WS, JSON, "{"]))
+GENERIC_HEADS = (Pattern([JSON, "{", WS, '"tool_calls"', WS, ":", WS, "[", WS, "{", WS, '"name"', WS, ":", WS, '"',
+                         NAME, '"']),
+                 Pattern([JSON, "{", WS, '"tool_call"', WS, ":", WS, "{", WS, '"name"', WS, ":", WS, '"', NAME, '"']),
+                 Pattern([JSON, "{", WS, '"response"', WS, ":", WS, '"']))
 
 
 def read_object(fmt: ToolFormat, value, m, names: Names, taken: Collection[str]) -> list[ToolCall] | None:
@@ -139,7 +139,7 @@ HERMES = ToolFormat(  # a list of call objects in one block too (Apriel's templa
     "hermes", read_any, grammar.tagged("<tool_call>", "</tool_call>"),
     lambda calls: "\n".join(f"<tool_call>\n{_dumps(_obj(c))}\n</tool_call>" for c in calls),
     needs=("<tool_call>",), unless=("<function=", "<arg_key>", "<invoke"),
-    opener="<tool_call>", heads=(OBJECT, LIST), trailer=Pattern(WS, "</tool_call>"))
+    opener="<tool_call>", heads=(OBJECT, LIST), trailer=Pattern([WS, "</tool_call>"]))
 LLAMA3 = ToolFormat(
     "llama3", read_object, grammar.bare("parameters"),
     lambda calls: "\n".join(_dumps(_obj(c, "parameters")) for c in calls),
@@ -165,7 +165,7 @@ FIREFUNCTION = ToolFormat(
 FENCED = ToolFormat(
     "json", read_any, grammar.fenced,
     lambda calls: "\n".join(f"```json\n{_dumps(_obj(c))}\n```" for c in calls),
-    any_of=("tools",), opener="```json", heads=(OBJECT, LIST), trailer=Pattern(WS, "```"), bare=True, chain=True)
+    any_of=("tools",), opener="```json", heads=(OBJECT, LIST), trailer=Pattern([WS, "```"]), bare=True, chain=True)
 GENERIC = ToolFormat(
     "generic", read_generic, grammar.wrapped,
     lambda calls: _dumps({"tool_calls": [_obj(c, ids=True) for c in calls]}),

@@ -12,6 +12,7 @@ is read as the reply read at once.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import attrs
 
@@ -35,7 +36,7 @@ class Pattern:
     """A sequence of literal text and regex pieces, and its prefixes: `match` says whether text
     at a place holds it whole, is still a beginning of it, or neither."""
 
-    def __init__(self, *atoms: str | Re):
+    def __init__(self, atoms: Sequence[str | Re]):
         parts = []
         for a in atoms:
             literal = isinstance(a, str)
