@@ -25,7 +25,7 @@ import attrs
 
 from lever.backends.flash import FlashConfig
 from lever.errors import LeverError, read_text
-from lever.model.sampling import LIMITS, Range, SamplingParams
+from lever.model.sampling import LIMITS, LogitBias, Range, SamplingParams
 from lever.policy.memory import MemoryConfig
 from lever.policy.placement import PlacementConfig, QnnConfig
 from lever.policy.predictor import PredictorConfig
@@ -140,16 +140,27 @@ class GenerateConfig:
     top_p: float = _knob(1.0, "nucleus: the likeliest tokens up to this mass (1: off)")
     min_p: float = _knob(0.0, "drop tokens under min_p x the likeliest's probability (0: off)")
     repeat_penalty: float = _knob(1.0, "llama.cpp's repeat penalty: the last repeat_last_n tokens pushed down (1: off)")
-    repeat_last_n: int = _knob(64, "tokens the repeat penalty looks back on")
+    repeat_last_n: int = _knob(64, "tokens the penalties look back on")
+    presence_penalty: float = _knob(0.0, "taken from the logit of each token among the last repeat_last_n (0: off)")
+    frequency_penalty: float = _knob(0.0, "taken from a token's logit per time it is among the last repeat_last_n "
+                                          "(0: off)")
     seed: int = _knob(-1, "sampling seed (-1: a fresh one each run)")
+    # token id -> bias added to its logit, before the penalties: [[id, bias], ...] or {"id" = bias}; -inf or
+    # false: never (a call may also name a token by its text: lever.api.call)
+    logit_bias: LogitBias = attrs.field(factory=LogitBias, converter=LogitBias.of)
+    ignore_eos: bool = False  # the end tokens never chosen (a -inf bias): the text runs to n_predict
     prompt: str = ""  # the prompt when none is given on the command line
 
     def __attrs_post_init__(self):
         _check_limits("generate", self, GENERATE_LIMITS)
 
-    def params(self) -> SamplingParams:
-        """The sampling knobs, as lever.model.sampling takes them."""
-        return SamplingParams(**{f.name: getattr(self, f.name) for f in attrs.fields(SamplingParams)})
+    def params(self, eos_ids: frozenset[int] = frozenset()) -> SamplingParams:
+        """The sampling knobs, as lever.model.sampling takes them; with `ignore_eos`, `eos_ids`
+        (the model's end tokens) banned by the logit bias, as llama-server bans them."""
+        params = SamplingParams(**{f.name: getattr(self, f.name) for f in attrs.fields(SamplingParams)})
+        if self.ignore_eos and eos_ids:
+            return attrs.evolve(params, logit_bias=params.logit_bias.banning(eos_ids))
+        return params
 
 
 @attrs.frozen

@@ -5,7 +5,9 @@ accepted: logits at the last given node, the target's token, down into the child
 token, and again, until a node has no such child; the token chosen there is the bonus token.
 The rows go in batches along the tree's likeliest chain, so the projection's weights are read
 once per batch rather than once per accepted token.
-Greedy output is therefore the target's own greedy output, whatever the tree held. It decides
+Greedy output is therefore the target's own greedy output, whatever the tree held: at each node
+the logit bias and the penalties (lever.model.sampling.penalize) see that node's own text, the
+committed text then the path down to it, as autoregressive decoding would. It decides
 which tree rows the KV caches keep and sends that back to TreeExpand, and emits the tokens.
 Logits holding a NaN or an Inf end the run with one line naming the target's file and the
 position (one max over each batch of rows, which the projection has just computed).
@@ -25,6 +27,7 @@ import numpy as np
 from lever.dataflow.graph import Stage
 from lever.dataflow.messages import Accepted, Proposals, TokenLogprob, TokenTree, Verified, children_of, likely_path
 from lever.dataflow.trace import Tracer
+from lever.errors import LeverError
 from lever.model.finite import NonFiniteError, finite, first_bad_row
 from lever.model.grammar import Constraint
 from lever.model.sampling import SamplingParams, distribution, rejection_sample, sample
@@ -64,7 +67,7 @@ def constrained(logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
 def choose(logits: np.ndarray, drafted: Proposals | None, params: SamplingParams, rng: np.random.Generator,
            history: Sequence[int] = ()) -> int:
     """The target's token at one node, given the draft's tokens there (None: not expanded) and
-    the text before it (`history`, for the repeat penalty: the same as autoregressive decoding's)."""
+    the text before it (`history`, for the penalties: the same as autoregressive decoding's)."""
     if params.greedy or drafted is None or not len(drafted.tokens):
         return sample(logits, params, rng, history)  # with nothing drafted, exactly an autoregressive draw
     return rejection_sample(distribution(logits, params, history), drafted.tokens, drafted.q, rng)[0]
@@ -127,8 +130,10 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
         for j, at in enumerate(path):
             # the text before this node: what came before the tree, then the walk's own tokens
             before = [*history, *out] if params.penalizes else ()
-            row = logits[j] if allowed is None else constrained(logits[j], allowed(out))
-            tok = choose(row, tree.drafts.get(at), params, rng, before)
+            mask = None if allowed is None else allowed(out)
+            tok = choose(constrained(logits[j], mask), tree.drafts.get(at), params, rng, before)
+            if mask is not None and not mask[tok]:  # only a -inf bias sinks an allowed token below a forbidden one
+                raise LeverError("logit_bias: bans every token the grammar allows here")
             if on_choice is not None:
                 on_choice(logits[j], tok)
             out.append(tok)
@@ -158,7 +163,7 @@ class Accept(Stage):
     n_emitted: int = 0
     n_ctx_used: int = 0
     lm_head_rows: int = 0
-    history: list[int] = attrs.field(factory=list)  # the text so far (its tail), for the repeat penalty
+    history: list[int] = attrs.field(factory=list)  # the text so far (its tail), for the penalties
     generated: list[int] = attrs.field(factory=list)  # the tokens emitted so far, when a grammar constrains them
 
     def __attrs_post_init__(self):

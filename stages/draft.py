@@ -163,6 +163,8 @@ class Drafter:
             empty = np.zeros((0, req.top_k))
             return Expansion(req.cycle, expand.astype(np.int32), empty.astype(np.int64), empty.astype(np.float32))
         logits = self.model.logits(hidden[expand])
+        if greedy and self.sampling is not None and self.sampling.logit_bias:  # sampled: `draw`'s distribution adds it
+            logits = self.sampling.logit_bias.apply(logits)
         dead = self._constrain(logits, first + expand, depth) if self.constraint is not None else None
         try:
             if greedy:

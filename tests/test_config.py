@@ -8,6 +8,7 @@ import pytest
 
 from lever.config import load_config
 from lever.errors import LeverError
+from lever.model.sampling import LogitBias
 from tests.conftest import ROOT
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
@@ -84,7 +85,8 @@ def test_examples_load_and_every_line_says_why(path):
 # Values that are wrong for most keys of their type: each key must refuse them with one line
 # naming it, or run with them to the end; never another exception, never a hang.
 ABSURD = {int: [-1, 0, 10**12], float: [-1.0, 0.0, 1e12, "nan", "inf"], str: ['""', '"nonsense"'],
-          tuple: ["3", "[]", '["a"]', "[0]"]}
+          tuple: ["3", "[]", '["a"]', "[0]"],
+          LogitBias: ["3", "[[999999, 1.0]]", "[[0, inf]]", '[["a", 1]]', "{ 0 = nan }", "[[1, 2, 3]]", "{ 0 = -inf }"]}
 SWEEP_TIMEOUT_S = 30
 
 
@@ -142,9 +144,10 @@ def test_every_generation_knob_reaches_every_surface_from_one_list():
     from lever.model.sampling import SamplingParams
     from lever.serve import request as serve
 
-    fields = [f.name for f in attrs.fields(GenerateConfig) if f.name != "prompt"]
+    # every field is a knob but the prompt and the logit bias (a table, not a number: a call's and [generate]'s)
+    fields = [f.name for f in attrs.fields(GenerateConfig) if f.name not in ("prompt", "logit_bias", "ignore_eos")]
     assert list(KNOBS) == fields
-    assert {f.name for f in attrs.fields(SamplingParams)} <= set(fields)
+    assert {f.name for f in attrs.fields(SamplingParams)} <= {*fields, "logit_bias"}
     defaults = load_config(None).generate
     for key in fields:
         k = KNOBS[key]

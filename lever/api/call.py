@@ -10,6 +10,7 @@ conversation's run, the server's worker threads. What a call gives back is a `Co
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 
@@ -18,7 +19,10 @@ import attrs
 from lever.config import KNOBS, GenerateConfig
 from lever.dataflow.messages import TokenLogprob
 from lever.errors import LeverError
+from lever.gguf.chat_template import Rendered
+from lever.gguf.tokenizer import Tokenizer
 from lever.model.grammar import Grammar, Source
+from lever.model.sampling import LogitBias
 from lever.model.stop import StopReason
 from lever.model.tool_calls import ToolCall
 from lever.pipelines.compose import KVState, Request
@@ -29,8 +33,11 @@ from lever.pipelines.watch import RunWatch
 MAX_STOP_STRINGS = 16  # as OpenAI's API bounds them (it allows 4); each is matched on every pass
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs bounds them
+MAX_BIAS_TEXT_CHARS = 1024  # a logit_bias entry's text: a word or a phrase, tokenized with the call
+INTEGER = re.compile(r"\s*[+-]?[0-9]+")
 # a call's keywords beside the functions offered (tools, tool_choice, parallel_tool_calls)
-CALL_ARGS = (*(k.arg for k in KNOBS.values()), "stop", "logprobs", "grammar", "json_schema", "cancel")
+CALL_ARGS = (*(k.arg for k in KNOBS.values()), "logit_bias", "ignore_eos", "stop", "logprobs", "grammar",
+             "json_schema", "cancel")
 
 
 class Cancelled(LeverError):
@@ -110,11 +117,12 @@ class Chunk:
     tokens: tuple[int, ...] = ()  # the ids of this chunk's tokens (n_tokens of them)
 
 
-def prepare_generate(args: dict, defaults: GenerateConfig, *, n_prompt: int, n_ctx: int, n_ctx_source: str
-                     ) -> tuple[GenerateConfig, tuple[str, ...], int | None]:
+def prepare_generate(args: dict, defaults: GenerateConfig, *, n_prompt: int, n_ctx: int, n_ctx_source: str,
+                     tok: Tokenizer | None = None) -> tuple[GenerateConfig, tuple[str, ...], int | None]:
     """A call's knobs as this call's [generate] (each within its call bound: [generate]'s, and
-    max_tokens at least 1), its stop strings and logprobs; the prompt and max_tokens within the
-    context. One line naming the argument at fault."""
+    max_tokens at least 1), its logit bias over `tok`'s vocabulary (`logit_bias`, `ignore_eos`),
+    its stop strings and logprobs; the prompt and max_tokens within the context. One line naming
+    the argument at fault."""
     unknown = [k for k in args if k not in CALL_ARGS]
     if unknown:
         raise LeverError(f"unknown argument {unknown[0]!r} (known: {', '.join(CALL_ARGS)}, tools, tool_choice, "
@@ -128,7 +136,15 @@ def prepare_generate(args: dict, defaults: GenerateConfig, *, n_prompt: int, n_c
         if problem is not None:
             raise LeverError(f"{k.arg}: {problem}")
         changes[k.key] = int(v) if k.call.integer else float(v)
+    if args.get("logit_bias") is not None:
+        changes["logit_bias"] = logit_bias(args["logit_bias"], tok)
+    if args.get("ignore_eos") is not None:
+        if not isinstance(args["ignore_eos"], bool):
+            raise LeverError(f"ignore_eos: must be true or false, got {args['ignore_eos']!r:.40}")
+        changes["ignore_eos"] = args["ignore_eos"]
     gen = attrs.evolve(defaults, **changes)
+    if tok is not None:  # the ids in the vocabulary, a token left to choose
+        gen.params(frozenset(tok.eos_ids)).logit_bias.check(tok.vocab_size)
     logprobs = args.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                  or not 0 <= logprobs <= MAX_LOGPROBS):
@@ -139,6 +155,36 @@ def prepare_generate(args: dict, defaults: GenerateConfig, *, n_prompt: int, n_c
     # max_tokens past the context's room is llama-server's "until the context is full": the
     # generation stops there (StopReason.CONTEXT), honestly, as its own does without a shift
     return gen, stop_strings(args.get("stop")), logprobs
+
+
+def logit_bias(value, tok: Tokenizer | None) -> LogitBias:
+    """A call's logit_bias as llama-server reads it: [[token, bias], ...] or OpenAI's {token: bias},
+    a token given by its id or by a text standing for each of the text's tokens (tokenized as
+    llama-server does: no BOS, special-token text as text; an object's key of digits is an id);
+    a bias a number, or false or -inf: never (lever.model.sampling.LogitBias)."""
+    if isinstance(value, LogitBias):
+        return value
+    if isinstance(value, dict):  # a key that is a number, as llama-server's strtol reads it, is an id
+        entries = [(int(k) if isinstance(k, str) and INTEGER.fullmatch(k) else k, b) for k, b in value.items()]
+    elif isinstance(value, (list, tuple)):
+        entries = list(value)
+    else:
+        return LogitBias(value)  # its one line: what the field may be
+    pairs = []
+    for e in entries:
+        if isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], str):
+            pairs += [(i, e[1]) for i in _text_ids(e[0], tok)]
+        else:
+            pairs.append(e)
+    return LogitBias(pairs)
+
+
+def _text_ids(text: str, tok: Tokenizer | None) -> list[int]:
+    if len(text) > MAX_BIAS_TEXT_CHARS:
+        raise LeverError(f"logit_bias: a text is {MAX_BIAS_TEXT_CHARS} characters at most, got {len(text)}")
+    if tok is None:
+        raise LeverError(f"logit_bias: {text!r:.40} is a text, and no tokenizer reads it here: give token ids")
+    return tok.encode_chat(Rendered(text, tuple(range(len(text)))))  # each special-token text: the user's text
 
 
 def stop_strings(stop) -> tuple[str, ...]:

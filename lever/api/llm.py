@@ -193,7 +193,7 @@ class LLM:
         else:
             raise LeverError(f"prompt: must be a string, got {type(prompt).__name__}")
         gen, stops, logprobs = prepare_generate(args, self.config.generate, n_prompt=len(ids), n_ctx=self.n_ctx,
-                                                n_ctx_source=self.n_ctx_source)
+                                                n_ctx_source=self.n_ctx_source, tok=self.tokenizer)
         grammar = self.grammars.get(args.get("grammar"), args.get("json_schema"))
         return Call(ids=ids, generate=gen, stop=stops, logprobs=logprobs, grammar=grammar, tools=offer.tools,
                     cancel=args.get("cancel") or threading.Event())

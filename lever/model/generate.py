@@ -62,6 +62,7 @@ def generate(model: Model, prompt_tokens: list[int], n_predict: int, params: Sam
         raise LeverError("empty prompt: give at least one token (or let the tokenizer add BOS)")
     if len(prompt_tokens) > n_ctx:
         raise LeverError(f"prompt is {len(prompt_tokens)} tokens, over the context of {n_ctx}")
+    params.logit_bias.check(model.spec.n_vocab)
     cache = model.new_cache(n_ctx)
     rng = params.rng()
 
@@ -74,6 +75,7 @@ def generate(model: Model, prompt_tokens: list[int], n_predict: int, params: Sam
     out: list[int] = []
     stop = StopReason.LENGTH
     while len(out) < n_predict:
+        # the logit bias and the penalties over the text so far, as Accept applies them at every node
         tok = sample(logits, params, rng, (*prompt_tokens, *out) if params.penalizes else ())
         out.append(tok)
         if on_token:

@@ -1,7 +1,10 @@
 """Turning a row of logits into the next token: greedy, or temperature / top-k / top-p sampling.
 
 Generation and the Accept stage share these functions, so the distribution that speculative
-sampling preserves is exactly the one autoregressive sampling draws from. Logits holding a NaN
+sampling preserves is exactly the one autoregressive sampling draws from. Before any cut, the
+logits are shaped as llama.cpp's sampler chain shapes them: the logit bias first, then the
+penalties on the tokens of the text before the position (repeat, frequency, presence), so a
+node of a tree and the same position decoded one token at a time see the same row. Logits holding a NaN
 or an Inf end the run (lever.model.finite.NonFiniteError, which the caller completes with the
 model and the position); a temperature so small that the logits over it overflow float64 draws
 from the limit, the likeliest tokens.
@@ -58,6 +61,8 @@ LIMITS = {
     "min_p": Range(0.0, 1.0),
     "repeat_penalty": Range(1e-3, 1e3),
     "repeat_last_n": Range(0, 2**20, integer=True),
+    "presence_penalty": Range(-1e3, 1e3),
+    "frequency_penalty": Range(-1e3, 1e3),
     "seed": Range(SEED_FRESH, 2**63 - 1, integer=True),
 }
 
@@ -74,6 +79,96 @@ def _fresh_seed(seed):
     return None if seed == SEED_FRESH else seed  # -1 is the config's "fresh seed", as None is here
 
 
+# A bias past a million moves a logit further than any model's range (a few dozen) and keeps float32
+# logits far from overflow; -inf (JSON's false) bans the token. The tokens biased are bounded as a
+# request's stop strings are: enough for any list of words, few enough to add to every row at once.
+BIAS = Range(-1e6, 1e6)
+NEVER = -math.inf
+MAX_LOGIT_BIAS = 4096
+PAIR_BYTES = 160  # a pair held in Python (its tuple, int and float, its place in the tuple) and merged, at most
+MAX_TOKEN_ID = 2**31 - 1  # llama.cpp's token ids are int32
+
+
+def _token_id(key) -> int:
+    if isinstance(key, str) and key.isascii() and key.isdigit():  # JSON's object keys are strings
+        key = int(key)
+    if isinstance(key, bool) or not isinstance(key, numbers.Integral) or not 0 <= key <= MAX_TOKEN_ID:
+        raise LeverError(f"logit_bias: a token id must be an integer in [0, {MAX_TOKEN_ID}], got {key!r:.40}")
+    return int(key)
+
+
+def _bias(value) -> float:
+    if value is False or (isinstance(value, numbers.Real) and value == NEVER):
+        return NEVER
+    problem = BIAS.problem(value)
+    if problem is not None:
+        raise LeverError(f"logit_bias: a bias {problem} (or false / -inf: never)")
+    return float(value)
+
+
+def _pairs(value) -> tuple[tuple[int, float], ...]:
+    """(id, bias) pairs from [[id, bias], ...] or {id: bias} (an id may be a string of digits, as
+    JSON's object keys are); a bias is a number in BIAS, or false or -inf: never."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+        bad = next((e for e in items if not isinstance(e, (list, tuple)) or len(e) != 2), None)
+        if bad is not None:
+            raise LeverError(f"logit_bias: each entry is a [token id, bias] pair, got {bad!r:.40}")
+    else:
+        raise LeverError(f"logit_bias: must be a list of [token id, bias] pairs or an object {{token id: bias}}, "
+                         f"got {type(value).__name__}")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise LeverError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(items)}")
+    return tuple((_token_id(k), _bias(b)) for k, b in items)
+
+
+@attrs.frozen
+class LogitBias:
+    """Token id -> a bias added to its logit before anything else (llama.cpp's logit_bias; -inf:
+    never chosen). The pairs as given: a token given twice gets both, one after the other, as
+    llama.cpp adds them."""
+
+    pairs: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_pairs)
+    ids: np.ndarray = attrs.field(init=False, eq=False, repr=False)  # the pairs' ids, int64
+    values: np.ndarray = attrs.field(init=False, eq=False, repr=False)  # and their biases, float64
+
+    def __attrs_post_init__(self):
+        object.__setattr__(self, "ids", np.fromiter((i for i, _ in self.pairs), np.int64, len(self.pairs)))
+        object.__setattr__(self, "values", np.fromiter((b for _, b in self.pairs), np.float64, len(self.pairs)))
+
+    @classmethod
+    def of(cls, value) -> LogitBias:
+        return value if isinstance(value, LogitBias) else cls(value)
+
+    def __bool__(self) -> bool:
+        return bool(self.pairs)
+
+    @property
+    def nbytes(self) -> int:
+        """What it holds, at most (a server counts a call's memory by it)."""
+        return PAIR_BYTES * len(self.pairs)
+
+    def banning(self, ids) -> LogitBias:
+        """These pairs, then each of `ids` never (llama-server's ignore_eos: the end tokens)."""
+        return LogitBias((*self.pairs, *((int(i), NEVER) for i in sorted(ids))))
+
+    def check(self, n_vocab: int) -> None:
+        """One line when a token is past the vocabulary, or when no token is left to choose."""
+        if self.ids.size and int(self.ids.max()) >= n_vocab:
+            raise LeverError(f"logit_bias: token id {int(self.ids.max())} is not in the vocabulary of {n_vocab}")
+        if np.unique(self.ids[self.values == NEVER]).size >= n_vocab:
+            raise LeverError(f"logit_bias: bans every token of the vocabulary of {n_vocab}")
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        """`logits` (..., n_vocab) with the biases added in turn, in the logits' precision (float32:
+        llama.cpp's sums): a copy."""
+        out = np.array(logits, copy=True)
+        np.add.at(out, (..., self.ids), self.values.astype(out.dtype))
+        return out
+
+
 @attrs.frozen
 class SamplingParams:
     """temperature 0 means greedy (argmax; ties go to the lowest id). Every field is checked
@@ -85,17 +180,22 @@ class SamplingParams:
     seed: int | None = attrs.field(default=None, converter=_fresh_seed)  # None (or -1): a fresh seed
     min_p: float = 0.0  # 0: no cut; else tokens below min_p x the likeliest token's probability are dropped
     repeat_penalty: float = 1.0  # 1: off; else the last `repeat_last_n` tokens' logits are pushed down (llama.cpp's)
-    repeat_last_n: int = 64  # how many of the latest tokens the penalty looks at
+    repeat_last_n: int = 64  # how many of the latest tokens the penalties look at
+    presence_penalty: float = 0.0  # 0: off; else taken once from the logit of each of those tokens (OpenAI's)
+    frequency_penalty: float = 0.0  # 0: off; else taken from it once per time the token is among them
+    logit_bias: LogitBias = attrs.field(factory=LogitBias, converter=LogitBias.of)  # before the penalties
 
     def __attrs_post_init__(self):
-        for f in attrs.fields(type(self)):
-            value = getattr(self, f.name)
-            if value is not None or f.name != "seed":
-                check_limit(f.name, value, f.name.replace("_", "-"))
+        for name in LIMITS:
+            value = getattr(self, name)
+            if value is not None or name != "seed":
+                check_limit(name, value, name.replace("_", "-"))
 
     @property
     def penalizes(self) -> bool:
-        return self.repeat_penalty != 1.0 and self.repeat_last_n > 0
+        """The text before a position changes its logits: a penalty is on."""
+        return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                           or self.frequency_penalty != 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -106,15 +206,21 @@ class SamplingParams:
 
 
 def penalize(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
-    """The logits with the repeat penalty applied, as llama.cpp does: each distinct token of the
-    last `repeat_last_n` of `history` (the text before this position) has a positive logit
-    divided by the penalty, a negative one multiplied. A copy; `logits` itself is untouched."""
-    if not params.penalizes or not len(history):
+    """The logits shaped as llama.cpp's sampler chain shapes them before its cuts: the logit bias
+    added, then the penalties on each distinct token among the last `repeat_last_n` of `history`
+    (the text before this position), c times there: a positive logit divided by the repeat
+    penalty, a negative one multiplied, then c x frequency_penalty + presence_penalty taken off.
+    A copy when anything is done; `logits` itself is untouched."""
+    shaped = params.penalizes and len(history) > 0
+    if not shaped and not params.logit_bias:
         return logits
-    seen = np.unique(np.asarray(history[-params.repeat_last_n :], np.int64))
-    out = logits.copy()
-    x = out[seen]
-    out[seen] = np.where(x > 0, x / params.repeat_penalty, x * params.repeat_penalty)
+    out = params.logit_bias.apply(logits) if params.logit_bias else logits.copy()
+    if shaped:  # in the logits' precision, as llama.cpp computes in float
+        seen, counts = np.unique(np.asarray(history[-params.repeat_last_n :], np.int64), return_counts=True)
+        f = out.dtype.type
+        x = out[seen]
+        x = np.where(x > 0, x / f(params.repeat_penalty), x * f(params.repeat_penalty))
+        out[seen] = x - (counts.astype(out.dtype) * f(params.frequency_penalty) + f(params.presence_penalty))
     return out
 
 
@@ -157,7 +263,8 @@ def _overflowed(x: np.ndarray, hi: float, params: SamplingParams) -> np.ndarray:
         return top / top.sum()
     with np.errstate(over="ignore"):  # the overflow gives -Inf, the right logit: no warning to print
         z = x.astype(np.float64) / params.temperature
-    return distribution(z, attrs.evolve(params, temperature=1.0, repeat_penalty=1.0))
+    return distribution(z, attrs.evolve(params, temperature=1.0, repeat_penalty=1.0, presence_penalty=0.0,
+                                        frequency_penalty=0.0, logit_bias=LogitBias()))  # shaped already
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: Sequence[int] = ()) -> int:

@@ -26,8 +26,9 @@ from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import read_spec
+from lever.gguf.vocab_map import VocabMap
 from lever.model.grammar import Constraint, Grammar
-from lever.model.sampling import SamplingParams
+from lever.model.sampling import BIAS, LogitBias, SamplingParams
 from lever.model.transformer import Model
 from lever.pipelines.plan import RunPlan
 from lever.pipelines.target import FlashTarget
@@ -95,7 +96,7 @@ class Request:
     generate: GenerateConfig | None = None  # n_predict and the sampling knobs; None: the plan's [generate]
     text: TextStream | None = None  # the text's one door (stop strings, a cancelled request); None: Engine.run's
     kv: KVState | None = None  # a session's caches, holding the text before `ids`; None: fresh ones
-    history: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # the text `kv` holds, for the repeat penalty
+    history: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # the text `kv` holds, for the penalties
     on_tokens: Callable[[tuple[int, ...]], None] | None = None  # each pass's emitted tokens
     logprobs: int | None = None  # each token's logprob and this many alternatives' (lever.stages.accept)
     grammar: Grammar | None = None  # a grammar the generated text must follow (lever.model.grammar)
@@ -110,7 +111,8 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
     (`kv.n_rows` tokens) and only they are prefilled."""
     spec, tree, kv, tracer = target.model.spec, plan.tree, request.kv, request.tracer
     gen = request.generate or plan.generate
-    params = gen.params()
+    params = gen.params(plan.eos_ids)  # ignore_eos: the end tokens banned by the logit bias
+    params.logit_bias.check(spec.n_vocab)
     n_past = kv.n_rows if kv is not None else 0
     if tree.adapt and not params.greedy and params.seed is not None:
         # the trees would follow the machine's timing, and the draws with them: a seed must
@@ -179,9 +181,25 @@ def _drafter(draft: Model | None, plan: RunPlan, *, spec, cache: KVCache | None,
                          f"{spec.n_vocab} tokens")
     if cache is None:
         cache = draft.new_cache(plan.n_ctx + plan.tree.draft_rows)
-    return Drafter(draft, cache, n_past, sampling=params,
+    return Drafter(draft, cache, n_past, sampling=drafting(params, vocab),
                    rng=np.random.default_rng(None if params.seed is None else [params.seed, 1]),
                    batch_layer_fn=plan.placement.draft_batch_fn, vocab=vocab)
+
+
+def drafting(params: SamplingParams, vocab: VocabMap | None) -> SamplingParams:
+    """What the draft ranks and draws its children by: the run's knobs and logit bias, so that it
+    proposes what the target will choose (speed only: Accept is exact whatever the draft does).
+    The bias over the draft's ids (a token with no counterpart there dropped), a ban as the lowest
+    bias (-inf would leave a row with no number to rank); no penalty, the draft is given no text."""
+    bias = params.logit_bias
+    if not bias:
+        return params
+    ids, values = bias.ids, np.maximum(bias.values, BIAS.lo)
+    if vocab is not None:
+        drafts = vocab.to_draft[ids]
+        kept = vocab.to_target[drafts] == ids
+        ids, values = drafts[kept], values[kept]
+    return attrs.evolve(params, logit_bias=LogitBias(tuple(zip(ids.tolist(), values.tolist()))))
 
 
 def read_only(store: FlashStore, file: GGUFFile, flash: FlashConfig, n_passes: int) -> tuple[Pipeline, Drain]:

@@ -213,7 +213,8 @@ def call_bytes(call: Call) -> int:
     by the call even when the grammar cache lets it go)."""
     tools = parse_bytes(json.dumps(call.tools).encode()) if call.tools else 0
     grammar = call.grammar.nbytes if call.grammar is not None else 0
-    return CALL_BYTES + 40 * len(call.ids) + 4 * sum(len(x) for x in call.stop) + tools + grammar
+    return (CALL_BYTES + 40 * len(call.ids) + 4 * sum(len(x) for x in call.stop) + tools + grammar
+            + call.generate.logit_bias.nbytes)
 
 
 def named(message: str, schema_field: str) -> str:

@@ -18,7 +18,8 @@ import anyio
 from starlette.requests import Request
 
 from lever.api.call import MAX_LOGPROBS
-from lever.config import KNOBS
+from lever.config import KNOBS, GenerateConfig
+from lever.model.sampling import NEVER
 
 MAX_BODY_BYTES = 4 << 20
 CLOSING_POLL_S = 0.05  # a body's reader sees the server shutting down within this
@@ -49,6 +50,8 @@ def shutting_down() -> BadRequest:
 COMMON = {**{k.arg: (int,) if k.call.integer else (int, float) for k in KNOBS.values()},
           "model": (str,), "max_completion_tokens": (int,), "stop": (str, list), "stream": (bool,), "n": (int,),
           "stream_options": (dict,), "user": (str,),
+          # llama-server's and OpenAI's logit bias (lever.api.call.logit_bias reads its forms), and its ignore_eos
+          "logit_bias": (list, dict), "ignore_eos": (bool,),
           # structured output: OpenAI's response_format, and llama-server's grammar (GBNF or Lark) and json_schema
           "response_format": (dict,), "grammar": (str,), "json_schema": (dict,)}
 FIELDS = {"completions": {**COMMON, "prompt": (str, list), "logprobs": (int, bool),
@@ -63,8 +66,7 @@ FIELDS = {"completions": {**COMMON, "prompt": (str, list), "logprobs": (int, boo
           "tokenize": {"content": (str,), "add_special": (bool,), "with_pieces": (bool,)},
           "detokenize": {"tokens": (list,)}}
 # fields OpenAI's API has and Lever does not honour yet: refused unless absent or at their default
-UNSUPPORTED = ("echo", "suffix", "best_of", "functions", "function_call", "logit_bias", "presence_penalty",
-               "frequency_penalty")
+UNSUPPORTED = ("echo", "suffix", "best_of", "functions", "function_call")
 DEFAULTS = (None, False, 0, [], {}, "none", "auto")
 
 
@@ -227,8 +229,8 @@ def sampling(data: dict, endpoint: str = "completions") -> dict:
     OpenAI's newer max_completion_tokens, when given, for max_tokens; `logprobs` as the count of
     alternatives per token (completions: the number given; chat: `top_logprobs` once
     `logprobs` is true)."""
-    out = {k: data[k] for k in (*(k.arg for k in KNOBS.values()), "stop", "grammar", "json_schema")
-           if data.get(k) is not None}
+    out = {k: data[k] for k in (*(k.arg for k in KNOBS.values()), "logit_bias", "ignore_eos", "stop", "grammar",
+                                "json_schema") if data.get(k) is not None}
     if data.get("max_completion_tokens") is not None:
         out[KNOBS["n_predict"].arg] = data["max_completion_tokens"]
     if endpoint == "chat":
@@ -237,3 +239,13 @@ def sampling(data: dict, endpoint: str = "completions") -> dict:
     elif data.get("logprobs") is not None and data["logprobs"] is not False:
         out["logprobs"] = 0 if data["logprobs"] is True else data["logprobs"]  # true: the tokens' own, no alternatives
     return out
+
+
+def generation_settings(gen: GenerateConfig, eos_ids: frozenset[int] = frozenset()) -> dict:
+    """A call's knobs (or the server's defaults) as llama-server's generation_settings names them:
+    each knob by its [generate] key, which is llama-server's name; the logit bias as its list of
+    {bias, token}, ignore_eos's bans of the end tokens (`eos_ids`) among them, a ban's bias null
+    (llama-server's JSON for -inf)."""
+    bias = gen.params(frozenset(eos_ids)).logit_bias
+    return {**{k: getattr(gen, k) for k in KNOBS}, "max_tokens": gen.n_predict, "ignore_eos": gen.ignore_eos,
+            "logit_bias": [{"bias": None if b == NEVER else b, "token": t} for t, b in bias.pairs]}

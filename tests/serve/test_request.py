@@ -91,9 +91,7 @@ def test_a_body_within_its_bounds_is_read_whole_and_held_as_it_arrived():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("echo", True), ("best_of", 2),
-    ("functions", [{"name": "f"}]), ("presence_penalty", 0.5),
-    ("logit_bias", {"1": 5}), ("suffix", "x"), ("frequency_penalty", 0.5),
+    ("echo", True), ("best_of", 2), ("functions", [{"name": "f"}]), ("suffix", "x"),
 ])
 def test_a_field_lever_does_not_honour_is_refused_by_name(field, value):
     with pytest.raises(BadRequest, match=f"^{field}: not supported") as e:
@@ -107,6 +105,31 @@ def test_a_field_lever_does_not_honour_is_refused_by_name(field, value):
 ])
 def test_defaults_of_unhonoured_fields_pass(extra):
     assert parse(json.dumps({"prompt": "x", **extra}).encode(), "completions")["prompt"] == "x"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("extra", [
+    {"presence_penalty": 0.5}, {"frequency_penalty": -1}, {"logit_bias": {"15": -100, " the": False}},
+    {"logit_bias": [[15, -100], [" the", False]]}, {"ignore_eos": True}, {"ignore_eos": False},
+    {"logit_bias": [], "presence_penalty": 0, "frequency_penalty": 0},  # OpenAI's clients' defaults
+])
+def test_the_bias_and_the_penalties_reach_the_call_as_sent(endpoint, extra):
+    """Checked as a call's arguments by lever.api.call (the forms, the vocabulary, the bounds)."""
+    body = {"prompt": "x"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    assert sampling(parse(json.dumps({**body, **extra}).encode(), endpoint), endpoint) == extra
+
+
+@pytest.mark.parametrize("extra, field, words", [
+    ({"logit_bias": "the"}, "logit_bias", "must be a list or an object"),
+    ({"logit_bias": 3}, "logit_bias", "must be a list or an object"),
+    ({"ignore_eos": 1}, "ignore_eos", "must be a boolean"),
+    ({"presence_penalty": "0.5"}, "presence_penalty", "must be an integer or a number"),
+    ({"frequency_penalty": True}, "frequency_penalty", "must be an integer or a number"),
+])
+def test_the_bias_and_the_penalties_of_a_wrong_type_are_refused_by_name(extra, field, words):
+    with pytest.raises(BadRequest, match=f"^{field}: {words}") as e:
+        parse(json.dumps({"prompt": "x", **extra}).encode(), "completions")
+    assert e.value.param == field and e.value.status == 400
 
 
 @pytest.mark.parametrize("endpoint, extra, args", [

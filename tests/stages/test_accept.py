@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lever.dataflow.messages import Expansion, TokenTree
-from lever.model.sampling import SamplingParams, draw_without_replacement
+from lever.model.sampling import SamplingParams, distribution, draw_without_replacement, sample
 from lever.policy.cost import FlatCost
 from lever.policy.predictor import prune_by_scores
 from lever.stages.accept import accept_tree
@@ -112,11 +116,13 @@ class SamplingDraft:
         return Expansion(req.cycle, rows, toks, probs, q)
 
 
-def speculative_sample(rng, config, prune: bool = False, masked: bool = False) -> tuple[int, ...]:
+def speculative_sample(rng, config, prune: bool = False, masked: bool = False,
+                       params: SamplingParams = SamplingParams(temperature=1.0)) -> tuple[int, ...]:
     """N_TOKENS tokens by cycles of draft tree + rejection-sampling Accept, from prefix (0,);
     with prune, random branches are pruned as a predictor might (never the backbone); with
     masked, under the synthetic grammar: the draft draws from its masked distribution (as Draft
-    does) and Accept chooses among the allowed tokens."""
+    does) and Accept chooses among the allowed tokens. `params`: the target's sampling (its
+    logit bias and penalties over the text so far, the prefix its first token)."""
     prefix = (0,)
     while len(prefix) - 1 < N_TOKENS:
         b = TreeBuilder(config, FlatCost(read_s=1.0, compute_per_token_s=1e-4, draft_step_s=1e-3), 1, room=100)
@@ -140,13 +146,13 @@ def speculative_sample(rng, config, prune: bool = False, masked: bool = False) -
 
         alive = prune_by_scores(t, rng.random(t.n_nodes), 0.5, 1.0) if prune else None
         allowed = (lambda walked, at=prefix: grammar(at[1:] + tuple(walked))) if masked else None
-        toks, _, _ = accept_tree(t, logits_at, SamplingParams(temperature=1.0), rng=rng,
-                                 budget=N_TOKENS - len(prefix) + 1, eos_ids=frozenset(), alive=alive, allowed=allowed)
+        toks, _, _ = accept_tree(t, logits_at, params, rng=rng, budget=N_TOKENS - len(prefix) + 1,
+                                 eos_ids=frozenset(), alive=alive, allowed=allowed, history=prefix)
         prefix += tuple(toks)
     return prefix[1:]
 
 
-def chi_square_vs_target(samples, masked: bool = False) -> tuple[float, float]:
+def chi_square_vs_target(samples, masked: bool = False, params: SamplingParams | None = None) -> tuple[float, float]:
     """Pearson's statistic over all V**N_TOKENS sequences (those the grammar allows, when
     masked: the others must never come), and its 1 - P_FLOOR quantile (Wilson-Hilferty:
     accurate to a few percent at these degrees of freedom)."""
@@ -158,6 +164,8 @@ def chi_square_vs_target(samples, masked: bool = False) -> tuple[float, float]:
         p, prefix = 1.0, (0,)
         for tok in seq:
             dist = synthetic(prefix, 1)
+            if params is not None:  # the target shaped by the text so far
+                dist = distribution(np.log(dist), params, prefix)
             p *= (constrained(dist, grammar(prefix[1:])) if masked else dist)[tok]
             prefix += (tok,)
         if p == 0.0:
@@ -197,6 +205,20 @@ def test_under_a_grammar_sampling_keeps_the_constrained_distribution():
     assert stat < limit, f"chi-square {stat:.1f} over the {limit:.1f} an exact sampler stays under"
 
 
+def test_with_a_logit_bias_and_penalties_sampling_keeps_the_shaped_distribution():
+    """Each node's row biased and penalized by that node's own text (the prefix, then the path
+    down to it): the sequences come as often as the shaped target's own draws would give them,
+    and a banned token, which the draft still draws, never comes."""
+    rng = np.random.default_rng(4)
+    params = SamplingParams(temperature=1.0, repeat_penalty=1.5, repeat_last_n=2, presence_penalty=0.4,
+                            frequency_penalty=0.3, logit_bias=[(1, 0.8), (3, -math.inf)])
+    config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
+    samples = [speculative_sample(rng, config, params=params) for _ in range(TRIALS)]
+    assert not any(3 in s for s in samples)
+    stat, limit = chi_square_vs_target(samples, params=params)
+    assert stat < limit, f"chi-square {stat:.1f} over the {limit:.1f} an exact sampler stays under"
+
+
 def test_the_distribution_test_catches_a_biased_verifier(monkeypatch):
     """Control: the classic mistake (on rejection, resample from p instead of the residual)."""
     import lever.stages.accept as accept
@@ -213,3 +235,59 @@ def test_the_distribution_test_catches_a_biased_verifier(monkeypatch):
     config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
     stat, limit = chi_square_vs_target([speculative_sample(rng, config) for _ in range(TRIALS)])
     assert stat > limit
+
+
+# -- greedy under a logit bias and penalties: the walk emits autoregressive decoding's tokens
+
+V_PEN = 6  # a small vocabulary: tokens come again, so the penalties have counts to work on
+
+
+def target_row(text) -> np.ndarray:
+    """The synthetic target's logits after `text`."""
+    return np.random.default_rng([9, *text]).normal(0.0, 2.0, V_PEN).astype(np.float32)
+
+
+def autoregressive(prefix, n: int, params: SamplingParams) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        text = [*prefix, *out]
+        out.append(sample(target_row(text), params, np.random.default_rng(0), text))
+    return out
+
+
+shaping = st.builds(
+    SamplingParams,
+    repeat_penalty=st.floats(0.5, 3.0), repeat_last_n=st.sampled_from([0, 1, 3, 64]),
+    presence_penalty=st.floats(-3, 3, allow_subnormal=False), frequency_penalty=st.floats(-3, 3, allow_subnormal=False),
+    logit_bias=st.lists(st.tuples(st.integers(0, V_PEN - 1), st.one_of(st.floats(-8, 8, allow_subnormal=False),
+                                                                       st.just(False))), max_size=V_PEN - 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(params=shaping, prefix=st.lists(st.integers(0, V_PEN - 1), min_size=1, max_size=8),
+       follow=st.integers(0, 6), n_branches=st.integers(0, 12), budget=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_greedy_under_a_bias_and_penalties_is_autoregressive_greedy(params, prefix, follow, n_branches, budget, seed):
+    """A tree holding the shaped target's own next `follow` tokens as a chain, with branches of
+    random tokens anywhere and random gains (so the likely path leaves the chain): the walk takes
+    the chain, each node shaped by its own text, and emits exactly the autoregressive tokens."""
+    chain = autoregressive(prefix, follow, params)
+    tokens, parents = [prefix[-1], *chain], [-1, *range(follow)]
+    rng = np.random.default_rng(seed)
+    for _ in range(n_branches):
+        parent, tok = int(rng.integers(len(tokens))), int(rng.integers(V_PEN))
+        if all(tokens[c] != tok for c in range(1, len(tokens)) if parents[c] == parent):
+            tokens.append(tok)
+            parents.append(parent)
+    t = TokenTree(1, np.array(tokens), np.array(parents, np.int32), gains=rng.random(len(tokens)).astype(np.float32))
+
+    def text_at(n):
+        path = []
+        while n > 0:
+            path.append(int(t.tokens[n]))
+            n = int(t.parents[n])
+        return [*prefix, *reversed(path)]
+
+    out, _, _ = accept_tree(t, lambda nodes: np.stack([target_row(text_at(n)) for n in nodes]), params,
+                               rng=np.random.default_rng(0), budget=budget, eos_ids=frozenset(), history=prefix)
+    assert out == autoregressive(prefix, len(out), params)
+    assert len(out) >= min(budget, follow + 1)  # the chain whole (a branch may hold the next token too)
