@@ -48,10 +48,15 @@ class TextStream:
     _ends: list[int] = attrs.field(factory=list)  # len(text) after each of `tokens`
     _decoder: StreamDecoder = attrs.field(init=False)
     _calls: CallStream | None = attrs.field(init=False)
+    _preserved: frozenset[int] = attrs.field(init=False)  # the format's markers that would decode to nothing
 
     def __attrs_post_init__(self):
         self._decoder = StreamDecoder(self.tok, at_start=False)
         self._calls = CallStream(self.offered, self.tool_format) if self.offered else None
+        # a call's markers as their text, even where they are control tokens (Mistral's [TOOL_CALLS],
+        # Llama's <|python_tag|>), or no call could be read
+        marks = self.tool_format.preserved if self.offered else ()
+        self._preserved = frozenset(i for m in marks if (i := self.tok.specials.get(m)) is not None)
 
     def __call__(self, tokens: tuple[int, ...], logprobs: tuple = ()) -> StopReason | None:
         for i, t in enumerate(tokens):
@@ -62,7 +67,9 @@ class TextStream:
                 self.logprobs.append(logprobs[i])
             self.unsent_tokens += 1
             before = len(self.text)
-            if t not in self.eos_ids:  # the end-of-turn token is not text
+            if t in self._preserved:
+                self.text += self._decoder.flush() + self.tok.token_text(t)
+            elif t not in self.eos_ids:  # the end-of-turn token is not text
                 self.text += self._decoder.push(t)
             self._ends.append(len(self.text))
             self._find(before)

@@ -11,6 +11,7 @@ import json
 import re
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,8 @@ from hypothesis import strategies as st
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.grammar import Grammar
 from lever.model.tool_calls import BY_NAME, FORMATS, CallStream, ToolCall, check_tools, detect, parse_calls, required
+from lever.model.tools.lexing import WS, Pattern
+from lever.pipelines.text import TextStream
 from lever.shipped import shipped
 
 TEMPLATES = Path("/work/llama.cpp/src/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates")
@@ -218,3 +221,23 @@ def test_a_required_calls_grammar_is_the_formats_own(tok, fmt):
     one = Grammar.lark(tok, required(tok, tools, parallel=False, fmt=fmt).text, "tool_choice")
     if several > 1:
         assert not one.accepts(tok.encode(written, add_bos=False))
+
+
+def test_a_formats_markers_are_read_where_the_vocabulary_has_them_as_control_tokens(qwen_target):
+    """Control tokens decode to nothing (Mistral's [TOOL_CALLS], Llama's <|python_tag|>): a format's
+    markers are decoded as their text all the same, as llama.cpp's preserved tokens are. Shown on
+    Qwen's vocabulary with a format whose markers are two of its control tokens."""
+    tok = Tokenizer.from_gguf(qwen_target)
+    fmt = attrs.evolve(BY_NAME["hermes"], opener="<|fim_prefix|>", trailer=Pattern([WS, "<|fim_suffix|>"]),
+                       preserved=("<|fim_prefix|>", "<|fim_suffix|>"))
+    call = '\n{"name": "get_time", "arguments": {}}\n'
+    ids = tuple(tok.encode(f"Sure. é<|fim_prefix|>{call}<|fim_suffix|>", add_bos=False))
+    assert tok.decode(ids) == "Sure. é" + call  # the markers alone: nothing
+    blind = attrs.evolve(fmt, preserved=())  # without: the call's markers are lost, its JSON left as text
+    for f, want in ((fmt, ("Sure. é", ["get_time"])), (blind, (("Sure. é" + call).strip(), []))):
+        s = TextStream(tok, offered=frozenset({"get_time"}), tool_format=f)
+        for i in ids:  # one token at a time, as a generation gives them
+            s((i,))
+        s.finish()
+        text, calls = s.reply()
+        assert (text, [c.name for c in calls]) == want

@@ -113,6 +113,9 @@ class ToolFormat:
     args_keys: tuple[str, ...] = ("arguments", "parameters")  # where a call object holds its arguments
     ids: str = "openai"  # the shape of the ids its calls get (lever.model.tools.calls.ID_SHAPES)
     writes_ids: bool = False  # the model writes its calls' ids (kept when they have the shape)
+    # its markers: decoded as their text where the vocabulary has them as control tokens (which
+    # decode to nothing), so the calls can be read (llama.cpp's preserved tokens)
+    preserved: tuple[str, ...] = ()
 
     def fits(self, template: str) -> bool:
         return all(s in template for s in self.needs) and (not self.any_of or any(s in template for s in self.any_of)) \
@@ -139,21 +142,24 @@ HERMES = ToolFormat(  # a list of call objects in one block too (Apriel's templa
     "hermes", read_any, grammar.tagged("<tool_call>", "</tool_call>"),
     lambda calls: "\n".join(f"<tool_call>\n{_dumps(_obj(c))}\n</tool_call>" for c in calls),
     needs=("<tool_call>",), unless=("<function=", "<arg_key>", "<invoke"),
-    opener="<tool_call>", heads=(OBJECT, LIST), trailer=Pattern([WS, "</tool_call>"]))
+    opener="<tool_call>", heads=(OBJECT, LIST), trailer=Pattern([WS, "</tool_call>"]),
+    preserved=("<tool_call>", "</tool_call>"))
 LLAMA3 = ToolFormat(
     "llama3", read_object, grammar.bare("parameters"),
     lambda calls: "\n".join(_dumps(_obj(c, "parameters")) for c in calls),
     needs=("<|start_header_id|>",), any_of=("ipython", '"parameters"'), unless=("<function=", ">>>"),
-    opener="<|python_tag|>", bare=True, chain=True, args_keys=("parameters", "arguments"))
+    opener="<|python_tag|>", bare=True, chain=True, args_keys=("parameters", "arguments"),
+    preserved=("<|python_tag|>",))
 MISTRAL = ToolFormat(
     "mistral", read_list, grammar.prefixed_list("[TOOL_CALLS]", ids=True),
     lambda calls: "[TOOL_CALLS]" + _dumps([_obj(c, ids=True) for c in calls]),
-    needs=("[TOOL_CALLS]",), opener="[TOOL_CALLS]", heads=(LIST,), ids="mistral", writes_ids=True)
+    needs=("[TOOL_CALLS]",), opener="[TOOL_CALLS]", heads=(LIST,), ids="mistral", writes_ids=True,
+    preserved=("[TOOL_CALLS]",))
 MISTRAL_ARGS = ToolFormat(
     "mistral-args", read_named, grammar.named(ids=False),
     lambda calls: "".join(f"[TOOL_CALLS]{c.name}[ARGS]{c.arguments}" for c in calls),
     needs=("[TOOL_CALLS]", "[ARGS]"), unless=("[CALL_ID]",), opener="[TOOL_CALLS]", heads=MISTRAL_HEADS,
-    ids="mistral")
+    ids="mistral", preserved=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))
 MISTRAL_IDS = attrs.evolve(
     MISTRAL_ARGS, name="mistral-ids", constrain=grammar.named(ids=True), writes_ids=True,
     render=lambda calls: "".join(f"[TOOL_CALLS]{c.name}[CALL_ID]{c.id}[ARGS]{c.arguments}" for c in calls),
