@@ -32,9 +32,10 @@ MISSING = 77
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_FLAGS = ("--model", "--hf-repo", "--hf-file", "--model-draft")
 # llama-server flags that mean nothing to a one-run speculative server (batching, GPU offload,
-# KV types, slots, the web UI's helpers, jinja on/off: Lever always renders the GGUF's template).
-NO_MEANING = {"--batch-size", "--ubatch-size", "--n-gpu-layers", "-fa", "-ctk", "-ctv", "--kv-unified",
-              "--swa-full", "--cont-batching", "--parallel", "--slots", "--no-slots", "--jinja", "--no-jinja",
+# KV types, the web UI's helpers, jinja on/off: Lever always renders the GGUF's template; lever serve takes
+# --parallel, --kv-unified and --slots itself).
+NO_MEANING = {"--batch-size", "--ubatch-size", "--n-gpu-layers", "-fa", "-ctk", "-ctv",
+              "--swa-full", "--cont-batching", "--jinja", "--no-jinja",
               "--offline", "--no-cache-idle-slots", "--backend_sampling"}
 # llama-server's short flags that mean something else to lever serve (-c is its config, not ctx-size).
 NEVER_PASS = {"-c"}

@@ -26,14 +26,17 @@ MAX_KEY_FILE_BYTES = 1 << 20
 MAX_KEY_CHARS = 256
 KEY_ENV = "LEVER_API_KEY"
 MAX_ALIAS_CHARS = 256
+MAX_SLOTS = 256
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the configured pipeline")
     add_models(s)
-    s.add_argument("-a", "--alias", default=None, metavar="NAME",
-                   help="the model's name in the API (/v1/models, each reply's model; default: the target's file name)")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("-a", "--alias", default=None, metavar="NAMES",
+                   help="the model's names in the API, comma-separated: its id is the first in alphabetical order "
+                        "(/v1/models lists them all; each reply's model; default: the target's file name)")
+    s.add_argument("--tags", default="", metavar="TAGS", help="the model's tags in /v1/models (comma-separated)")
+    s.add_argument("--host", default="127.0.0.1", help="the addresses to listen on (comma-separated: 127.0.0.1,::1)")
     s.add_argument("--port", type=port, default=8080)
     s.add_argument("--queue", type=int_in(0, MAX_QUEUE), default=8,
                    help="requests that may wait beside the running one; then 429")
@@ -51,6 +54,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "under way: half of it)")
     s.add_argument("--cache-ram", type=int_in(0, 1 << 20), default=256, metavar="MIB",
                    help="MiB of other conversations' KV rows kept between requests, per client key (0: none)")
+    s.add_argument("-np", "--parallel", type=int_in(1, MAX_SLOTS), default=1, metavar="N",
+                   help="llama-server's slots: N, each of the context's n_ctx / N tokens (--ctx-size is all N's); "
+                        "their generations still run one at a time, in the queue's turns")
+    s.add_argument("--kv-unified", action="store_true",
+                   help="the slots share the whole context: each may fill it (one generation runs at a time)")
+    s.add_argument("--slots", dest="slots", action="store_true", default=True,
+                   help="serve GET /slots, the slots and the generation running (the default)")
+    s.add_argument("--no-slots", dest="slots", action="store_false", help="/slots answers 501")
+    s.add_argument("-v", "--verbose", action="store_true",
+                   help="every answer carries llama-server's __verbose (its own shape, the prompt as read)")
     s.add_argument("--metrics", action="store_true",
                    help="serve /metrics in Prometheus's format (llama-server's names, prefixed lever:)")
     s.add_argument("--no-page", dest="page", action="store_false",
@@ -67,16 +80,63 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def check_args(args) -> None:
     """--port and --queue are bounded by their types (lever.cli.common); the rest, before loading."""
-    if not args.host or any(c.isspace() for c in args.host):
-        raise LeverError(f"--host: not a host name or address: {args.host!r}")
+    for host in hosts(args.host):
+        if not host or any(c.isspace() for c in host):
+            raise LeverError(f"--host: not a host name or address: {host!r}")
     check_models(args)
-    if args.alias is not None and not 0 < len(args.alias) <= MAX_ALIAS_CHARS:
-        raise LeverError(f"--alias: 1-{MAX_ALIAS_CHARS} characters, got {len(args.alias)}")
+    for flag, value in (("--alias", args.alias), ("--tags", args.tags or None)):
+        for name in names_of(value) if value is not None else ():
+            if not 0 < len(name) <= MAX_ALIAS_CHARS:
+                raise LeverError(f"{flag}: each name 1-{MAX_ALIAS_CHARS} characters, got {len(name)}")
     for k in args.api_key:
         _check_key(k, "--api-key")
     if args.api_key_file is not None:
         input_text_file(args.api_key_file, "--api-key-file", "key file", max_bytes=MAX_KEY_FILE_BYTES)
     check_sets(args)
+
+
+def hosts(value: str) -> list[str]:
+    """--host's addresses (comma-separated), an IPv6 one with or without its brackets."""
+    return [h.strip().removeprefix("[").removesuffix("]") for h in value.split(",")]
+
+
+def names_of(value: str) -> list[str]:
+    """--alias's or --tags' names: comma-separated, each once, in alphabetical order (llama-server's)."""
+    return sorted({n.strip() for n in value.split(",")})
+
+
+def settings(args):
+    """What the flags tell the routes beside the model (lever.serve.server.Settings)."""
+    from lever.serve.server import Settings
+
+    return Settings(aliases=tuple(names_of(args.alias)) if args.alias is not None else (),
+                    tags=tuple(names_of(args.tags)) if args.tags else (), n_slots=args.parallel, slots=args.slots,
+                    verbose=args.verbose)
+
+
+def listening(host_list: list[str], port: int) -> list:
+    """A socket bound to each address (uvicorn serves them all), or one line saying which could not be."""
+    import socket
+
+    out = []
+    try:
+        for host in host_list:
+            try:
+                family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+                sock = socket.socket(family, kind, proto)
+                out.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(addr)
+                sock.set_inheritable(True)
+            except OSError as e:
+                raise LeverError(f"--host {host}: cannot listen on port {port}: {e.strerror or e}") from None
+    except LeverError:
+        for sock in out:
+            sock.close()
+        raise
+    return out
 
 
 def _check_key(key: str, where: str) -> str:
@@ -122,7 +182,7 @@ def access(args) -> Access:
     def names(value: str) -> frozenset[str]:
         return frozenset(n.strip().lower().rstrip("/") for n in value.split(",") if n.strip())
 
-    return Access(bound_host=args.host.lower(), api_keys=tuple(keys),
+    return Access(bound_host=",".join(hosts(args.host)).lower(), api_keys=tuple(keys),
                   allowed_hosts=names(args.allowed_hosts),
                   allowed_origins=names(args.allowed_origins))
 
@@ -143,10 +203,11 @@ def main(args) -> int:
     llm = _load(args, load)
     server_state = None
     try:
-        model_id = args.alias or Path(llm.config.model.target).stem
+        options = settings(args)
+        model_id = options.aliases[0] if options.aliases else Path(llm.config.model.target).stem
         asgi = app(llm, model_id=model_id, queue=args.queue, access=rules, timeout_s=args.timeout,
                    metrics=args.metrics, cache_bytes=args.cache_ram << 20, page=args.page,
-                   max_connections=args.max_connections)
+                   max_connections=args.max_connections, settings=options)
         server_state = asgi.app.state.server
         http = protocol_class(max_connections=args.max_connections, header_timeout_s=args.timeout)
         server = _server_class()(uvicorn.Config(asgi, host=args.host, port=args.port, log_level="warning",
@@ -156,28 +217,15 @@ def main(args) -> int:
             server.should_exit = True
             server_state.shutdown(args.grace)
 
-        # what the RSS stays within: the largest request's plan, what requests hold (their bodies,
-        # parsing, queued calls), the kept conversations, the live page (Server.memory_plan)
-        plan = {k: v >> 20 for k, v in server_state.memory_plan().items()}
-        plan_mib, grammar_mib = sum(plan.values()), llm.memory_plan().grammar_bytes >> 20
-        if getattr(args, "mem", None) is not None:
-            from lever.backends.flash.config import parse_bytes
-            check_plan(plan, parse_bytes(args.mem), cache_ram_mib=args.cache_ram, limit_name=f"--mem {args.mem}")
-        else:
-            check_plan(plan, llm.config.memory.limit_bytes, cache_ram_mib=args.cache_ram)
+        sockets = listening(hosts(args.host), args.port)  # each address, before the line saying it listens
         llm.grammars.start()  # the grammar compiler's child, before the first schema waits for it
-        print(f"lever serve: http://{args.host}:{args.port}/v1 ({model_id}, {llm.config.pipeline.kind}), "
-              f"queue {args.queue}, {len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}, "
-              f"memory plan {plan_mib} MiB (a run {plan['run']}, its grammars {grammar_mib} among them + requests "
-              f"{plan['requests']} + kept conversations {plan['kept conversations']} + live page {plan['live page']})"
-              + (f"; the live page: http://{args.host}:{args.port}/" if server_state.page is not None else ""),
-              file=sys.stderr, flush=True)
+        _announce(args, llm, rules, server_state, model_id)
         _say_template(llm)
-        if not rules.api_keys and args.host.lower() not in LOOPBACK_HOSTS:
+        if not rules.api_keys and not set(hosts(args.host.lower())) <= LOOPBACK_HOSTS:
             print(f"lever serve: warning: listening on {args.host} without --api-key: anyone who can reach "
                   "this address can use the model", file=sys.stderr, flush=True)
         with signals.on_stop(stop):
-            server.run()
+            server.run(sockets=sockets)
     finally:
         if server_state is not None:
             server_state.prep.close()
@@ -185,6 +233,29 @@ def main(args) -> int:
     if (s := signals.pending()) is not None:
         raise signals.Interrupted(s)  # the command ends as every stopped command does: 128 + n
     return 0
+
+
+def _announce(args, llm, rules: Access, server_state, model_id: str) -> None:
+    """The server's plan checked against the memory it may have, then its one line: where it
+    listens, its model, slots, queue, keys and memory plan."""
+    # what the RSS stays within: the largest request's plan, what requests hold (their bodies,
+    # parsing, queued calls), the kept conversations, the live page (Server.memory_plan)
+    plan = {k: v >> 20 for k, v in server_state.memory_plan().items()}
+    plan_mib, grammar_mib = sum(plan.values()), llm.memory_plan().grammar_bytes >> 20
+    if getattr(args, "mem", None) is not None:
+        from lever.backends.flash.config import parse_bytes
+        check_plan(plan, parse_bytes(args.mem), cache_ram_mib=args.cache_ram, limit_name=f"--mem {args.mem}")
+    else:
+        check_plan(plan, llm.config.memory.limit_bytes, cache_ram_mib=args.cache_ram)
+    first = hosts(args.host)[0]
+    url = f"http://{f'[{first}]' if ':' in first else first}:{args.port}"
+    print(f"lever serve: {url}/v1 ({model_id}, {llm.config.pipeline.kind}), "
+          f"{args.parallel} slot{'s' * (args.parallel != 1)} of {llm.n_ctx} tokens, queue {args.queue}, "
+          f"{len(rules.api_keys) or 'no'} API key{'s' * (len(rules.api_keys) != 1)}, "
+          f"memory plan {plan_mib} MiB (a run {plan['run']}, its grammars {grammar_mib} among them + requests "
+          f"{plan['requests']} + kept conversations {plan['kept conversations']} + live page {plan['live page']})"
+          + (f"; the live page: {url}/" if server_state.page is not None else ""),
+          file=sys.stderr, flush=True)
 
 
 def _say_template(llm) -> None:
@@ -197,6 +268,7 @@ def _load(args, load):
     """The pipeline; under --mem, planned within what the server's own parts leave of it (its
     requests, kept conversations, live page), so the whole server keeps to --mem."""
     config, model_sets = config_and_sets(args)
+    model_sets += _slot_sets(config, [*model_sets, *args.set], args)
     if getattr(args, "mem", None) is None:
         return load(config, overrides=[*model_sets, *args.set])
     from lever.backends.flash.config import parse_bytes
@@ -213,6 +285,23 @@ def _load(args, load):
         return load(config, overrides=[*model_sets, *args.set, f"memory.limit={mem - own}"])
     except LeverError as e:
         raise LeverError(f"{where}; the run in the {(mem - own) >> 20} MiB left: {e}") from None
+
+
+def _slot_sets(config, sets: list[str], args) -> list[str]:
+    """--parallel N: each slot's context is the context's n_ctx / N tokens, as llama-server
+    divides it (--kv-unified: the whole context each); the pipeline is opened with one slot's."""
+    if args.parallel <= 1 or args.kv_unified:
+        return []
+    from lever.config import load_config
+    from lever.gguf.file import GGUFFile
+    from lever.gguf.spec import read_spec
+
+    cfg = load_config(config, sets)
+    n_ctx = min(cfg.model.n_ctx, read_spec(GGUFFile(cfg.model.target)).n_ctx_train) // args.parallel
+    if n_ctx < 2:
+        raise LeverError(f"--parallel {args.parallel}: a slot's context would be {n_ctx} tokens; give fewer slots "
+                         "or more --ctx-size (or --kv-unified)")
+    return [f"model.n_ctx={n_ctx}"]
 
 
 def check_plan(plan: dict[str, int], limit_bytes: int | None, *, cache_ram_mib: int,

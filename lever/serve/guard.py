@@ -45,10 +45,11 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 # (lever.serve.webui): static, nothing secret; a browser cannot send a key when it opens a
 # page. The page's own /live needs the key
 OPEN_PATHS = frozenset({"/health", "/v1/health", "/", *(f"/page/{name}" for name in PAGE_FILES), *WEB_UI_FILES})
-# llama-server's answer to a preflight: its methods, any header, credentials
-PREFLIGHT_HEADERS = ((b"access-control-allow-credentials", b"true"),
-                     (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
-                     (b"access-control-allow-headers", b"*"), (b"access-control-max-age", b"600"))
+# llama-server's answer to a preflight: its methods, any header, credentials (its names' case: some
+# clients read headers as a plain dict)
+PREFLIGHT_HEADERS = ((b"Access-Control-Allow-Credentials", b"true"),
+                     (b"Access-Control-Allow-Methods", b"GET, POST, DELETE, OPTIONS"),
+                     (b"Access-Control-Allow-Headers", b"*"), (b"Access-Control-Max-Age", b"600"))
 
 
 @attrs.frozen
@@ -199,7 +200,7 @@ async def _refuse(send, status: int, kind: str, message: str) -> None:
 
 
 def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
-    return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+    return [(b"Access-Control-Allow-Origin", origin.encode("latin-1")), (b"Vary", b"Origin")]
 
 
 async def _preflight(send, origin: str) -> None:

@@ -16,6 +16,7 @@ grammar other grammars, never plain completions or /tokenize.
 from __future__ import annotations
 
 import json
+import threading
 
 import anyio
 import attrs
@@ -30,7 +31,7 @@ from lever.serve import TIMEOUT_S
 from lever.serve.dialect import Dialect
 from lever.serve.pool import Hold
 from lever.serve.rate import BodyRate
-from lever.serve.request import BadRequest, parse, parse_bytes, read_body, sampling
+from lever.serve.request import OPTIONS, BadRequest, parse, parse_bytes, read_body, sampling
 from lever.serve.tokens import detokenize, tokenize
 
 PREP_THREADS = 2  # requests parsed and tokenized at once (what each holds is in its Hold)
@@ -62,26 +63,36 @@ class Preparer:
         return self.llm.renderer.max_prompt_bytes
 
     async def call(self, request: Request, dialect: Dialect, hold: Hold) -> tuple[Shape, Call]:
-        """The request's call, checked (BadRequest or LeverError naming the field), and how its
-        answer is shaped; what the request holds meanwhile is in `hold`, and from here on only
-        what the call keeps (`call_bytes`)."""
+        """The request's (first) call and how its answer is shaped (`calls`)."""
+        shape, calls = await self.calls(request, dialect, hold)
+        return shape, calls[0]
+
+    async def calls(self, request: Request, dialect: Dialect, hold: Hold) -> tuple[Shape, tuple[Call, ...]]:
+        """The request's calls, checked (BadRequest or LeverError naming the field): one per
+        prompt (llama-server's several prompts: lever.serve.request._check_prompt), each asked
+        `n` times (Shape.n: the server runs them one after another, `choices`); and how its
+        answer is shaped. What the request holds meanwhile is in `hold`, and from here on only
+        what the calls keep (`call_bytes`)."""
         data, args, messages, offer = await self._parsed(request, dialect.endpoint, hold, dialect.translate)
         shape = Shape.of(data)
         rendered = None
         if messages is not None:
             hold.add(4 * self.max_prompt_bytes, "its chat template's text")
             rendered = await anyio.to_thread.run_sync(self.render, messages, offer.tools, data, limiter=self._renders)
-        text = data["prompt"] if messages is None else rendered.text
+        text = prompt_texts(data) if messages is None else rendered.text
         hold.add(ENCODE_BYTES_PER_BYTE * len(text.encode("utf-8", "replace")), "tokenizing its prompt")
         grammar = args.get("grammar") is not None or args.get("json_schema") is not None or offer.grammar
-        try:
-            call = await anyio.to_thread.run_sync(self.prepare, data, args, messages, rendered, offer,
-                                                  limiter=self._compiles if grammar else self._prep)
-        except LeverError as e:  # named by the field the request gave it in
-            raise LeverError(named(str(e), shape.schema_field)) from None
+        calls = []
+        for one in data.pop("prompts", None) or [{}]:  # several prompts: a call each, the rest alike
+            try:
+                calls.append(await anyio.to_thread.run_sync(self.prepare, {**data, **one}, args, messages, rendered,
+                                                            offer, limiter=self._compiles if grammar else self._prep))
+            except LeverError as e:  # named by the field the request gave it in
+                raise LeverError(named(str(e), shape.schema_field)) from None
         del data, args, messages, rendered, text
-        hold.set(call_bytes(call), "its call")
-        return shape, call
+        calls = [c for call in calls for c in choices(call, shape.n)]
+        hold.set(sum(call_bytes(c) for c in calls), "its calls")
+        return shape, tuple(calls)
 
     async def tokens(self, request: Request, endpoint: str, hold: Hold) -> dict:
         """/tokenize and /detokenize: bounded and off the event loop as a generation's prompt
@@ -118,7 +129,7 @@ class Preparer:
         data = parse(body, endpoint, translate)
         args = sampling(data, endpoint)
         if endpoint != "chat":
-            self.check_bytes(len(data["prompt"].encode("utf-8", "replace")), "prompt")
+            self.check_bytes(len(prompt_texts(data).encode("utf-8", "replace")), "prompt")
             return data, args, None, Offer()
         n_ctx = self.llm.n_ctx
         if isinstance(data["messages"], list) and len(data["messages"]) > n_ctx:  # each is a token at least
@@ -155,7 +166,7 @@ class Preparer:
         if messages is None and any(k in data for k in ("input_prefix", "input_suffix")):
             return self.llm.prepare(ids=self.infill_ids(data, args), **args)
         if messages is None and data.get("prompt_ids") is not None:
-            return self.llm.prepare(ids=data["prompt_ids"], **args)
+            return self.llm.prepare(ids=mixed_ids(self.llm.tokenizer, data["prompt_ids"]), **args)
         if messages is None:
             return self.llm.prepare(data["prompt"], **args)
         return self.llm.prepare(messages=messages, rendered=rendered, offer=offer, **args)
@@ -198,13 +209,44 @@ class Shape:
     usage: bool = False  # stream_options.include_usage: a last chunk with the counts
     schema_field: str = "json_schema"  # the field a JSON schema came in, for the errors about it
     return_tokens: bool = False  # llama-server's: the answer lists the generated ids
+    n: int = 1  # the choices asked of each prompt
+    # llama-server's asks of its answer (lever.serve.request.OPTIONS: verbose, response_fields, ...)
+    options: dict = attrs.field(factory=dict)
 
     @classmethod
     def of(cls, data: dict) -> Shape:
         rf = data.get("response_format")
         field = "response_format" if isinstance(rf, dict) and rf.get("type") != "text" else "json_schema"
         return cls(bool(data.get("stream")), bool((data.get("stream_options") or {}).get("include_usage")), field,
-                   bool(data.get("return_tokens")))
+                   bool(data.get("return_tokens")), data.get("n") or 1,
+                   {k: data[k] for k in OPTIONS if data.get(k) is not None})
+
+
+def prompt_texts(data: dict) -> str:
+    """A completion's prompt text: its own, and the texts among its ids or its several prompts'."""
+    parts = [data.get("prompt") or "", *(x for x in data.get("prompt_ids") or () if isinstance(x, str))]
+    for one in data.get("prompts") or ():
+        parts.append(prompt_texts(one))
+    return "".join(parts)
+
+
+def mixed_ids(tok, pieces) -> list:
+    """A prompt of ids with strings among them (llama-server's mixed prompt): each string's ids
+    in its place, a BOS before the first only when it leads (as a text prompt's)."""
+    if all(not isinstance(x, str) for x in pieces):
+        return pieces
+    out = []
+    for i, x in enumerate(pieces):
+        out.extend(tok.encode(x, add_bos=None if i == 0 else False) if isinstance(x, str) else [x])
+    return out
+
+
+def choices(call: Call, n: int) -> list[Call]:
+    """A call asked `n` times: each its own cancel event, and a seeded call's seed one more per
+    choice (llama-server's: the same seed would give the same text n times)."""
+    seeded = call.generate.seed >= 0
+    return [call] + [attrs.evolve(call, cancel=threading.Event(), generate=attrs.evolve(
+        call.generate, seed=call.generate.seed + j) if seeded else call.generate) for j in range(1, n)]
 
 
 def call_bytes(call: Call) -> int:

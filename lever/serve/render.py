@@ -55,6 +55,12 @@ class Reply:
         lps = self.logprobs(chunk.logprobs, n_chars) if logprobs else None
         return [self.chunk({"content": chunk.text} if self.chat else chunk.text, None, lps)]
 
+    def progress(self, fields: dict) -> list[str]:
+        """llama-server's prompt_progress report (lever.serve.progress), on a chunk of no text
+        (a chat's with the role, as llama-server's)."""
+        delta = {"role": "assistant", "content": None} if self.chat else ""
+        return [self.chunk(delta, None, extra=fields)]
+
     def closing(self, chunk: Chunk) -> list[str]:
         """The last chunk: the calls a chat's reply made, why it ended, llama.cpp's timings."""
         out, finish = [], OPENAI_FINISH[chunk.finish_reason]

@@ -53,10 +53,15 @@ COMMON = {**{k.arg: (int,) if k.call.integer else (int, float) for k in KNOBS.va
           # llama-server's and OpenAI's logit bias (lever.api.call.logit_bias reads its forms), and its ignore_eos
           "logit_bias": (list, dict), "ignore_eos": (bool,),
           # structured output: OpenAI's response_format, and llama-server's grammar (GBNF or Lark) and json_schema
-          "response_format": (dict,), "grammar": (str,), "json_schema": (dict,)}
-FIELDS = {"completions": {**COMMON, "prompt": (str, list), "logprobs": (int, bool),
-                          # llama-server's: a prompt of token ids, the ids in its answer, the code around a cursor
-                          "prompt_ids": (list,), "return_tokens": (bool,), "input_prefix": (str,),
+          "response_format": (dict,), "grammar": (str,), "json_schema": (dict,),
+          # llama-server's asks of the answer's shape (OPTIONS: lever.serve.prepare.Shape keeps them)
+          "verbose": (bool,), "timings_per_token": (bool,), "return_progress": (bool,),
+          "post_sampling_probs": (bool,), "response_fields": (list,)}
+OPTIONS = ("verbose", "timings_per_token", "return_progress", "post_sampling_probs", "response_fields")
+FIELDS = {"completions": {**COMMON, "prompt": (str, list, dict), "logprobs": (int, bool),
+                          # llama-server's: a prompt of token ids (strings among them), several prompts
+                          # (_check_prompt), the ids in its answer, the code around a cursor
+                          "prompt_ids": (list,), "prompts": (list,), "return_tokens": (bool,), "input_prefix": (str,),
                           "input_suffix": (str,), "input_extra": (list,)},
           "chat": {**COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "tools": (list,),
                    "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
@@ -160,8 +165,8 @@ def parse(body: bytes, endpoint: str, translate: Callable[[dict], dict] | None =
             raise BadRequest(f"{name}: must be {want}, got {json.dumps(v)[:40]}", name)
         if isinstance(v, float) and not math.isfinite(v):
             raise BadRequest(f"{name}: must be a finite number", name)
-    if data.get("n") not in (None, 1):
-        raise BadRequest("n: only 1 completion per request", "n")
+    if data.get("n") is not None and data["n"] < 1:
+        raise BadRequest(f"n: must be 1 or more, got {data['n']}", "n")
     if endpoint == "tokenize":
         if not isinstance(data.get("content"), str):
             raise BadRequest("content: required, a string", "content")
@@ -187,17 +192,43 @@ def parse(body: bytes, endpoint: str, translate: Callable[[dict], dict] | None =
 
 
 def _check_prompt(data: dict) -> None:
-    """A completion's prompt: a string (or a list of one), or llama-server's list of ids."""
+    """A completion's prompt, as llama-server takes it: a string, a list of token ids (strings
+    among them are tokenized in place), an object {"prompt_string": ...}, or a list of several
+    of these (one answer each). One prompt is left in `prompt` (text) or `prompt_ids`, several
+    in `prompts` (each {"prompt": text} or {"prompt_ids": [...]})."""
     p = data.get("prompt")
-    if isinstance(p, list):
-        if len(p) != 1 or not isinstance(p[0], str):
-            raise BadRequest("prompt: a string, or a list of one string", "prompt")
-        data["prompt"] = p[0]
-    if not isinstance(data.get("prompt"), str):
-        raise BadRequest("prompt: required, a string", "prompt")
-    ids = data.get("prompt_ids")
-    if ids is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise BadRequest("prompt: a string, or a list of token ids", "prompt")
+    if p is None and data.get("prompt_ids") is not None:
+        p = data["prompt_ids"]
+    if isinstance(p, list) and p and not any(_is_id(x) for x in p):
+        prompts = [_one_prompt(x, f"prompt[{i}]") for i, x in enumerate(p)]
+        if len(prompts) > 1:
+            data["prompt"], data["prompts"] = "", prompts
+            data.pop("prompt_ids", None)
+            return
+        p = p[0]
+    one = _one_prompt(p, "prompt")
+    data.pop("prompt_ids", None)
+    data.update(one if "prompt" in one else {**one, "prompt": ""})
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _one_prompt(p, where: str) -> dict:
+    """One prompt as {"prompt": text} or {"prompt_ids": ids and strings}; BadRequest naming `where`."""
+    if isinstance(p, dict):
+        if p.get("multimodal_data"):
+            raise BadRequest(f"{where}.multimodal_data: this server's model takes text only (no multimodal "
+                             "projector)", f"{where}.multimodal_data")
+        p = p.get("prompt_string")
+        where += ".prompt_string"
+    if isinstance(p, str):
+        return {"prompt": p}
+    if isinstance(p, list) and p and all(_is_id(x) or isinstance(x, str) for x in p):
+        return {"prompt_ids": p}
+    raise BadRequest(f"{where}: a string, a list of token ids (and strings), or {{\"prompt_string\": ...}}; "
+                     f"got {json.dumps(p)[:40]}", where.split(".")[0].split("[")[0])
 
 
 def _schema(data: dict) -> dict | None:

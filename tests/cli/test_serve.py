@@ -147,3 +147,36 @@ def test_a_plan_past_the_memory_the_server_can_have_is_refused(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1, err
     assert f"--cache-ram: {too_much_mib} MiB" in err[0] and "available; give less" in err[0]
+
+
+def test_llama_servers_flags_become_the_servers_settings():
+    """--alias and --tags comma-separated (each once, in order: the id is the first), --parallel
+    slots, --no-slots, --verbose; --host of several addresses."""
+    s = serve.settings(args("--alias", "tinyllama-2,fim,code,fim", "--tags", "chat, small", "-np", "3", "--no-slots",
+                            "-v"))
+    assert (s.aliases, s.tags, s.n_slots, s.slots, s.verbose) == (("code", "fim", "tinyllama-2"), ("chat", "small"),
+                                                                  3, False, True)
+    plain = serve.settings(args())
+    assert (plain.aliases, plain.tags, plain.n_slots, plain.slots, plain.verbose) == ((), (), 1, True, False)
+    assert serve.hosts("127.0.0.1,[::1], ::1") == ["127.0.0.1", "::1", "::1"]
+    assert serve.access(args("--host", "127.0.0.1,::1")).host_ok("[::1]:8080")
+
+
+def test_every_address_of_host_is_listened_on_and_a_bad_one_named():
+    import socket
+
+    probe = socket.socket(socket.AF_INET6)
+    try:
+        probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    finally:
+        probe.close()
+    socks = serve.listening(["127.0.0.1", "::1"], 0)
+    try:
+        assert [s.family for s in socks] == [socket.AF_INET, socket.AF_INET6]
+    finally:
+        for s in socks:
+            s.close()
+    with pytest.raises(LeverError, match=r"--host no\.such\.host\.invalid: cannot listen on port 0"):
+        serve.listening(["127.0.0.1", "no.such.host.invalid"], 0)
