@@ -104,3 +104,42 @@ def test_a_bias_outside_the_vocabulary_or_banning_everything_is_one_line(models)
     every = [[i, False] for i in range(N_VOCAB)]
     with pytest.raises(LeverError, match="logit_bias: bans every token"):
         run_pipeline(configured(models, "flash-ar", None, "same", logit_bias=every), PROMPT)
+
+
+def test_the_draft_ranks_by_the_same_bias_through_a_vocabulary_map(tmp_path, monkeypatch):
+    """The shipped pair, and its draft with every id moved (tests.gguf.test_vocab_map: the same
+    function over another token table): the draft is given the run's bias over its own ids, so it
+    never proposes a banned token, and the moved draft proposes exactly what the original does
+    (adaptive trees off: the same trees); the output is the target's own either way."""
+    import numpy as np
+
+    from lever.shipped import shipped
+    from lever.stages.draft import Drafter
+    from tests.gguf.test_vocab_map import DRAFT, PROMPT, TARGET, rewrite
+
+    moved = tmp_path / "moved.gguf"
+    rewrite(DRAFT, moved, perm=np.random.default_rng(19).permutation(4096))
+    proposed: list[np.ndarray] = []
+    expand = Drafter.expand
+
+    def recorded(self, req):
+        e = expand(self, req)
+        proposed.append(np.asarray(e.child_tokens))  # in the target's ids, whatever the draft's table
+        return e
+
+    monkeypatch.setattr(Drafter, "expand", recorded)
+    tok = Tokenizer.from_gguf(TARGET)
+    ban = tok.encode("    ", add_bos=False)[0]  # the indentation the code would take
+    seen, texts = [], []
+    for draft in (DRAFT, moved):
+        proposed.clear()
+        cfg = load_config(shipped("default.toml"), [f'model.draft="{draft}"', "generate.n_predict=32",
+                                                    'pipeline.baseline=""', "tree_expand.adapt=false",
+                                                    f"generate.logit_bias=[[{ban}, false], [12, 1.5]]"])
+        texts.append(run_pipeline(cfg, PROMPT).tokens)
+        seen.append(np.concatenate([p.ravel() for p in proposed]))
+        assert ban not in seen[-1]
+    assert np.array_equal(seen[0], seen[1]) and texts[0] == texts[1]
+    ref = generate(Model(TARGET), tok.encode(PROMPT), 32, cfg.generate.params(frozenset(tok.eos_ids)),
+                   eos_ids=frozenset(tok.eos_ids)).tokens
+    assert texts[0] == ref and ban not in ref
