@@ -52,14 +52,15 @@ class ChatRenderer:
 
     def render(self, template: ChatTemplate, messages: Sequence[dict], tools: list[dict] | None = None, *,
                timeout_s: float | None = None, add_generation_prompt: bool = True,
-               variables: dict | None = None) -> Rendered:
+               variables: dict | None = None, continue_final: bool = False) -> Rendered:
         """`messages` (checked: lever.gguf.chat_template.check_messages) through `template` with
         the functions `tools` offers (checked already: lever.model.tool_calls.check_tools) and
-        the template's other `variables` (a request's chat_template_kwargs: check_variables), in
+        the template's other `variables` (a request's chat_template_kwargs: check_variables), the
+        last message continued or not (`continue_final`: lever.gguf.chat_template.continues), in
         the child, within `timeout_s` and `max_prompt_bytes`: a TemplateError naming the
         template's source for anything the template does, PromptTooLong for text the context
         cannot hold."""
-        checked = check_messages(messages)
+        checked = check_messages(messages, continue_final)
         variables = check_variables(variables)
         if "enable_thinking" not in variables and self.reasoning != "auto":
             variables["enable_thinking"] = self.reasoning == "on"
@@ -68,7 +69,8 @@ class ChatRenderer:
                          unit="characters")
         rendered = self.process.render(template, checked, add_generation_prompt, specials=tuple(self.tok.specials),
                                        timeout_s=self.timeout_s if timeout_s is None else timeout_s,
-                                       max_chars=self.max_prompt_bytes, tools=tools, variables=variables)
+                                       max_chars=self.max_prompt_bytes, tools=tools, variables=variables,
+                                       continue_final=continue_final)
         self.check_bytes(len(rendered.text.encode("utf-8", "replace")), "messages")
         return self.bos_first(rendered)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import os
 import re
 from collections.abc import Sequence
 
@@ -90,19 +91,21 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
                max_chars: int = MAX_RENDER_CHARS, tools: list[dict] | None = None,
-               variables: dict | None = None) -> str:
+               variables: dict | None = None, continue_final: bool = False) -> str:
         """The prompt for `messages` (each a dict with a `role` and a string `content`; an
         assistant's `tool_calls` and `reasoning_content`, a tool's `tool_call_id`), with the
         functions `tools` offers (OpenAI's shape, checked: lever.model.tool_calls.check_tools) and
         the template's other `variables` (check_variables; enable_thinking, when not among them,
-        as the template's thinking mode is); a TemplateError when the template fails in any way
-        or writes more than `max_chars`."""
+        as the template's thinking mode is); `continue_final`: the last message a reply the model
+        goes on with (`continues`); a TemplateError when the template fails in any way or writes
+        more than `max_chars`."""
         inputs = self._inputs(add_generation_prompt, tools, check_variables(variables))
-        return self._render(check_messages(messages), inputs, max_chars)
+        return self._written(check_messages(messages, continue_final), inputs, max_chars, continue_final)
 
     def render_marked(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
                       specials: Sequence[str], max_chars: int = MAX_RENDER_CHARS,
-                      tools: list[dict] | None = None, variables: dict | None = None) -> Rendered:
+                      tools: list[dict] | None = None, variables: dict | None = None,
+                      continue_final: bool = False) -> Rendered:
         """The prompt, and where special-token text came from the messages' content (`foreign`:
         the offsets of those occurrences, to be tokenized as text). Found by rendering again
         with each such occurrence defused (its first character replaced) in every string the
@@ -110,18 +113,18 @@ class ChatTemplate:
         arguments, the tools' definitions, the variables. What the template wrote itself is the
         same in both; a template that changes length with those characters (an escaping
         `tojson`) cannot be told apart, and the conversation is refused."""
-        checked = check_messages(messages)
+        checked = check_messages(messages, continue_final)
         if tools is not None and depth(tools) > MAX_NESTING + 4:  # [{function: {parameters: ...}}]
             raise TemplateError(f"tools: nest deeper than {MAX_NESTING} levels")
         inputs = self._inputs(add_generation_prompt, tools, check_variables(variables))
-        text = self._render(checked, inputs, max_chars)
+        text = self._written(checked, inputs, max_chars, continue_final)
         pattern = special_pattern(specials)
         if pattern is None:
             return Rendered(text, ())
         defused_messages, defused_inputs = _defused(checked, pattern), inputs.defused(pattern)
         if defused_messages == checked and defused_inputs == inputs:
             return Rendered(text, ())
-        other = self._render(defused_messages, defused_inputs, max_chars)
+        other = self._written(defused_messages, defused_inputs, max_chars, continue_final)
         refused = TemplateError(f"{self.source}: chat template: a message or tool holds special-token text the "
                                 "template rewrites; refused (it would be read as control tokens)")
         if len(other) != len(text):
@@ -149,6 +152,20 @@ class ChatTemplate:
         if "enable_thinking" not in variables:
             variables["enable_thinking"] = self.thinks()
         return Inputs(bool(add_generation_prompt), tools or None, variables, datetime.datetime.now())
+
+    def _written(self, checked: list[dict], inputs: Inputs, max_chars: int, continue_final: bool) -> str:
+        """The prompt: the conversation; or, continuing its last message, the rest with the
+        assistant's turn opened (what add_generation_prompt adds to it) and that message's text
+        after it, as llama-server writes a prefill."""
+        if not continue_final:
+            return self._render(checked, inputs, max_chars)
+        head, last = checked[:-1], checked[-1]
+        closed = self._render(head, attrs.evolve(inputs, add_generation_prompt=False), max_chars)
+        opened = self._render(head, attrs.evolve(inputs, add_generation_prompt=True), max_chars)
+        text = closed + opened[len(os.path.commonprefix([closed, opened])):] + last["content"]
+        if len(text) > max_chars:
+            raise TemplateError(f"{self.source}: chat template: wrote more than {max_chars} characters")
+        return text
 
     def _render(self, checked: list[dict], inputs: Inputs, max_chars: int) -> str:
         try:
@@ -283,8 +300,10 @@ def _id(value, where: str) -> str:
     raise LeverError(f"{where}: must be a string, got {type(value).__name__}")
 
 
-def check_messages(messages) -> list[dict]:
-    """Messages as the templates expect them, or one line naming the message and key at fault."""
+def check_messages(messages, continuing: bool = False) -> list[dict]:
+    """Messages as the templates expect them, or one line naming the message and key at fault.
+    `continuing`: the last is a reply the model goes on with (`continues`): an assistant's
+    without tool calls, its parts joined by blank lines (llama-server's render_content)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise LeverError(f"messages: must be a list of {{'role': ..., 'content': ...}}, got {type(messages).__name__}")
     if not messages:
@@ -300,7 +319,7 @@ def check_messages(messages) -> list[dict]:
         if content is None and calls:  # a reply that only calls
             content = ""
         if isinstance(content, list):  # OpenAI's content parts: the texts joined by lines, as llama-server does
-            content = _joined_parts(i, content)
+            content = _joined_parts(i, content, "\n\n" if continuing and i == len(messages) - 1 else "\n")
         if not isinstance(content, str):
             raise LeverError(f"messages[{i}].content: must be a string, got {type(content).__name__}")
         checked = {"role": role, "content": content}
@@ -314,12 +333,38 @@ def check_messages(messages) -> list[dict]:
         if role == "tool" and m.get("tool_call_id") is not None:
             checked["tool_call_id"] = _id(m["tool_call_id"], f"messages[{i}].tool_call_id")
         out.append(checked)
+    if continuing and (out[-1]["role"] != "assistant" or "tool_calls" in out[-1]):
+        raise LeverError(f"messages[{len(out) - 1}]: a reply to continue must be the assistant's, without tool_calls")
     return out
 
 
-def _joined_parts(i: int, parts: list) -> str:
+def continues(messages, add_generation_prompt=None, continue_final_message=None) -> bool:
+    """Whether a chat goes on with its last message rather than starting a reply (llama-server's
+    rule): when `continue_final_message` asks it (true or "content"; add_generation_prompt then
+    false), or when the last message is the assistant's (a prefill; not two of them)."""
+    if continue_final_message not in (None, False):
+        if continue_final_message == "reasoning_content":
+            raise LeverError("continue_final_message: continuing a reply's reasoning is not supported (true or "
+                             "\"content\")")
+        if continue_final_message not in (True, "content"):
+            raise LeverError(f"continue_final_message: must be true or \"content\", got "
+                             f"{shown(str(continue_final_message))[:40]}")
+        if add_generation_prompt is not False:
+            raise LeverError("continue_final_message: cannot be given with add_generation_prompt true (its default): "
+                             "a reply is continued or started, not both")
+        return True
+    roles = [m.get("role") if isinstance(m, dict) else None for m in messages[-2:]] \
+        if isinstance(messages, list) else []
+    if roles[-1:] != ["assistant"]:
+        return False
+    if roles == ["assistant", "assistant"]:
+        raise LeverError("messages: two assistant messages last: only one reply can be continued")
+    return True
+
+
+def _joined_parts(i: int, parts: list, by: str = "\n") -> str:
     """A message's content given as parts ([{"type": "text", "text": ...}]): their texts joined
-    by newlines; a part of another kind (an image) is refused: no model here sees one."""
+    (by newlines); a part of another kind (an image) is refused: no model here sees one."""
     texts = []
     for j, part in enumerate(parts):
         where = f"messages[{i}].content[{j}]"
@@ -330,7 +375,7 @@ def _joined_parts(i: int, parts: list) -> str:
         if not isinstance(part.get("text"), str):
             raise LeverError(f"{where}.text: must be a string")
         texts.append(part["text"])
-    return "\n".join(texts)
+    return by.join(texts)
 
 
 def _defused(value, pattern: re.Pattern):

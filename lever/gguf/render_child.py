@@ -50,13 +50,15 @@ class RenderProcess:
 
     def render(self, template: ChatTemplate, messages: Sequence[dict], add_generation_prompt: bool = True, *,
                specials: Sequence[str], timeout_s: float, max_chars: int = MAX_RENDER_CHARS,
-               tools: list[dict] | None = None, variables: dict | None = None) -> Rendered:
+               tools: list[dict] | None = None, variables: dict | None = None,
+               continue_final: bool = False) -> Rendered:
         """`template.render_marked(...)` in the child; TemplateError on any failure of the
         template, on its time bound, or when the renderer was closed."""
         request = json.dumps({"text": template.text, "source": template.source, "bos": template.bos_token,
                               "eos": template.eos_token, "messages": list(messages),
                               "add_generation_prompt": add_generation_prompt, "specials": list(specials),
-                              "max_chars": max_chars, "tools": tools, "variables": variables}).encode() + b"\n"
+                              "max_chars": max_chars, "tools": tools, "variables": variables,
+                              "continue_final": continue_final}).encode() + b"\n"
         with self._lock:
             if self._closed:
                 raise TemplateError(CLOSED)
@@ -163,7 +165,8 @@ def _serve(data_limit_bytes: int) -> None:
             r = json.loads(line)
             t = ChatTemplate(r["text"], r["source"], r["bos"], r["eos"])
             rendered = t.render_marked(r["messages"], r["add_generation_prompt"], specials=r["specials"],
-                                       max_chars=r["max_chars"], tools=r["tools"], variables=r["variables"])
+                                       max_chars=r["max_chars"], tools=r["tools"], variables=r["variables"],
+                                       continue_final=r["continue_final"])
             answer = {"text": rendered.text, "foreign": list(rendered.foreign)}
         except TemplateError as e:
             answer = {"error": str(e)}

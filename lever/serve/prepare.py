@@ -25,7 +25,7 @@ from starlette.requests import Request
 from lever.api import LLM, Call, Offer
 from lever.api.render import PromptTooLong
 from lever.errors import LeverError
-from lever.gguf.chat_template import Rendered, check_messages, check_variables
+from lever.gguf.chat_template import Rendered, check_messages, check_variables, continues
 from lever.gguf.fim import Extra, fim_ids
 from lever.serve import TIMEOUT_S
 from lever.serve.dialect import Dialect
@@ -135,7 +135,10 @@ class Preparer:
         if isinstance(data["messages"], list) and len(data["messages"]) > n_ctx:  # each is a token at least
             raise BadRequest(f"messages: {len(data['messages'])} messages cannot fit a context of {n_ctx} tokens",
                              "messages")
-        messages = check_messages(data["messages"])
+        # llama-server's prefill: a last assistant message is continued, not answered
+        data["continue_final_message"] = continues(data["messages"], data.get("add_generation_prompt"),
+                                                   data.get("continue_final_message"))
+        messages = check_messages(data["messages"], data["continue_final_message"])
         data["chat_template_kwargs"] = check_variables(data.get("chat_template_kwargs"))
         self.check_bytes(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "replace")) for m in messages)
                          + len(json.dumps(data.get("tools") or [], ensure_ascii=False).encode())
@@ -148,14 +151,16 @@ class Preparer:
     def render(self, messages: list[dict], tools: tuple[dict, ...] | None = None, data: dict | None = None
                ) -> Rendered:
         """The conversation through the template, in the LLM's renderer's child process, bounded
-        in time (the server's timeout) and output; with the request's `add_generation_prompt`
-        and `chat_template_kwargs` (its `data`, parsed), as llama-server takes them."""
+        in time (the server's timeout) and output; with the request's `add_generation_prompt`,
+        `chat_template_kwargs` and `continue_final_message` (its `data`, parsed), as llama-server
+        takes them."""
         data = data or {}
         try:
             return self.llm.renderer.render(self.llm.chat_template, messages, list(tools) if tools else None,
                                             timeout_s=self.timeout_s,
                                             add_generation_prompt=data.get("add_generation_prompt") is not False,
-                                            variables=data.get("chat_template_kwargs"))
+                                            variables=data.get("chat_template_kwargs"),
+                                            continue_final=bool(data.get("continue_final_message")))
         except PromptTooLong as e:
             raise BadRequest(str(e), e.field) from None
 

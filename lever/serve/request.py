@@ -66,7 +66,8 @@ FIELDS = {"completions": {**COMMON, "prompt": (str, list, dict), "logprobs": (in
           "chat": {**COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "tools": (list,),
                    "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
                    # llama-server's: what the chat template is given (lever.gguf.chat_template)
-                   "add_generation_prompt": (bool,), "chat_template_kwargs": (dict,)},
+                   "add_generation_prompt": (bool,), "chat_template_kwargs": (dict,),
+                   "continue_final_message": (bool, str)},
           # llama.cpp's own endpoints, by its field names
           "tokenize": {"content": (str,), "add_special": (bool,), "with_pieces": (bool,)},
           "detokenize": {"tokens": (list,)}}

@@ -1,6 +1,7 @@
 """lever.serve.prepare without a live server: a chat renders through the LLM's own renderer (one
 child process for the library's calls and the server's), held to the LLM's byte rule, given the
-request's add_generation_prompt and chat_template_kwargs (an empty tools list offers none), and a
+request's add_generation_prompt and chat_template_kwargs (an empty tools list offers none, a last
+assistant message is continued), and a
 fault inside a schema is named by the field the request gave it in."""
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ def test_a_chats_template_inputs_are_the_requests_as_llama_server_reads_them():
         data, _, messages, offer = prep.parse(json.dumps({**body, "add_generation_prompt": True, **kwargs}).encode(),
                                               "chat")
         assert prep.render(messages, offer.tools, data).text == "<|endoftext|><user>a<assistant>/!"
+        prefill = {"messages": [*body["messages"], {"role": "assistant", "content": "Wh"}]}
+        data, _, messages, offer = prep.parse(json.dumps(prefill).encode(), "chat")  # llama-server's prefill
+        assert prep.render(messages, offer.tools, data).text == "<|endoftext|><user>a<assistant>Wh"
+        with pytest.raises(LeverError, match="^continue_final_message: cannot be given with add_generation_prompt"):
+            prep.parse(json.dumps({**prefill, "continue_final_message": True}).encode(), "chat")
         for bad, field in (({"messages": "x"}, "chat_template_kwargs.messages"),
                            ({"enable_thinking": "no"}, "chat_template_kwargs.enable_thinking")):
             with pytest.raises(LeverError, match=rf"^{field}: "):
