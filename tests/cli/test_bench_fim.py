@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from lever.cli.bench.fim import (
     LEVER,
-    LLAMA,
     LLAMA_AR,
     PREFIX_TOKENS,
     SUFFIX_TOKENS,
@@ -27,6 +26,7 @@ from lever.cli.bench.fim import (
     greedy_reference,
     own_copies,
     ratio_band,
+    row_names,
     rows_for,
     sample_requests,
     stdlib_files,
@@ -35,6 +35,7 @@ from lever.cli.main import main
 from tests.cli.test_bench_cap import needs_cgroup
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
+LLAMA, LLAMA_8 = row_names((3, 8))[1:3]
 
 # A stand-in server: llama-server's --port, /health, /infill's fields; each request it gets
 # logged (its name, the body) to one file the servers share, so the order they were asked in
@@ -146,7 +147,8 @@ def test_each_request_goes_to_each_server_in_turn_and_the_table_compares_them(fa
     assert [(r["request"], r["server"]) for r in doc["results"]] == [(i, s) for i in range(4) for s in (LEVER, LLAMA)]
     text = "\n".join(lines)
     assert "same text" in text and "2/4" in text and "greedy decoding of the same FIM prompt: 4/4" in text
-    assert "peak MiB" not in text and "exited" not in text
+    assert "peak MiB" not in text and "exited" not in text and "machine load (1-minute average)" in text
+    assert all(r["load_1m"] >= 0 for r in doc["results"])
     written = json.loads((tmp_path / "fim.json").read_text())
     assert written["requests"][0]["prefix"] == qs[0].prefix
     assert written["greedy"][0] == [len(qs[0].prefix), len(qs[0].suffix)]
@@ -186,13 +188,14 @@ def test_the_rows_run_the_same_context_and_threads_and_capped_read_their_own_cop
     target.write_bytes(b"T" * 5000)
     draft.write_bytes(b"D" * 3000)
     t, d = str(target), str(draft)
-    files = {LLAMA: (t, d), LLAMA_AR: (t,)}
-    with own_copies([LLAMA, LLAMA_AR], files, True) as place:
-        rows = {r.name: r for r in rows_for([LEVER, LLAMA, LLAMA_AR], target=t, draft=d, server="/bin/llama-server",
-                                            ctx=2048, threads=2, cap_bytes=1 << 30, lever_mem=896 << 20,
-                                            place=place)}
-        copies = [*rows[LLAMA].evict, *rows[LLAMA_AR].evict]
-        assert len(set(copies)) == 3 and not {t, d} & set(copies)  # a copy each, none shared
+    assert row_names((3, 8)) == [LEVER, "llama-server k=3", "llama-server k=8", LLAMA_AR]
+    files = {LLAMA: (t, d), LLAMA_8: (t, d), LLAMA_AR: (t,)}
+    with own_copies([LLAMA, LLAMA_8, LLAMA_AR], files, True) as place:
+        rows = {r.name: r for r in rows_for([LEVER, LLAMA, LLAMA_8, LLAMA_AR], target=t, draft=d,
+                                            server="/bin/llama-server", ctx=2048, threads=2, cap_bytes=1 << 30,
+                                            lever_mem=896 << 20, place=place)}
+        copies = [*rows[LLAMA].evict, *rows[LLAMA_8].evict, *rows[LLAMA_AR].evict]
+        assert len(set(copies)) == 5 and not {t, d} & set(copies)  # a copy each, none shared
         assert [Path(p).read_bytes() for p in rows[LLAMA].evict] == [target.read_bytes(), draft.read_bytes()]
     assert not any(Path(p).exists() for p in copies) and target.exists()  # removed after, the originals kept
     lever, spec, ar = rows[LEVER].argv, rows[LLAMA].argv, rows[LLAMA_AR].argv
@@ -202,7 +205,10 @@ def test_the_rows_run_the_same_context_and_threads_and_capped_read_their_own_cop
         assert argv[0] == "/bin/llama-server" and "--no-repack" in argv
         assert argv[argv.index("-c") + 1] == "2048" and argv[argv.index("-t") + 1] == "2"
         assert argv[argv.index("-b") + 1] == "512"
-    assert "-md" in spec and "-md" not in ar
+    assert "-md" in spec and "-md" not in ar and "--spec-type" not in ar
+    for row, k in ((rows[LLAMA], "3"), (rows[LLAMA_8], "8")):  # -md alone would load a draft it never uses
+        argv = row.argv
+        assert argv[argv.index("--spec-type") + 1] == "draft-simple" and argv[argv.index("--spec-draft-n-max") + 1] == k
     with own_copies([LLAMA], files, False) as place:  # in DRAM: the files as they are
         assert place is None
     dram = rows_for([LLAMA], target=t, draft=d, server="/bin/llama-server", ctx=1024, threads=1)
@@ -211,12 +217,14 @@ def test_the_rows_run_the_same_context_and_threads_and_capped_read_their_own_cop
 
 @pytest.mark.parametrize("argv,says", [
     (["--rows", "lever,nope"], "--rows: nope is no row"),
+    (["--spec-ks", "4", "--rows", "llama-server k=3"], "--rows: llama-server k=3 is no row"),
+    (["--spec-ks", "0"], "--spec-ks: "),
     (["--rows", "lever,lever"], "--rows: give each row once"),
     (["--rows", "lever", "--lever-mem", "1G"], "--lever-mem: only under --cap"),
     (["--rows", "lever", "--cap", "1G", "--lever-mem", "2G"], "is not below the cap"),
     (["--rows", "lever", "--cap", "32M"], "below the 64 MiB"),
     (["--rows", "lever", "-m", "/nonexistent.gguf"], "lever pull qwen2.5-coder"),
-    (["--rows", "lever,llama-server", "--llama-server", "/nonexistent"], "--llama-server: /nonexistent"),
+    (["--rows", "lever,llama-server no draft", "--llama-server", "/nonexistent"], "--llama-server: /nonexistent"),
 ])
 def test_its_arguments_are_refused_in_one_line_before_any_server_starts(argv, says, capsys, tmp_path, monkeypatch):
     model = tmp_path / "m.gguf"

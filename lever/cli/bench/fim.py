@@ -14,10 +14,12 @@ whole), whole lines dropped until they fit, so both servers read the same prompt
 bench reports where they did not.
 
 The servers: `lever serve -m TARGET -md DRAFT`, llama-server with the same draft (its
-speculative decoding) and llama-server with the target alone, the same context and thread
-count. The same bodies (n_predict, temperature 0: greedy) go to each in turn, request after
-request (Lever, llama-server, llama-server with no draft, Lever, ...), so the load of a shared
-machine falls on all of them alike; one untimed request to each first. Per request: wall time
+speculative decoding, `--spec-type draft-simple`: -md alone loads a draft it never uses), a row
+for each draft length in `--spec-ks`, and llama-server with the target alone, the same context
+and thread count. The same bodies (n_predict, temperature 0: greedy) go to each in turn, request
+after request (Lever, llama-server k=3, ..., llama-server with no draft, Lever, ...), so the load
+of a shared machine falls on all of them alike (its 1-minute load average is recorded with each
+request); one untimed request to each first. Per request: wall time
 at the client, tokens generated, the completion. Reported per server: median and p90 seconds,
 tokens/s (tokens over wall time), Lever's time over its time per request (geometric mean, a
 bootstrap band of 95%, and min-max in --json), the share of completions equal to Lever's; and
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import math
 import os
 import platform
@@ -62,14 +65,15 @@ import attrs
 from lever.backends.flash.config import parse_bytes
 from lever.cli.bench.cgroup import evict, memory_group
 from lever.cli.bench.llama_cpp import find_server, server_cmd
-from lever.cli.common import add_common, bench_tokens, cpu_model, int_in, memory_size, n_ctx, output_file
+from lever.cli.common import add_common, bench_tokens, cpu_model, int_in, memory_size, n_ctx, output_file, parse_list
 from lever.cli.table import show
 from lever.errors import LeverError
 from lever.hub.store import models_dir
+from lever.model.sampling import Range
 from lever.outputs import write_json
 
 LEVER, LLAMA, LLAMA_AR = "lever", "llama-server", "llama-server no draft"
-ROWS = (LEVER, LLAMA, LLAMA_AR)
+SPEC_KS = "3,8"  # llama-server's drafts: its default length (3), and a longer one
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 N_CTX = 2048
 # llama-server's /infill takes a prefix of 3/4 of a batch and a suffix of a quarter, and the
@@ -151,9 +155,15 @@ class Row:
     evict: tuple[str, ...] = ()
 
 
+def row_names(spec_ks: Sequence[int]) -> list[str]:
+    """Every row, in the order they are asked: Lever, llama-server drafting at most k tokens for
+    each k, llama-server with no draft."""
+    return [LEVER, *(f"{LLAMA} k={k}" for k in spec_ks), LLAMA_AR]
+
+
 def rows_for(names: Sequence[str], *, target: str, draft: str, server: str | None, ctx: int, threads: int,
              cap_bytes: int | None = None, lever_mem: int | None = None, place=None) -> list[Row]:
-    """The rows `names` (ROWS); `place(name, path)`: the file that row reads for `path` (its own copy)."""
+    """The rows `names` (row_names); `place(name, path)`: the file that row reads for `path` (its own copy)."""
     place = place or (lambda _name, path: path)
     rows = []
     for name in names:
@@ -163,8 +173,9 @@ def rows_for(names: Sequence[str], *, target: str, draft: str, server: str | Non
                     "--threads", str(threads), *mem]
             rows.append(Row(name, tuple(argv), (target, draft)))
             continue
-        t, d = place(name, target), place(name, draft) if name == LLAMA else None
-        argv = server_cmd(server, target=t, draft=d, n_ctx=ctx, n_batch=N_BATCH, threads=threads,
+        t, d = place(name, target), place(name, draft) if name != LLAMA_AR else None
+        k = int(name.rsplit("=", 1)[1]) if d else 0
+        argv = server_cmd(server, target=t, draft=d, k=k, n_ctx=ctx, n_batch=N_BATCH, threads=threads,
                           no_repack=cap_bytes is not None)
         rows.append(Row(name, tuple(argv), tuple(x for x in (t, d) if x)))
     return rows
@@ -264,7 +275,8 @@ def alternate(servers, requests: Sequence[FimRequest], n_predict: int, *, warmup
                 ask(s.url, warmup.body(n_predict), client)
         for i, req in enumerate(requests):
             for s in servers:
-                r = ask(s.url, req.body(n_predict), client) | {"request": i, "server": s.row.name}
+                load = os.getloadavg()[0]  # a shared machine's: what the others ran meanwhile
+                r = ask(s.url, req.body(n_predict), client) | {"request": i, "server": s.row.name, "load_1m": load}
                 out(f"request {i + 1}/{len(requests)} {req.file}:{req.line} {s.row.name}: " +
                     (f"{r['wall_s']:.2f} s, {r['n_predicted']} tokens" if r["ok"] else r["error"]))
                 results.append(r)
@@ -309,7 +321,8 @@ def summarize(results: list[dict], names: Sequence[str], greedy: list[list[int]]
             row["same_prompt"] = sum(a["n_evaluated"] == b["n_evaluated"] for a, b in pairs)
             row["compared"] = len(pairs)
         rows[name] = row
-    out = {"rows": rows}
+    loads = [r["load_1m"] for r in results if "load_1m" in r]
+    out = {"rows": rows, "load_1m": [min(loads), max(loads)] if loads else None}
     if greedy is not None:
         lever = [by.get((i, LEVER), {}) for i in range(len(greedy))]
         out["lever_greedy"] = {"equal": sum(r.get("ok", False) and r["tokens"] == g for r, g in zip(lever, greedy)),
@@ -337,6 +350,9 @@ def print_summary(summary: dict, out, *, title: str, peaks: dict | None = None) 
     g = summary.get("lever_greedy")
     if g is not None:
         out(f"Lever's tokens = the target's own greedy decoding of the same FIM prompt: {g['equal']}/{g['compared']}")
+    if summary.get("load_1m"):
+        lo, hi = summary["load_1m"]
+        out(f"machine load (1-minute average) as the requests went out: {lo:.1f}-{hi:.1f}, {os.cpu_count()} cores")
     out("Lever time / its: geometric mean over the requests of Lever's wall time over that server's (below 1: "
         "Lever faster), 95% bootstrap band; same text: completions equal to Lever's; tok/s: tokens over wall time")
 
@@ -424,7 +440,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="each server in a memory cgroup of this size, page cache counted (root)")
     b.add_argument("--lever-mem", type=memory_size, default=None, metavar="SIZE",
                    help=f"lever serve's --mem under --cap (default: {LEVER_MARGIN >> 20} MiB below the cap)")
-    b.add_argument("--rows", default=",".join(ROWS), help=f"the servers, in turn (default {','.join(ROWS)})")
+    b.add_argument("--spec-ks", default=SPEC_KS,
+                   help=f"llama-server's draft lengths, a row each (--spec-draft-n-max; default {SPEC_KS})")
+    b.add_argument("--rows", default=None,
+                   help="only these rows, in turn (default: lever, llama-server k=K for each K, llama-server no draft)")
     b.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama-server (default: $LLAMA_SERVER, beside llama-bench, on PATH)")
     b.add_argument("--no-reference", action="store_true", help="skip the check of Lever against greedy decoding")
@@ -432,6 +451,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_common(b)
     b.set_defaults(func=main, check=check_args)
     return b
+
+
+def _names(args) -> list[str]:
+    """The rows --spec-ks and --rows leave, in turn."""
+    every = row_names(parse_list(args.spec_ks, "--spec-ks", Range(1, 64, integer=True), max_items=8))
+    if args.rows is None:
+        return every
+    names = [r.strip() for r in args.rows.split(",") if r.strip()]
+    bad = [r for r in names if r not in every]
+    if not names or bad or len(set(names)) != len(names):
+        raise LeverError(f"--rows: {bad[0] + ' is no row' if bad else 'give each row once'}; the rows: "
+                         f"{', '.join(every)}")
+    return names
 
 
 def check_args(args) -> dict:
@@ -445,11 +477,7 @@ def check_args(args) -> dict:
             regular_file(path, "model")
         except LeverError as e:
             raise LeverError(f"{flag} {e} (`lever pull qwen2.5-coder` fetches the default pair)") from None
-    names = [r.strip() for r in args.rows.split(",") if r.strip()]
-    bad = [r for r in names if r not in ROWS]
-    if not names or bad or len(set(names)) != len(names):
-        raise LeverError(f"--rows: {bad[0] + ' is no row' if bad else 'give each row once'}; the rows: "
-                         f"{', '.join(ROWS)}")
+    names = _names(args)
     server = find_server(args.llama_server) if set(names) - {LEVER} else None
     if set(names) - {LEVER} and not server:
         raise LeverError("llama-server not found: give --llama-server PATH or $LLAMA_SERVER (or --rows lever)")
@@ -479,14 +507,15 @@ def main(args) -> int:
             "python": platform.python_version(), "stdlib": str(root), "seed": args.seed, "threads": threads,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "target": c["target"],
             "draft": c["draft"], "n_ctx": args.ctx_size, "llama_n_batch": N_BATCH, "lever_mem_bytes": c["mem"]}
-    print(f"cpu: {meta['cpu']}, {meta['cores']} cores, {threads} threads; requests from {root} (seed {args.seed})")
+    say = functools.partial(print, flush=True)  # each request's line as it comes: a run takes minutes
+    say(f"cpu: {meta['cpu']}, {meta['cores']} cores, {threads} threads; requests from {root} (seed {args.seed})")
     llama = [n for n in c["names"] if n != LEVER]
-    files = {LLAMA: (c["target"], c["draft"]), LLAMA_AR: (c["target"],)}
+    files = {n: (c["target"],) if n == LLAMA_AR else (c["target"], c["draft"]) for n in llama}
     with own_copies(llama, files, c["cap"] is not None) as place:
         rows = rows_for(c["names"], target=c["target"], draft=c["draft"], server=c["server"], ctx=args.ctx_size,
                         threads=threads, cap_bytes=c["cap"], lever_mem=c["mem"], place=place)
         greedy = None if args.no_reference else greedy_reference(c["target"], ctx=args.ctx_size,
                                                                  n_predict=args.n_predict, threads=threads)
         bench_fim(picked[1:], rows, n_predict=args.n_predict, cap_bytes=c["cap"], warmup=picked[0], greedy=greedy,
-                  meta=meta, json_path=args.json)
+                  meta=meta, out=say, json_path=args.json)
     return 0

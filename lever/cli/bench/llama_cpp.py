@@ -62,14 +62,15 @@ def find_server(explicit: str | None) -> str | None:
     return find_tool("llama-server", explicit, "LLAMA_SERVER", find_llama_bench(None))
 
 
-def server_cmd(binary: str, *, target: str, draft: str | None, n_ctx: int, n_batch: int, threads: int,
+def server_cmd(binary: str, *, target: str, draft: str | None, k: int = 0, n_ctx: int, n_batch: int, threads: int,
                no_repack: bool = False) -> list[str]:
-    """llama-server on `target` (with `draft`: its speculative decoding), `n_ctx` tokens of
-    context, prompts read `n_batch` at a time; `no_repack`: the weights used as mapped (a cap's
-    runs: repacking copies them out of the page cache, which a phone-sized cap cannot hold
-    twice). The caller adds --port."""
-    cmd = [binary, "-m", target, *(["-md", draft] if draft else []), "-c", str(n_ctx), "-b", str(n_batch),
-           "-t", str(threads)]
+    """llama-server on `target` (with `draft`: its speculative decoding, drafts of at most `k`
+    tokens), `n_ctx` tokens of context, prompts read `n_batch` at a time; `no_repack`: the weights
+    used as mapped (a cap's runs: repacking copies them out of the page cache, which a
+    phone-sized cap cannot hold twice). The caller adds --port."""
+    # -md alone loads the draft and never drafts: its speculative type is "none" unless named
+    spec = ["-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(k)] if draft else []
+    cmd = [binary, "-m", target, *spec, "-c", str(n_ctx), "-b", str(n_batch), "-t", str(threads)]
     return cmd + (["--no-repack"] if no_repack else [])
 
 
