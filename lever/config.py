@@ -25,7 +25,7 @@ import attrs
 
 from lever.backends.flash import FlashConfig
 from lever.errors import LeverError, read_text
-from lever.model.sampling import LIMITS, LogitBias, Range, SamplingParams
+from lever.model.sampling import DRAWS, LIMITS, LogitBias, Range, SamplingParams
 from lever.policy.memory import MemoryConfig
 from lever.policy.placement import PlacementConfig, QnnConfig
 from lever.policy.predictor import PredictorConfig
@@ -136,9 +136,10 @@ class GenerateConfig:
     n_predict: int = _knob(128, "tokens to generate at most", arg="max_tokens", flag="n",
                            call=Range(1, N_PREDICT.hi, integer=True))  # a call asks for a token at least
     temperature: float = _knob(0.0, "sampling temperature (0: greedy)", flag="temp")
-    top_k: int = _knob(0, "keep the k likeliest tokens (0: off)")
-    top_p: float = _knob(1.0, "nucleus: the likeliest tokens up to this mass (1: off)")
-    min_p: float = _knob(0.0, "drop tokens under min_p x the likeliest's probability (0: off)")
+    # the cuts llama.cpp's sampler chain makes by default, in its order: top-k, top-p, min-p, then temperature
+    top_k: int = _knob(40, "keep the k likeliest tokens (0: off)")
+    top_p: float = _knob(0.95, "nucleus: the likeliest tokens up to this mass (1: off)")
+    min_p: float = _knob(0.05, "drop tokens under min_p x the likeliest's probability (0: off)")
     repeat_penalty: float = _knob(1.0, "llama.cpp's repeat penalty: the last repeat_last_n tokens pushed down (1: off)")
     repeat_last_n: int = _knob(64, "tokens the penalties look back on")
     presence_penalty: float = _knob(0.0, "taken from the logit of each token among the last repeat_last_n (0: off)")
@@ -149,10 +150,15 @@ class GenerateConfig:
     # false: never (a call may also name a token by its text: lever.api.call)
     logit_bias: LogitBias = attrs.field(factory=LogitBias, converter=LogitBias.of)
     ignore_eos: bool = False  # the end tokens never chosen (a -inf bias): the text runs to n_predict
+    # how a sampled token is drawn (lever.model.sampling.DRAWS): "llama.cpp", its draws from the seed, the
+    # text autoregressive decoding's (and llama.cpp's) with that seed whatever the trees; or "rejection"
+    draws: str = "llama.cpp"
     prompt: str = ""  # the prompt when none is given on the command line
 
     def __attrs_post_init__(self):
         _check_limits("generate", self, GENERATE_LIMITS)
+        if self.draws not in DRAWS:
+            raise LeverError(f"[generate] draws: must be {' or '.join(DRAWS)}, got {self.draws!r}")
 
     def params(self, eos_ids: frozenset[int] = frozenset()) -> SamplingParams:
         """The sampling knobs, as lever.model.sampling takes them; with `ignore_eos`, `eos_ids`

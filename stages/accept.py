@@ -68,8 +68,10 @@ def choose(logits: np.ndarray, drafted: Proposals | None, params: SamplingParams
            history: Sequence[int] = ()) -> int:
     """The target's token at one node, given the draft's tokens there (None: not expanded) and
     the text before it (`history`, for the penalties: the same as autoregressive decoding's)."""
-    if params.greedy or drafted is None or not len(drafted.tokens):
-        return sample(logits, params, rng, history)  # with nothing drafted, exactly an autoregressive draw
+    if params.exact_match or drafted is None or not len(drafted.tokens):
+        # exactly autoregressive decoding's choice: llama.cpp's draws take one number per token
+        # whatever the tree, and the walk goes on into the child holding the token chosen
+        return sample(logits, params, rng, history)
     return rejection_sample(distribution(logits, params, history), drafted.tokens, drafted.q, rng)[0]
 
 

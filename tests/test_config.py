@@ -144,10 +144,12 @@ def test_every_generation_knob_reaches_every_surface_from_one_list():
     from lever.model.sampling import SamplingParams
     from lever.serve import request as serve
 
-    # every field is a knob but the prompt and the logit bias (a table, not a number: a call's and [generate]'s)
-    fields = [f.name for f in attrs.fields(GenerateConfig) if f.name not in ("prompt", "logit_bias", "ignore_eos")]
+    # every field is a knob but the prompt, the logit bias (a table, not a number: a call's and [generate]'s)
+    # and how samples are drawn (a word, the config's)
+    fields = [f.name for f in attrs.fields(GenerateConfig)
+              if f.name not in ("prompt", "logit_bias", "ignore_eos", "draws")]
     assert list(KNOBS) == fields
-    assert {f.name for f in attrs.fields(SamplingParams)} <= {*fields, "logit_bias"}
+    assert {f.name for f in attrs.fields(SamplingParams)} <= {*fields, "logit_bias", "draws"}
     defaults = load_config(None).generate
     for key in fields:
         k = KNOBS[key]

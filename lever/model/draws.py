@@ -75,7 +75,8 @@ def candidates(logits: np.ndarray, *, top_k: int, top_p: float, min_p: float,
         else:
             keep = x >= floor
             ids, x = ids[keep], x[keep]
-    return ids, (x / np.float32(temperature)).astype(np.float32), ordered
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):  # an overflow: `weights` takes the limit
+        return ids, (x / np.float32(temperature)).astype(np.float32), ordered
 
 
 def _sorted(ids: np.ndarray, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -85,15 +86,27 @@ def _sorted(ids: np.ndarray, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndar
     return ids[top], x[top]
 
 
+def weights(logits: np.ndarray, *, top_k: int, top_p: float, min_p: float,
+            temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates llama.cpp's chain leaves and their unnormalized probabilities as its
+    `dist` computes them (float32 exp of each tempered logit less the largest), in its order.
+    A temperature so small that the largest logit over it overflows leaves the limit as the
+    temperature goes to 0: the likeliest candidates, equally."""
+    ids, x, _ = candidates(logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+    hi = x.max()
+    if not np.isfinite(hi):
+        top = np.asarray(logits, np.float32)[ids]
+        return ids, (top == top.max()).astype(np.float32)
+    with np.errstate(under="ignore"):
+        return ids, np.exp(x - hi, dtype=np.float32)
+
+
 def draw(logits: np.ndarray, stream: Stream, *, top_k: int, top_p: float, min_p: float,
          temperature: float) -> int:
     """One sampled token as llama.cpp's chain and `dist` choose it from `logits` (already
     biased and penalized: lever.model.sampling.penalize), taking one draw from `stream`."""
-    ids, x, _ = candidates(logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+    ids, w = weights(logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
     u = stream.uniform()  # taken even for one candidate, as llama.cpp does (one draw per token)
-    if ids.size == 1:
-        return int(ids[0])
-    p = np.exp(x - x.max(), dtype=np.float32)  # float, as llama.cpp's expf
-    run = np.cumsum(p.astype(np.float64))  # its running sum is a double
+    run = np.cumsum(w.astype(np.float64))  # its running sum is a double
     i = int(np.searchsorted(run, run[-1] * u, side="left"))  # the first whose sum reaches the target
     return int(ids[min(i, ids.size - 1)])

@@ -1,13 +1,18 @@
-"""Turning a row of logits into the next token: greedy, or temperature / top-k / top-p sampling.
+"""Turning a row of logits into the next token: greedy, or sampled through llama.cpp's chain.
 
 Generation and the Accept stage share these functions, so the distribution that speculative
-sampling preserves is exactly the one autoregressive sampling draws from. Before any cut, the
-logits are shaped as llama.cpp's sampler chain shapes them: the logit bias first, then the
-penalties on the tokens of the text before the position (repeat, frequency, presence), so a
-node of a tree and the same position decoded one token at a time see the same row. Logits holding a NaN
-or an Inf end the run (lever.model.finite.NonFiniteError, which the caller completes with the
-model and the position); a temperature so small that the logits over it overflow float64 draws
-from the limit, the likeliest tokens.
+sampling preserves is exactly the one autoregressive sampling draws from. The logits are shaped
+and cut as llama.cpp's sampler chain does it: the logit bias first, then the penalties on the
+tokens of the text before the position (repeat, frequency, presence), so a node of a tree and
+the same position decoded one token at a time see the same row; then top-k, top-p, min-p, the
+temperature (lever.model.draws), so a knob means what it means to llama.cpp. How a sampled
+token is drawn is `draws`: "llama.cpp" takes llama.cpp's own draws from the seed, one per token,
+so the text is autoregressive decoding's with that seed, token for token, whatever the tree
+(and llama.cpp's, where the logits agree); "rejection" draws the draft's children and keeps the
+target's distribution by rejection sampling (the draws then depend on the tree). Logits
+holding a NaN or an Inf end the run (lever.model.finite.NonFiniteError, which the caller
+completes with the model and the position); a temperature so small that the logits over it
+overflow draws from the limit, the likeliest tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import attrs
 import numpy as np
 
 from lever.errors import LeverError
+from lever.model import draws as llama
 from lever.model.finite import NonFiniteError
 
 
@@ -169,6 +175,11 @@ class LogitBias:
         return out
 
 
+# how a sampled token is drawn (SamplingParams.draws): llama.cpp's draws from the seed, the same
+# whatever the tree; or the draft's children drawn and the target's distribution kept by rejection
+DRAWS = ("llama.cpp", "rejection")
+
+
 @attrs.frozen
 class SamplingParams:
     """temperature 0 means greedy (argmax; ties go to the lowest id). Every field is checked
@@ -184,6 +195,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # 0: off; else taken once from the logit of each of those tokens (OpenAI's)
     frequency_penalty: float = 0.0  # 0: off; else taken from it once per time the token is among them
     logit_bias: LogitBias = attrs.field(factory=LogitBias, converter=LogitBias.of)  # before the penalties
+    draws: str = attrs.field(default="llama.cpp", validator=attrs.validators.in_(DRAWS))  # how a sample is drawn
 
     def __attrs_post_init__(self):
         for name in LIMITS:
@@ -201,7 +213,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def rng(self) -> np.random.Generator:
+    @property
+    def exact_match(self) -> bool:
+        """The target chooses each token itself (greedy, or llama.cpp's draws) and a tree is kept
+        along the child holding it: proposals need no draft distribution, and any source may propose."""
+        return self.greedy or self.draws == "llama.cpp"
+
+    def rng(self) -> np.random.Generator | llama.Stream:
+        """A generation's random numbers: llama.cpp's stream from the seed (a fresh seed: one
+        drawn from the system), or numpy's generator for rejection draws."""
+        if self.draws == "llama.cpp":
+            return llama.Stream(self.seed if self.seed is not None else int(np.random.SeedSequence().entropy))
         return np.random.default_rng(self.seed)
 
 
@@ -225,51 +247,28 @@ def penalize(logits: np.ndarray, params: SamplingParams, history: Sequence[int])
 
 
 def distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
-    """The probabilities (n_vocab,) float64 that sampling draws from, after all cuts."""
+    """The probabilities (n_vocab,) float64 that sampling draws from: the shaped logits through
+    llama.cpp's cuts and temperature (lever.model.draws), normalized."""
     x = penalize(logits, params, history)
-    hi, lo = float(x.max()), float(x.min())  # a NaN anywhere makes the max NaN
-    if not math.isfinite(hi):
+    if not math.isfinite(float(x.max())):  # a NaN anywhere makes the max NaN
         raise NonFiniteError("logits")
-    if max(abs(hi), abs(lo) if math.isfinite(lo) else 0.0) > params.temperature * FLOAT64_MAX:
-        return _overflowed(x, hi, params)
-    z = x.astype(np.float64) / params.temperature
-    if params.top_k and params.top_k < z.size:
-        kth = np.partition(z, -params.top_k)[-params.top_k]
-        z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if params.min_p > 0.0:  # after temperature, as llama.cpp's sampler chain applies it
-        p = np.where(p >= params.min_p * p.max(), p, 0.0)
-        p /= p.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        n_keep = int(np.searchsorted(cum, params.top_p)) + 1  # smallest set reaching top_p
-        cut = np.zeros_like(p)
-        cut[order[:n_keep]] = p[order[:n_keep]]
-        p = cut / cut.sum()
+    ids, w = llama.weights(x, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                           temperature=params.temperature)
+    p = np.zeros(x.shape[-1])
+    p[ids] = w.astype(np.float64) / float(np.sum(w, dtype=np.float64))
     return p
 
 
-FLOAT64_MAX = float(np.finfo(np.float64).max)
-
-
-def _overflowed(x: np.ndarray, hi: float, params: SamplingParams) -> np.ndarray:
-    """`distribution` when a logit over the temperature overflows float64: if the largest does,
-    the limit as the temperature goes to 0, the likeliest tokens alone and equally (what every
-    cut leaves as it is); if only negative ones do, the same sum with their -Inf (probability 0)."""
-    if abs(hi) > params.temperature * FLOAT64_MAX:
-        top = (x == hi).astype(np.float64)
-        return top / top.sum()
-    with np.errstate(over="ignore"):  # the overflow gives -Inf, the right logit: no warning to print
-        z = x.astype(np.float64) / params.temperature
-    return distribution(z, attrs.evolve(params, temperature=1.0, repeat_penalty=1.0, presence_penalty=0.0,
-                                        frequency_penalty=0.0, logit_bias=LogitBias()))  # shaped already
-
-
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: Sequence[int] = ()) -> int:
+def sample(logits: np.ndarray, params: SamplingParams, rng, history: Sequence[int] = ()) -> int:
+    """The token at one position (`rng`: the generation's, SamplingParams.rng)."""
     if params.greedy:
         return int(np.argmax(penalize(logits, params, history)))
+    if params.draws == "llama.cpp":
+        x = penalize(logits, params, history)
+        if not math.isfinite(float(x.max())):
+            raise NonFiniteError("logits")
+        return llama.draw(x, rng, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                          temperature=params.temperature)
     p = distribution(logits, params, history)
     return int(rng.choice(p.size, p=p))
 

@@ -114,15 +114,15 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
     params = gen.params(plan.eos_ids)  # ignore_eos: the end tokens banned by the logit bias
     params.logit_bias.check(spec.n_vocab)
     n_past = kv.n_rows if kv is not None else 0
-    if tree.adapt and not params.greedy and params.seed is not None:
-        # the trees would follow the machine's timing, and the draws with them: a seed must
-        # give the same text every time, so a seeded sampled run prices trees by the profile
+    if tree.adapt and not params.exact_match and params.seed is not None:
+        # rejection draws follow the trees, and the trees the machine's timing: a seed must
+        # give the same text every time, so such a run prices trees by the profile
         tree = attrs.evolve(tree, adapt=False)
     constraint = request.grammar.constraint(spec.n_vocab) if request.grammar is not None else None
     compute = ComputeSlot(plan.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
     cycle = TreeCycle.for_run(tree, list(request.ids), cost=plan.cost, n_ctx=plan.n_ctx, n_predict=gen.n_predict,
                               acceptance=plan.new_acceptance(), ahead_beside=bool(compute.ahead_cores),
-                              committed=n_past, greedy=params.greedy, constraint=constraint)
+                              committed=n_past, greedy=params.exact_match, constraint=constraint)
     expand = TreeExpand("tree_expand", cycle, tracer)
     prefetch = Prefetch("prefetch", target.store, target.model.file, spec,
                         anyio.CapacityLimiter(plan.flash.queue_depth), tracer)
@@ -191,6 +191,10 @@ def drafting(params: SamplingParams, vocab: VocabMap | None) -> SamplingParams:
     proposes what the target will choose (speed only: Accept is exact whatever the draft does).
     The bias over the draft's ids (a token with no counterpart there dropped), a ban as the lowest
     bias (-inf would leave a row with no number to rank); no penalty, the draft is given no text."""
+    if params.exact_match and not params.greedy:
+        # Accept takes the child holding the token it draws itself: the likeliest children are
+        # the ones to propose, as for greedy decoding (a draw among the draft's would propose less)
+        params = attrs.evolve(params, temperature=0.0)
     bias = params.logit_bias
     if not bias:
         return params

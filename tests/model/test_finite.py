@@ -171,9 +171,10 @@ def test_sampling_refuses_nan_logits_and_a_tiny_temperature_draws_the_likeliest(
         assert np.array_equal(p, [0.0, 0.5, 0.5, 0.0])
         q = distribution(np.array([0.0, -5.0], np.float32), SamplingParams(temperature=1e-308))
         assert np.array_equal(q, [1.0, 0.0])
-    same = distribution(np.array([0.5, 1.0, 2.0]), SamplingParams(temperature=0.7))  # numerics untouched
-    z = np.array([0.5, 1.0, 2.0]) / 0.7
-    assert np.array_equal(same, np.exp(z - z.max()) / np.exp(z - z.max()).sum())
+    same = distribution(np.array([0.5, 1.0, 2.0]), SamplingParams(temperature=0.7))  # numerics untouched:
+    z = np.array([0.5, 1.0, 2.0], np.float32) / np.float32(0.7)  # llama.cpp's, in float32
+    w = np.exp(z - z.max(), dtype=np.float32).astype(np.float64)
+    assert np.array_equal(same, w / w.sum())
 
 
 def test_predictor_scores_from_a_nan_hidden_state_are_refused():

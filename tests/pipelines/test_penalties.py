@@ -72,15 +72,18 @@ def test_greedy_under_a_bias_and_penalties_is_the_autoregressive_greedy_output(m
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(gen=knobs, pipeline=st.sampled_from(PIPELINES), seed=st.integers(0, 2**31))
-def test_seeded_sampling_under_a_bias_and_penalties_is_the_same_text_again(models, gen, pipeline, seed):
-    """(Without drafting ahead, whose draws follow the machine's timing.) The autoregressive
-    pipelines draw as the plain loop does, one draw a token from the same generator."""
-    cfg = configured(models, *pipeline, temperature=0.9, seed=seed, **gen)
-    cfg = attrs.evolve(cfg, tree_expand=attrs.evolve(cfg.tree_expand, lookahead_nodes=0))
+@given(gen=knobs, pipeline=st.sampled_from(PIPELINES), seed=st.integers(0, 2**31),
+       draws=st.sampled_from(["llama.cpp", "rejection"]))
+def test_seeded_sampling_under_a_bias_and_penalties_is_the_same_text_again(models, gen, pipeline, seed, draws):
+    """llama.cpp's draws: every pipeline's text is the plain loop's, draw for draw. Rejection
+    draws (without drafting ahead, whose draws follow the machine's timing): the same text
+    again, and the autoregressive pipelines' is the plain loop's."""
+    cfg = configured(models, *pipeline, temperature=0.9, seed=seed, draws=draws, **gen)
+    if draws == "rejection":
+        cfg = attrs.evolve(cfg, tree_expand=attrs.evolve(cfg.tree_expand, lookahead_nodes=0))
     a = run_pipeline(cfg, PROMPT).tokens
     assert run_pipeline(cfg, PROMPT).tokens == a
-    if pipeline[0] != "speculative":
+    if pipeline[0] != "speculative" or draws == "llama.cpp":
         assert a == reference(models, cfg)
     banned = {t for t, b in cfg.generate.params(frozenset(models[2].eos_ids)).logit_bias.pairs if b == -math.inf}
     assert not banned & set(a)

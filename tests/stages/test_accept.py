@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lever.dataflow.messages import Expansion, TokenTree
-from lever.model.sampling import SamplingParams, distribution, draw_without_replacement, sample
+from lever.model.sampling import DRAWS, SamplingParams, distribution, draw_without_replacement, sample
 from lever.policy.cost import FlatCost
 from lever.policy.predictor import prune_by_scores
 from lever.stages.accept import accept_tree
@@ -117,7 +118,7 @@ class SamplingDraft:
 
 
 def speculative_sample(rng, config, prune: bool = False, masked: bool = False,
-                       params: SamplingParams = SamplingParams(temperature=1.0)) -> tuple[int, ...]:
+                       params: SamplingParams = SamplingParams(temperature=1.0, draws="rejection")) -> tuple[int, ...]:
     """N_TOKENS tokens by cycles of draft tree + rejection-sampling Accept, from prefix (0,);
     with prune, random branches are pruned as a predictor might (never the backbone); with
     masked, under the synthetic grammar: the draft draws from its masked distribution (as Draft
@@ -178,40 +179,50 @@ def chi_square_vs_target(samples, masked: bool = False, params: SamplingParams |
     return stat, df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
-def test_tree_speculative_sampling_matches_the_targets_distribution():
+@pytest.mark.parametrize("draws", DRAWS)
+def test_tree_speculative_sampling_matches_the_targets_distribution(draws):
+    """Either way of drawing: llama.cpp's (the target's own choice at each node, the walk into the
+    child holding it) or rejection sampling over the draft's draws."""
     rng = np.random.default_rng(1)
     config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
-    samples = [speculative_sample(rng, config) for _ in range(TRIALS)]
+    params = SamplingParams(temperature=1.0, draws=draws)
+    samples = [speculative_sample(rng, config, params=params) for _ in range(TRIALS)]
     stat, limit = chi_square_vs_target(samples)
     assert stat < limit, f"chi-square {stat:.1f} over the {limit:.1f} an exact sampler stays under"
     assert np.mean([len(s) for s in samples]) == N_TOKENS
 
 
-def test_pruned_trees_keep_the_targets_distribution():
+@pytest.mark.parametrize("draws", DRAWS)
+def test_pruned_trees_keep_the_targets_distribution(draws):
     """Pruning only stops the walk early: a pruned child chosen by the target is the bonus token."""
     rng = np.random.default_rng(2)
     config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
-    stat, limit = chi_square_vs_target([speculative_sample(rng, config, prune=True) for _ in range(TRIALS)])
+    params = SamplingParams(temperature=1.0, draws=draws)
+    stat, limit = chi_square_vs_target([speculative_sample(rng, config, prune=True, params=params)
+                                        for _ in range(TRIALS)])
     assert stat < limit, f"chi-square {stat:.1f} over the {limit:.1f} an exact sampler stays under"
 
 
-def test_under_a_grammar_sampling_keeps_the_constrained_distribution():
+@pytest.mark.parametrize("draws", DRAWS)
+def test_under_a_grammar_sampling_keeps_the_constrained_distribution(draws):
     """The target's distribution masked by the grammar at every node (lever.model.grammar's job
     in Accept), the draft's drawn from its own masked distribution: exactly constrained sampling."""
     rng = np.random.default_rng(3)
     config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
-    samples = [speculative_sample(rng, config, masked=True) for _ in range(TRIALS)]
+    params = SamplingParams(temperature=1.0, draws=draws)
+    samples = [speculative_sample(rng, config, masked=True, params=params) for _ in range(TRIALS)]
     stat, limit = chi_square_vs_target(samples, masked=True)
     assert stat < limit, f"chi-square {stat:.1f} over the {limit:.1f} an exact sampler stays under"
 
 
-def test_with_a_logit_bias_and_penalties_sampling_keeps_the_shaped_distribution():
+@pytest.mark.parametrize("draws", DRAWS)
+def test_with_a_logit_bias_and_penalties_sampling_keeps_the_shaped_distribution(draws):
     """Each node's row biased and penalized by that node's own text (the prefix, then the path
     down to it): the sequences come as often as the shaped target's own draws would give them,
     and a banned token, which the draft still draws, never comes."""
     rng = np.random.default_rng(4)
     params = SamplingParams(temperature=1.0, repeat_penalty=1.5, repeat_last_n=2, presence_penalty=0.4,
-                            frequency_penalty=0.3, logit_bias=[(1, 0.8), (3, -math.inf)])
+                            frequency_penalty=0.3, logit_bias=[(1, 0.8), (3, -math.inf)], draws=draws)
     config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
     samples = [speculative_sample(rng, config, params=params) for _ in range(TRIALS)]
     assert not any(3 in s for s in samples)
@@ -233,7 +244,8 @@ def test_the_distribution_test_catches_a_biased_verifier(monkeypatch):
     monkeypatch.setattr(accept, "rejection_sample", naive)
     rng = np.random.default_rng(1)
     config = TreeExpandConfig(policy="gain-cost", max_nodes=8, max_depth=3, top_k=3, round_nodes=4)
-    stat, limit = chi_square_vs_target([speculative_sample(rng, config) for _ in range(TRIALS)])
+    params = SamplingParams(temperature=1.0, draws="rejection")
+    stat, limit = chi_square_vs_target([speculative_sample(rng, config, params=params) for _ in range(TRIALS)])
     assert stat > limit
 
 
