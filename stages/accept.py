@@ -171,6 +171,12 @@ class Accept(Stage):
     def __attrs_post_init__(self):
         self._rng = self.params.rng()
 
+    @property
+    def stream(self):
+        """llama.cpp's draws this run takes (lever.model.draws.Stream), when it samples so; None
+        otherwise. The draft reads ahead in it to propose what each position will draw."""
+        return self._rng if self.params.draws == "llama.cpp" and not self.params.greedy else None
+
     def step(self, v: Verified) -> Accepted:
         tree = v.tree
         # n_predict's rest, and the context's: the text (prompt, reply) stops when it fills it

@@ -36,6 +36,8 @@ from lever.dataflow.messages import ExpandRequest, Expansion
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
 from lever.gguf.vocab_map import VocabMap
+from lever.model import draws as llama
+from lever.model.draws import Stream
 from lever.model.finite import NonFiniteError, finite
 from lever.model.grammar import Constraint
 from lever.model.sampling import SamplingParams, distribution, draw_without_replacement
@@ -101,6 +103,9 @@ class Drafter:
     constraint_start: int = 0  # the row of the first generated token (the prompt's rows are not constrained)
     pending_tokens: list[int] = attrs.field(factory=list)  # the token of each pending row (target ids)
     generated: list[int] = attrs.field(factory=list)  # committed tokens from constraint_start on, under a grammar
+    # llama.cpp's draws the run's Accept takes (lever.model.draws); each row's first child is then the
+    # token the draft's own chain draws with the number its position will take (a coupled proposal)
+    coupled: Stream | None = None
 
     def keep(self, rows: tuple[int, ...], carry: tuple[int, ...] = ()) -> None:
         """A new cycle: of the pending rows, `rows` (ascending: the accepted path) join the
@@ -156,7 +161,7 @@ class Drafter:
             raise e.evolve(role="draft", path=self.model.file.path) from None
         self.forwards += 1
         self.forward_tokens[n] += 1
-        greedy = self.sampling is None or self.sampling.greedy
+        greedy = self.sampling is None or self.sampling.exact_match  # children by rank, none drawn
         n_seen = req.n_given if req.given_proposals and greedy else 0  # given rows whose top-k is asked
         expand = np.arange(req.n_given - n_seen, n)
         if expand.size == 0:
@@ -172,6 +177,8 @@ class Drafter:
                     tokens, probs = softmax_top_k(logits, req.top_k)
                 else:
                     tokens, probs = mapped_top_k(logits, req.top_k, self.vocab)
+                if self.coupled is not None and not self.sampling.greedy and self.vocab is None:
+                    self._couple(logits, tokens, probs, [depth[first + int(e)] for e in expand])
                 if dead is not None:  # a refused path: children of no weight, never grown
                     probs[dead] = 0.0
                 rows = (first + expand[n_seen:]).astype(np.int32)
@@ -199,6 +206,22 @@ class Drafter:
             dead[i] = not allowed.any()
             logits[i, ~allowed[: logits.shape[1]]] = MASKED_LOGIT
         return dead
+
+    def _couple(self, logits: np.ndarray, tokens: np.ndarray, probs: np.ndarray, depths: list[int]) -> None:
+        """Each row's children (in place) led by the token the draft's chain draws with the
+        number of llama.cpp's stream its child's position will take: where the two models
+        agree, the target draws that very token (quantile coupling), far more often than it
+        draws any one of the draft's likeliest. It takes rank 0 and the row's top weight."""
+        s = self.sampling
+        for i, d in enumerate(depths):
+            g = self.n_committed + d + 1 - self.constraint_start  # the child's place among the generated tokens
+            if g < 0:
+                continue
+            ids, w = llama.weights(logits[i], top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temperature=s.temperature)
+            t = llama.pick(ids, w, self.coupled.at(g))
+            rest = [(int(x), float(q)) for x, q in zip(tokens[i], probs[i]) if x != t][: tokens.shape[1] - 1]
+            probs[i] = [probs[i, 0], *(q for _, q in rest)]
+            tokens[i] = [t, *(x for x, _ in rest)]
 
     def draw(self, logits: np.ndarray, k: int, dead: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray,
                                                                                          np.ndarray]:

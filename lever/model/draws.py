@@ -18,6 +18,8 @@ leaves them unspecified; logits that tie exactly are rare past the smallest mode
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 # std::generate_canonical<double, 53> over a 32-bit engine takes two outputs: (a + b * 2^32) / 2^64
@@ -27,23 +29,36 @@ BELOW_ONE = float(np.nextafter(1.0, 0.0))
 
 class Stream:
     """std::mt19937 seeded as llama.cpp seeds its sampler, and the doubles its `dist` draws.
-    numpy's MT19937 with the legacy seeding is the same generator (init_genrand)."""
+    numpy's MT19937 with the legacy seeding is the same generator (init_genrand). The numbers
+    are kept by index, so the draft can see the one a position will take before Accept takes it
+    (a coupled proposal: stages/draft.py) without moving the stream."""
 
     def __init__(self, seed: int):
         self._mt = np.random.MT19937()
         self._mt._legacy_seeding(int(seed) & 0xFFFFFFFF)  # llama.cpp's seed is a uint32_t
+        self._made: list[float] = []
+        self._lock = threading.Lock()  # the draft (drafting ahead, in its thread) reads ahead too
         self.n_draws = 0
 
     def raw(self, n: int) -> np.ndarray:
-        """The engine's next n 32-bit outputs."""
+        """The engine's next n 32-bit outputs (for tests: bypasses the numbers kept)."""
         return self._mt.random_raw(n)
 
+    def at(self, j: int) -> float:
+        """The j-th number (0-based) the stream gives: std::uniform_real_distribution<double>(0, 1),
+        that is generate_canonical<double, 53> of the engine's next two outputs."""
+        with self._lock:
+            while len(self._made) <= j:
+                a, b = (int(x) for x in self._mt.random_raw(2))
+                u = (a + b * TWO_32) / TWO_64
+                self._made.append(u if u < 1.0 else BELOW_ONE)
+            return self._made[j]
+
     def uniform(self) -> float:
-        """std::uniform_real_distribution<double>(0, 1): generate_canonical<double, 53>."""
-        a, b = (int(x) for x in self._mt.random_raw(2))
+        """The next number, taken."""
+        u = self.at(self.n_draws)
         self.n_draws += 1
-        u = (a + b * TWO_32) / TWO_64
-        return u if u < 1.0 else BELOW_ONE
+        return u
 
 
 def candidates(logits: np.ndarray, *, top_k: int, top_p: float, min_p: float,
@@ -101,12 +116,16 @@ def weights(logits: np.ndarray, *, top_k: int, top_p: float, min_p: float,
         return ids, np.exp(x - hi, dtype=np.float32)
 
 
+def pick(ids: np.ndarray, w: np.ndarray, u: float) -> int:
+    """`dist`'s choice among candidates `ids` of weights `w` (`weights`) for the number u."""
+    run = np.cumsum(w.astype(np.float64))  # its running sum is a double
+    i = int(np.searchsorted(run, run[-1] * u, side="left"))  # the first whose sum reaches the target
+    return int(ids[min(i, ids.size - 1)])
+
+
 def draw(logits: np.ndarray, stream: Stream, *, top_k: int, top_p: float, min_p: float,
          temperature: float) -> int:
     """One sampled token as llama.cpp's chain and `dist` choose it from `logits` (already
     biased and penalized: lever.model.sampling.penalize), taking one draw from `stream`."""
     ids, w = weights(logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
-    u = stream.uniform()  # taken even for one candidate, as llama.cpp does (one draw per token)
-    run = np.cumsum(w.astype(np.float64))  # its running sum is a double
-    i = int(np.searchsorted(run, run[-1] * u, side="left"))  # the first whose sum reaches the target
-    return int(ids[min(i, ids.size - 1)])
+    return pick(ids, w, stream.uniform())  # taken even for one candidate, as llama.cpp does

@@ -155,6 +155,7 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
         cache = kv.draft if kv is not None and kv.draft is not None else None
         core = _drafter(draft, plan, spec=spec, cache=cache, n_past=n_past, params=params)
         core.constraint, core.constraint_start = constraint, n_past + len(request.ids)
+        core.coupled = accept.stream if plan.vocab is None else None  # proposals at Accept's own draws
         stage = Draft("draft", core, compute, tracer)
         p.connect(expand, "expand", stage, "expand", 1)
         p.connect(stage, "expansion", expand, "expansion", 1)
@@ -191,10 +192,6 @@ def drafting(params: SamplingParams, vocab: VocabMap | None) -> SamplingParams:
     proposes what the target will choose (speed only: Accept is exact whatever the draft does).
     The bias over the draft's ids (a token with no counterpart there dropped), a ban as the lowest
     bias (-inf would leave a row with no number to rank); no penalty, the draft is given no text."""
-    if params.exact_match and not params.greedy:
-        # Accept takes the child holding the token it draws itself: the likeliest children are
-        # the ones to propose, as for greedy decoding (a draw among the draft's would propose less)
-        params = attrs.evolve(params, temperature=0.0)
     bias = params.logit_bias
     if not bias:
         return params
