@@ -107,8 +107,8 @@ def test_errors_are_json_and_one_line(server):
     r = httpx.post(url + "/v1/completions", content=deep, headers=auth(KEYS[0]))
     assert r.status_code == 400 and "nests" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/chat/completions", headers=auth(KEYS[0]),
-                   json={"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+                   json={"messages": [{"role": "user", "content": "x"}], "best_of": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
     r = httpx.post(url + "/v1/completions", headers=auth(KEYS[0]), json={"prompt": "x", "n": None, "max_tokens": 2})
     assert r.status_code == 200
 

@@ -51,7 +51,8 @@ def test_every_response_carries_timings_with_llama_cpps_names(server, llm):
     url = server[1]
     body = {"prompt": PROMPT, "max_tokens": 20}
     t = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["timings"]
-    assert t["prompt_n"] == len(llm.tokenizer.encode(PROMPT)) and t["predicted_n"] == 20
+    # prompt_n: the tokens prefilled; cache_n: those a kept conversation held already (an earlier chat's BOS)
+    assert t["prompt_n"] + t["cache_n"] == len(llm.tokenizer.encode(PROMPT)) and t["predicted_n"] == 20
     assert t["draft_n"] >= t["draft_n_accepted"] > 0  # the shipped pair speculates
     assert t["tokens_per_pass"] > 1 and t["tree_nodes"] > 1 and t["passes"] >= 2
     assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in t.values())

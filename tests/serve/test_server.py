@@ -77,7 +77,7 @@ def test_chat_and_streamed_chat_equal_the_api(client, llm):
 @pytest.mark.parametrize("body, param", [
     (b"{not json", None), (b"[1, 2]", None), (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens"),
     (b'{"prompt": "x", "temperature": "hot"}', "temperature"), (b'{"prompt": 3}', "prompt"),
-    (b'{"prompt": "x", "max_tokens": 1000000}', "max_tokens"), (b'{"prompt": "x", "stop": 5}', "stop"),
+    (b'{"prompt": "x", "max_tokens": 2147483648}', "max_tokens"), (b'{"prompt": "x", "stop": 5}', "stop"),
     (b'{"prompt": "x", "stream": "yes"}', "stream"), (b'{"prompt": "x", "n": 2}', "n"), (b'{}', "prompt"),
     (b'{"prompt": "x", "temperature": -1}', "temperature"),
 ])
