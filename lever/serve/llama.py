@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from lever.api import Chunk, Completion
+from lever.config import N_PREDICT
 from lever.dataflow.messages import TokenLogprob
 from lever.errors import LeverError
 from lever.gguf.tokenizer import Tokenizer
@@ -51,8 +52,8 @@ def translate(data: dict) -> dict:
     for theirs, ours in RENAMED.items():
         if theirs in out:
             out.setdefault(ours, out.pop(theirs))
-    if out.get("max_tokens") == -1:
-        out.pop("max_tokens")  # llama-server's "until the context or an end": the context bounds it
+    if out.get("max_tokens") == -1:  # llama-server's "until the context or an end": the context stops it
+        out["max_tokens"] = int(N_PREDICT.hi)
     n_probs = out.pop("n_probs", None)
     if n_probs not in (None, 0, False):
         out.setdefault("logprobs", n_probs)
@@ -132,7 +133,8 @@ class NativeReply:
         out = {"index": self.index, "content": c.text, "tokens": list(c.tokens) if self.return_tokens else [],
                "id_slot": 0, "stop": True, "model": self.model_id, "tokens_predicted": len(c.tokens),
                "tokens_evaluated": c.usage.prompt_tokens, "generation_settings": self.settings,
-               "prompt": self.prompt, "has_new_line": "\n" in c.text, "truncated": False,
+               "prompt": self.prompt, "has_new_line": "\n" in c.text,
+               "truncated": c.finish_reason == StopReason.CONTEXT,  # llama-server's: the context filled
                "stop_type": STOP_TYPE[c.finish_reason], "stopping_word": "", "tokens_cached": c.usage.cached_tokens,
                "timings": timings(c.stats, c.usage.cached_tokens)}
         if self.probs and c.logprobs:
@@ -167,7 +169,8 @@ class NativeReply:
         return [sse({"index": self.index, "content": "", "tokens": [], "stop": True, "id_slot": 0,
                      "model": self.model_id, "tokens_predicted": u.completion_tokens if u else 0,
                      "tokens_evaluated": u.prompt_tokens if u else 0, "generation_settings": self.settings,
-                     "prompt": self.prompt, "has_new_line": False, "truncated": False,
+                     "prompt": self.prompt, "has_new_line": False,
+                     "truncated": chunk.finish_reason == StopReason.CONTEXT,
                      "stop_type": STOP_TYPE[chunk.finish_reason], "stopping_word": "",
                      "tokens_cached": u.cached_tokens if u else 0,
                      **({"timings": timings(chunk.stats, u.cached_tokens)} if chunk.stats else {})})]

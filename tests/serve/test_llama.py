@@ -225,3 +225,16 @@ def test_a_streams_usage_chunk_carries_the_timings(server):
                                                   "max_tokens": 5, "stream": True,
                                                   "stream_options": {"include_usage": True}})
     assert evs[-1]["choices"] == [] and evs[-1]["usage"]["completion_tokens"] == evs[-1]["timings"]["predicted_n"]
+
+
+def test_n_predict_minus_one_runs_until_the_slots_context_is_full(server):
+    """llama-server's -1: no limit but the context (a slot's 256 here); the text fills it, prompt
+    and reply, and says it was cut there (truncated); a reply that ends before is not."""
+    full = post(server, "/completion", {"prompt": PROMPT, "n_predict": -1, "ignore_eos": True}).json()
+    t = full["timings"]
+    assert t["prompt_n"] + t.get("cache_n", 0) + t["predicted_n"] == 256 and full["truncated"] is True
+    assert full["stop_type"] == "limit"
+    short = post(server, "/completion", {"prompt": PROMPT, "n_predict": 8}).json()
+    assert short["truncated"] is False and short["timings"]["predicted_n"] == 8
+    streamed = events(server, "/completion", {"prompt": PROMPT, "n_predict": -1, "ignore_eos": True, "stream": True})
+    assert streamed[-1]["truncated"] is True and "".join(e["content"] for e in streamed) == full["content"]
