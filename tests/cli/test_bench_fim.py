@@ -174,6 +174,16 @@ def test_a_server_that_dies_fails_its_requests_and_the_others_go_on(fakes, tmp_p
     assert doc["died"] == [LLAMA_AR] and "exited before the bench was done: llama-server no draft (exit 3)" in lines
 
 
+def test_a_server_that_does_not_start_is_a_row_of_failures_saying_why(fakes):
+    rows, _ = fakes
+    refuses = Row(LEVER, (sys.executable, "-c", "import sys; sys.exit('lever: error: --mem 1G: the plan needs more')"))
+    lines = []
+    doc = bench_fim(requests(2), [refuses, rows[1]], n_predict=4, warmup=requests(1)[0], out=lines.append)
+    r = doc["summary"]["rows"]
+    assert r[LEVER]["ok"] == 0 and r[LLAMA]["ok"] == 2 and r[LLAMA]["lever_over"] is None
+    assert "the plan needs more" in r[LEVER]["why"] and doc["died"] == [LEVER]
+
+
 @needs_cgroup
 def test_capped_each_server_runs_in_a_cgroup_of_its_own_and_its_peak_is_reported(fakes):
     rows, _ = fakes
@@ -193,18 +203,20 @@ def test_the_rows_run_the_same_context_and_threads_and_capped_read_their_own_cop
     with own_copies([LLAMA, LLAMA_8, LLAMA_AR], files, True) as place:
         rows = {r.name: r for r in rows_for([LEVER, LLAMA, LLAMA_8, LLAMA_AR], target=t, draft=d,
                                             server="/bin/llama-server", ctx=2048, threads=2, cap_bytes=1 << 30,
-                                            lever_mem=896 << 20, place=place)}
+                                            lever_mem=896 << 20, place=place,
+                                            lever_sets=("flash.window_layers=2", "tree_expand.max_nodes=64"))}
         copies = [*rows[LLAMA].evict, *rows[LLAMA_8].evict, *rows[LLAMA_AR].evict]
         assert len(set(copies)) == 5 and not {t, d} & set(copies)  # a copy each, none shared
         assert [Path(p).read_bytes() for p in rows[LLAMA].evict] == [target.read_bytes(), draft.read_bytes()]
     assert not any(Path(p).exists() for p in copies) and target.exists()  # removed after, the originals kept
     lever, spec, ar = rows[LEVER].argv, rows[LLAMA].argv, rows[LLAMA_AR].argv
-    assert lever[-6:] == ("--ctx-size", "2048", "--threads", "2", "--mem", str(896 << 20))
+    assert lever[-12:] == ("--ctx-size", "2048", "--threads", "2", "--mem", str(896 << 20), "--cache-ram", "0",
+                           "--set", "flash.window_layers=2", "--set", "tree_expand.max_nodes=64")
     assert rows[LEVER].evict == (t, d)
     for argv in (spec, ar):
         assert argv[0] == "/bin/llama-server" and "--no-repack" in argv
         assert argv[argv.index("-c") + 1] == "2048" and argv[argv.index("-t") + 1] == "2"
-        assert argv[argv.index("-b") + 1] == "512"
+        assert argv[argv.index("-b") + 1] == "512" and argv[-2:] == ("--cache-ram", "0")
     assert "-md" in spec and "-md" not in ar and "--spec-type" not in ar
     for row, k in ((rows[LLAMA], "3"), (rows[LLAMA_8], "8")):  # -md alone would load a draft it never uses
         argv = row.argv
@@ -212,7 +224,8 @@ def test_the_rows_run_the_same_context_and_threads_and_capped_read_their_own_cop
     with own_copies([LLAMA], files, False) as place:  # in DRAM: the files as they are
         assert place is None
     dram = rows_for([LLAMA], target=t, draft=d, server="/bin/llama-server", ctx=1024, threads=1)
-    assert "--no-repack" not in dram[0].argv and dram[0].argv[dram[0].argv.index("-md") + 1] == d
+    argv = dram[0].argv
+    assert "--no-repack" not in argv and "--cache-ram" not in argv and argv[argv.index("-md") + 1] == d
 
 
 @pytest.mark.parametrize("argv,says", [

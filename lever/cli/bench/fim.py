@@ -30,7 +30,9 @@ does).
 With --cap, each server runs in a memory cgroup of its own of that size, the page cache counted
 (lever.cli.bench.cgroup), its model files evicted from the page cache before it starts; Lever
 with `--mem` a margin below the cap (its plan places itself inside, the render and grammar
-children beside it); llama-server with --no-repack, mapping its files as it does by default.
+children beside it); llama-server with --no-repack, mapping its files as it does by default;
+neither keeps prompts between requests (--cache-ram 0). A server that does not start (Lever's
+plan over its --mem) is a row of failures saying why; the others run.
 The llama-server rows then read their own copies of the files (made beside them, removed after):
 a file's cached pages are one per file, and one server must not read what another's cgroup paid
 for.
@@ -67,6 +69,7 @@ from lever.cli.bench.cgroup import evict, memory_group
 from lever.cli.bench.llama_cpp import find_server, server_cmd
 from lever.cli.common import add_common, bench_tokens, cpu_model, int_in, memory_size, n_ctx, output_file, parse_list
 from lever.cli.table import show
+from lever.config import check_overrides
 from lever.errors import LeverError
 from lever.hub.store import models_dir
 from lever.model.sampling import Range
@@ -162,21 +165,25 @@ def row_names(spec_ks: Sequence[int]) -> list[str]:
 
 
 def rows_for(names: Sequence[str], *, target: str, draft: str, server: str | None, ctx: int, threads: int,
-             cap_bytes: int | None = None, lever_mem: int | None = None, place=None) -> list[Row]:
-    """The rows `names` (row_names); `place(name, path)`: the file that row reads for `path` (its own copy)."""
+             cap_bytes: int | None = None, lever_mem: int | None = None, lever_sets=(), place=None) -> list[Row]:
+    """The rows `names` (row_names); `lever_sets`: lever serve's --set overrides; `place(name,
+    path)`: the file that row reads for `path` (its own copy). Under a cap neither server keeps
+    prompts between requests (--cache-ram 0 both): these share ~10 tokens, and what a cache would
+    hold is the model's room."""
     place = place or (lambda _name, path: path)
+    capped = ["--cache-ram", "0"] if cap_bytes is not None else []
     rows = []
     for name in names:
         if name == LEVER:
             mem = ["--mem", str(lever_mem)] if lever_mem else []
             argv = [sys.executable, "-m", "lever", "serve", "-m", target, "-md", draft, "--ctx-size", str(ctx),
-                    "--threads", str(threads), *mem]
+                    "--threads", str(threads), *mem, *capped, *(x for s in lever_sets for x in ("--set", s))]
             rows.append(Row(name, tuple(argv), (target, draft)))
             continue
         t, d = place(name, target), place(name, draft) if name != LLAMA_AR else None
         k = int(name.rsplit("=", 1)[1]) if d else 0
         argv = server_cmd(server, target=t, draft=d, k=k, n_ctx=ctx, n_batch=N_BATCH, threads=threads,
-                          no_repack=cap_bytes is not None)
+                          no_repack=cap_bytes is not None) + capped
         rows.append(Row(name, tuple(argv), tuple(x for x in (t, d) if x)))
     return rows
 
@@ -195,7 +202,7 @@ class Served:
         cmd = [*row.argv, "--port", str(self.port)]
         self.proc = subprocess.Popen(group.joined(cmd) if group else cmd, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=self.err)
-        self.peak_bytes, self.exit, self.died = 0, None, False
+        self.peak_bytes, self.exit, self.died, self.failed = 0, None, False, ""
 
     def wait_ready(self) -> None:
         import httpx
@@ -215,7 +222,7 @@ class Served:
     def tail(self) -> str:
         self.err.seek(0)
         lines = [x for x in self.err.read().strip().splitlines() if x.strip()]
-        return lines[-1].strip()[:300] if lines else "no output"
+        return lines[-1].strip()[:600] if lines else "no output"
 
     def stop(self) -> None:
         self.died = self.proc.poll() is not None  # it exited (or was killed by its cap) before the bench was done
@@ -240,7 +247,10 @@ def serving(rows: Sequence[Row], cap_bytes: int | None):
             for row in rows:
                 group = stack.enter_context(memory_group(cap_bytes)) if cap_bytes else None
                 servers.append(Served(row, group))
-                servers[-1].wait_ready()
+                try:
+                    servers[-1].wait_ready()
+                except LeverError as e:  # its row says why (a plan over the cap); the others still run
+                    servers[-1].failed = str(e)
             yield servers
         finally:
             for s in servers:
@@ -272,9 +282,13 @@ def alternate(servers, requests: Sequence[FimRequest], n_predict: int, *, warmup
     with httpx.Client() as client:
         if warmup is not None:
             for s in servers:
-                ask(s.url, warmup.body(n_predict), client)
+                if not s.failed:
+                    ask(s.url, warmup.body(n_predict), client)
         for i, req in enumerate(requests):
             for s in servers:
+                if s.failed:
+                    results.append({"ok": False, "wall_s": 0.0, "error": s.failed, "request": i, "server": s.row.name})
+                    continue
                 load = os.getloadavg()[0]  # a shared machine's: what the others ran meanwhile
                 r = ask(s.url, req.body(n_predict), client) | {"request": i, "server": s.row.name, "load_1m": load}
                 out(f"request {i + 1}/{len(requests)} {req.file}:{req.line} {s.row.name}: " +
@@ -444,6 +458,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"llama-server's draft lengths, a row each (--spec-draft-n-max; default {SPEC_KS})")
     b.add_argument("--rows", default=None,
                    help="only these rows, in turn (default: lever, llama-server k=K for each K, llama-server no draft)")
+    b.add_argument("--lever-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a --set for lever serve (repeat for several)")
     b.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama-server (default: $LLAMA_SERVER, beside llama-bench, on PATH)")
     b.add_argument("--no-reference", action="store_true", help="skip the check of Lever against greedy decoding")
@@ -490,6 +506,7 @@ def check_args(args) -> dict:
     if cap is not None and not 0 < mem < cap:
         raise LeverError(f"--lever-mem: {mem} bytes is not below the cap's {cap}")
     output_file(args.json, "--json")
+    check_overrides(args.lever_set)
     return {"target": target, "draft": draft, "names": names, "server": server, "cap": cap, "mem": mem}
 
 
@@ -513,7 +530,8 @@ def main(args) -> int:
     files = {n: (c["target"],) if n == LLAMA_AR else (c["target"], c["draft"]) for n in llama}
     with own_copies(llama, files, c["cap"] is not None) as place:
         rows = rows_for(c["names"], target=c["target"], draft=c["draft"], server=c["server"], ctx=args.ctx_size,
-                        threads=threads, cap_bytes=c["cap"], lever_mem=c["mem"], place=place)
+                        threads=threads, cap_bytes=c["cap"], lever_mem=c["mem"], lever_sets=args.lever_set,
+                        place=place)
         greedy = None if args.no_reference else greedy_reference(c["target"], ctx=args.ctx_size,
                                                                  n_predict=args.n_predict, threads=threads)
         bench_fim(picked[1:], rows, n_predict=args.n_predict, cap_bytes=c["cap"], warmup=picked[0], greedy=greedy,
