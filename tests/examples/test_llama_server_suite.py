@@ -17,7 +17,8 @@ spec.loader.exec_module(shim)
 
 # lever serve's flags before it took llama-server's model flags, and since
 BEFORE = {"--host", "--port", "--api-key", "--metrics", "--threads", "--cache-ram", "-c", "--set"}
-TODAY = BEFORE | {"-m", "--model", "-md", "--model-draft", "--ctx-size", "-a", "--alias"}
+TODAY = BEFORE | {"-m", "--model", "-md", "--model-draft", "--ctx-size", "-a", "--alias", "-np", "--parallel",
+                  "--slots", "--no-slots", "--kv-unified", "--tags", "-v", "--verbose"}
 TINYLLAMA2 = ["--port", "8080", "--temp", "0.8", "--seed", "42", "--host", "127.0.0.1", "--offline",
               "--hf-repo", "ggml-org/test-model-stories260K", "--batch-size", "32", "--no-slots", "--alias",
               "tinyllama-2", "--ctx-size", "512", "--parallel", "2", "--n-predict", "64", "--no-jinja"]
@@ -43,12 +44,14 @@ def test_the_tinyllama2_preset_becomes_stories260K_without_a_draft(dirs):
     assert argv[argv.index("--port") + 1] == "8080" and argv[argv.index("--host") + 1] == "127.0.0.1"
     for dropped in ("--batch-size", "--no-slots", "--parallel", "--no-jinja", "--offline", "--hf-repo"):
         assert dropped not in argv
-    assert notes == ["--alias tinyllama-2"]  # not in lever serve's help then: said, not silently lost
+    # not in lever serve's help then (--parallel and --no-slots are today's): said, not silently lost
+    assert notes == ["--no-slots", "--alias tinyllama-2", "--parallel 2"]
 
 
 def test_a_flag_lever_serve_lists_passes_unchanged(dirs):
     argv, notes = shim.translate(TINYLLAMA2, serve_flags=TODAY, dirs=dirs)
     assert argv[argv.index("--alias") + 1] == "tinyllama-2" and argv[argv.index("--ctx-size") + 1] == "512"
+    assert argv[argv.index("--parallel") + 1] == "2" and "--no-slots" in argv  # today's lever serve has both
     assert argv[argv.index("--model") + 1] == f"{dirs[0]}/stories260K.gguf"  # the HF name, as lever's -m
     assert not any(s.startswith(("model.", "tree_expand.")) for s in sets(argv)) and notes == []
 
