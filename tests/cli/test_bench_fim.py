@@ -210,7 +210,7 @@ def test_the_rows_run_the_same_context_and_threads_and_capped_read_their_own_cop
         assert [Path(p).read_bytes() for p in rows[LLAMA].evict] == [target.read_bytes(), draft.read_bytes()]
     assert not any(Path(p).exists() for p in copies) and target.exists()  # removed after, the originals kept
     lever, spec, ar = rows[LEVER].argv, rows[LLAMA].argv, rows[LLAMA_AR].argv
-    assert lever[-12:] == ("--ctx-size", "2048", "--threads", "2", "--mem", str(896 << 20), "--cache-ram", "0",
+    assert lever[-12:] == ("--ctx-size", "2048", "--threads", "2", "--mem", "896MiB", "--cache-ram", "0",
                            "--set", "flash.window_layers=2", "--set", "tree_expand.max_nodes=64")
     assert rows[LEVER].evict == (t, d)
     for argv in (spec, ar):

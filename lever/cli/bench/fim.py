@@ -175,7 +175,8 @@ def rows_for(names: Sequence[str], *, target: str, draft: str, server: str | Non
     rows = []
     for name in names:
         if name == LEVER:
-            mem = ["--mem", str(lever_mem)] if lever_mem else []
+            mib = lever_mem and lever_mem % 2**20 == 0  # as a person would write it, in its refusals too
+            mem = ["--mem", f"{lever_mem >> 20}MiB" if mib else str(lever_mem)] if lever_mem else []
             argv = [sys.executable, "-m", "lever", "serve", "-m", target, "-md", draft, "--ctx-size", str(ctx),
                     "--threads", str(threads), *mem, *capped, *(x for s in lever_sets for x in ("--set", s))]
             rows.append(Row(name, tuple(argv), (target, draft)))
@@ -418,7 +419,8 @@ def bench_fim(requests: list[FimRequest], rows: list[Row], *, n_predict: int, ca
         results = alternate(servers, requests, n_predict, warmup=warmup, out=out)
     peaks = {s.row.name: s.peak_bytes for s in servers}
     exits = {s.row.name: s.exit for s in servers}
-    reference = greedy(requests) if greedy is not None and any(r["server"] == LEVER for r in results) else None
+    reference = greedy(requests) if greedy is not None and any(r["server"] == LEVER and r["ok"] for r in results) \
+        else None
     summary = summarize(results, [r.name for r in rows], reference)
     setting = "in DRAM" if cap_bytes is None else \
         f"cap {cap_bytes / 2**20:.0f} MiB each (page cache counted)"
