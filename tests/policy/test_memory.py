@@ -120,8 +120,11 @@ def test_fill_keeps_the_most_evenly_spread_layers_the_limit_holds():
 @pytest.mark.parametrize("room_mib", [300, 4096])
 def test_fill_with_an_auto_limit_fills_a_share_of_the_room_there_is(monkeypatch, room_mib):
     """[memory] limit = "auto" (the default; `-m` with no --mem): "fill" plans inside
-    AUTO_FILL_SHARE of what the machine (or its cgroup) has available now, whatever that is."""
+    AUTO_FILL_SHARE of what the machine (or its cgroup) has available now, whatever that is. The
+    process's RSS is fixed (a long test session's would not fit the small room)."""
     monkeypatch.setattr(memory, "room_bytes", lambda: (room_mib * 2**20, "the machine"))
+    monkeypatch.setattr(memory.psutil, "Process", lambda: types.SimpleNamespace(
+        memory_info=lambda: types.SimpleNamespace(rss=100 * 2**20)))
     plan = RunPlan.resolve(load_config(DEFAULT, ['pipeline.baseline=""', 'flash.dram_budget="fill"']))
     assert plan.memory.limit == "auto"
     assert plan.fill.total_bytes <= memory.AUTO_FILL_SHARE * room_mib * 2**20
