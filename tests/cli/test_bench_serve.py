@@ -20,8 +20,8 @@ def test_bench_serve_reports_a_good_client_answered_through_every_attack(tmp_pat
     seen = phases["hostile"]["hostile"]
     assert phases["slow bodies"]["hostile"].get("slow body 408", 0) > 0 and phases["long streams"]["good"] > 0
     turned_away = ("429", "503", "connection closed")  # by the key's share, the pool or the connection cap first
-    for kind in ("bodies 400", "bodies 413", "no key 401", "rebound host 421", "cross-site 403", "form body 415",
-                 "forged turn 200", "grammar refs 400", "grammar GBNF 400", "grammar repeats 400"):
+    for kind in ("bodies 400", "declared 500 MiB 413", "no key 401", "rebound host 421", "cross-site 403",
+                 "form body 415", "forged turn 200", "grammar refs 400", "grammar GBNF 400", "grammar repeats 400"):
         name = kind.rsplit(" ", 1)[0]
         tried = {k: v for k, v in seen.items() if k.startswith(name + " ")}
         assert seen.get(kind, 0) > 0 or (tried and all(k.endswith(turned_away) for k in tried)), (kind, seen)

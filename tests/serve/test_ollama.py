@@ -101,7 +101,7 @@ def test_tags_show_ps_version(server, client):
 
 @pytest.mark.parametrize("call, field", [
     (dict(options={"num_ctx": 1 << 20}), "options.num_ctx"),
-    (dict(options={"num_predict": 1 << 31}), "options.num_predict"),  # past its bound (past the context only stops there)
+    (dict(options={"num_predict": 1 << 31}), "options.num_predict"),  # past its bound (past the context: a stop)
     (dict(options={"mirostat": 2}), "options.mirostat"),
     (dict(options={"temperature": -1.0}), "options.temperature"),
     (dict(format={"type": "integer", "minimum": "a"}), "format"),

@@ -67,10 +67,10 @@ def bodies(target: Target, stop: threading.Event, seen: Counter) -> None:
         with socket.create_connection(("127.0.0.1", target.port), timeout=5) as s:
             s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       f"Authorization: Bearer {ATTACK_KEY}\r\nContent-Length: {500 << 20}\r\n\r\n".encode())
-            try:
-                seen[f"bodies {s.recv(64).split(b' ')[1].decode()}"] += 1
+            try:  # a probe of its own: under load the connection cap may close it before it is answered
+                seen[f"declared 500 MiB {s.recv(64).split(b' ')[1].decode()}"] += 1
             except (OSError, IndexError):
-                seen["bodies connection closed"] += 1
+                seen["declared 500 MiB connection closed"] += 1
 
 
 def slow_headers(target: Target, stop: threading.Event, seen: Counter) -> None:
