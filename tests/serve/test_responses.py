@@ -8,28 +8,13 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
-
-from tests.serve.live import start_server, stop
 
 SYSTEM = "You write Python."
 INPUT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "import os"}]
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                           "required": ["city"], "additionalProperties": False}}
-
-
-@pytest.fixture(scope="module")
-def server():
-    proc, url = start_server()
-    yield proc, url
-    stop(proc)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_a_response_is_the_chat_routes_reply(client):
