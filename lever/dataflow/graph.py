@@ -237,11 +237,24 @@ async def _run_stage(stage: Stage, inputs: dict, outputs: dict) -> None:
 
 
 def _first_cause(group: BaseExceptionGroup) -> BaseException:
-    """The stage's own exception out of the task group, not the cancellations it caused."""
+    """The failure that started it out of the task group: not the cancellations it caused, and
+    not a neighbour's EndOfStream or BrokenResourceError from the failed stage closing its ends
+    (a signal landing in Prefetch reaches Verify first as a closed channel)."""
     cancelled = anyio.get_cancelled_exc_class()
+    leaves = list(_leaves(group))
+    consequences = (cancelled, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError)
+    for wanted in (lambda e: not isinstance(e, Exception) and not isinstance(e, cancelled),  # a signal, an exit
+                   lambda e: not isinstance(e, consequences),
+                   lambda e: not isinstance(e, cancelled)):
+        for exc in leaves:
+            if wanted(exc):
+                return exc
+    return leaves[0]
+
+
+def _leaves(group: BaseExceptionGroup):
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
-            return _first_cause(exc)
-        if not isinstance(exc, cancelled):
-            return exc
-    return group.exceptions[0]
+            yield from _leaves(exc)
+        else:
+            yield exc

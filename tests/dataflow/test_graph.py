@@ -111,6 +111,43 @@ def test_stage_exception_reaches_caller_with_stage_name():
     assert any("in stage 'dbl'" in n for n in info.value.__notes__)
 
 
+class Signalled(BaseException):
+    """As lever.signals.Interrupted, a BaseException; not KeyboardInterrupt itself, which would
+    stop pytest."""
+
+
+@attrs.define
+class Interrupted(Stage):
+    """A stage a signal lands in while its thread reads: its end of the channel is closed
+    first, so its neighbour fails on the closed channel before the signal is raised here."""
+    name: str
+    OUTPUTS = {"out": Num}
+
+    async def run(self, inputs, outputs):
+        await outputs["out"].aclose()
+        await anyio.to_thread.run_sync(time.sleep, 0.3)
+        raise Signalled
+
+
+@attrs.define
+class Computing(Stage):
+    """A stage in the middle of a thread's work when its neighbour stops: it finds the channel
+    closed before the cancellation reaches it (receive_nowait is no checkpoint)."""
+    name: str
+    INPUTS = {"inp": Num}
+
+    async def run(self, inputs, outputs):
+        await anyio.to_thread.run_sync(time.sleep, 0.05)
+        inputs["inp"].receive_nowait()
+
+
+def test_a_signal_in_one_stage_is_what_reaches_the_caller_not_the_channel_it_closed():
+    p = Pipeline().connect(Interrupted("prefetch"), "out", Computing("verify"), "inp", capacity=2)
+    with pytest.raises(Signalled) as info:
+        anyio.run(p.run)
+    assert any("in stage 'prefetch'" in n for n in info.value.__notes__)
+
+
 @attrs.define
 class Forever(Stage):
     name: str
