@@ -22,7 +22,7 @@ import numpy as np
 
 from lever.backends.cpu import native
 from lever.backends.cpu.kv_cache import KVCache
-from lever.backends.cpu.layer import LayerWeights, layer_forward
+from lever.backends.cpu.layer import LayerWeights, layer_forward, layer_in_chunks
 from lever.dataflow.compute import VERIFY, ComputeSlot
 from lever.dataflow.graph import Stage
 from lever.dataflow.messages import FreeBuffer, PassTiming, StreamedLayer, TokenTree, Verified
@@ -122,8 +122,8 @@ class PrunedVerify(Stage):
         if st.alive is not None:  # the pruned rows of this layer: finite, masked, never committed
             self.cache.k[i][st.dead_rows] = 0
             self.cache.v[i][st.dead_rows] = 0
-        st.x = self.layer_fn(self.spec, weights, st.x, pos=st.pos, mask=st.mask, cache=self.cache, layer=i,
-                             rows=st.rows, inv_freq=self.inv_freq)
+        st.x = layer_in_chunks(self.layer_fn, self.spec, weights, st.x, pos=st.pos, mask=st.mask, cache=self.cache,
+                               layer=i, rows=st.rows, inv_freq=self.inv_freq)
         n = st.x.shape[0]
         self.token_layers += n
         if st.tree.n_given == 1:  # decoding passes only: the prompt's pass is the same for every pipeline

@@ -28,7 +28,6 @@ from lever.config import load_config
 from lever.errors import LeverError, read_text
 from lever.model.grammar import GrammarError
 from lever.pipelines.engine import run_pipeline
-from lever.policy.memory import FILL_PROMPT_TOKENS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -150,8 +149,8 @@ def print_summary(res, file) -> None:
           f"bound with margin {mem.rss_bound_bytes / mib:.0f} MiB")
         if mem.fill is not None:
             p(f"  fill        --mem / [memory] limit placed {mem.fill.resident_layer_bytes / mib:.0f} MiB of target "
-              f"layers in DRAM by a plan of {mem.fill.total_bytes / mib:.0f} MiB (prompts up to "
-              f"{FILL_PROMPT_TOKENS} tokens); the rest stream")
+              f"layers in DRAM by a plan of {mem.fill.total_bytes / mib:.0f} MiB (prompts up to the "
+              f"context); the rest stream")
         over = over_bound(mem)
         if over:
             p(f"  WARNING     {over}")

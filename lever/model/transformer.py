@@ -20,6 +20,7 @@ from lever.backends.cpu.layer import (
     check_vocab,
     held_bytes,
     layer_forward,
+    layer_in_chunks,
     layer_nbytes,
     layer_tensor_names,
     load_layer,
@@ -100,7 +101,8 @@ class Model:
         x = self.embed(tokens)
         layer_fn = layer_fn or layer_forward
         for i, lw in enumerate(self.layers):
-            x = layer_fn(self.spec, lw, x, pos=pos, mask=mask, cache=cache, layer=i, rows=rows, inv_freq=self.inv_freq)
+            x = layer_in_chunks(layer_fn, self.spec, lw, x, pos=pos, mask=mask, cache=cache, layer=i, rows=rows,
+                                inv_freq=self.inv_freq)
         if not finite(x):  # one max over (n_tok, n_embd); what went wrong where is found only now
             raise self._nonfinite_forward(tokens, pos, mask, cache, rows, layer_fn)
         return x
@@ -116,7 +118,8 @@ class Model:
             return NonFiniteError("hidden state", path=self.file.path, position=int(pos[bad]),
                                   layer=f"first in the embedding of token {int(tokens[bad])}", cause=f"{cause}; {HINT}")
         for i, lw in enumerate(self.layers):
-            x = layer_fn(self.spec, lw, x, pos=pos, mask=mask, cache=cache, layer=i, rows=rows, inv_freq=self.inv_freq)
+            x = layer_in_chunks(layer_fn, self.spec, lw, x, pos=pos, mask=mask, cache=cache, layer=i, rows=rows,
+                                inv_freq=self.inv_freq)
             bad = first_bad_row(x)
             if bad is not None:
                 cause = first_bad_tensor(self.file, layer_tensor_names(self.file, i).values())

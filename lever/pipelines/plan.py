@@ -38,7 +38,6 @@ from lever.model.grammar_cache import one_grammar_bytes, plan_bytes
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.cost_model import CostModel, cost_model_for
 from lever.policy.memory import (
-    FILL_PROMPT_TOKENS,
     MemoryConfig,
     MemoryPlan,
     auto_limit_bytes,
@@ -204,7 +203,8 @@ def _fill(cfg: Config, f: GGUFFile, spec: ModelSpec, *, flash: FlashConfig, tree
           draft_file: GGUFFile | None, draft_spec: ModelSpec | None,
           grammar_bytes: int = 0) -> tuple[frozenset[int], MemoryPlan]:
     """[flash] dram_budget = "fill": the layers [memory] limit holds beside everything else
-    the run plans (run_memory's parts, for a prompt of up to FILL_PROMPT_TOKENS)."""
+    the run plans (run_memory's parts, for a prompt filling the context: what a server checks
+    its calls against, and cheap to reserve now that a long pass runs a layer in chunks)."""
     limit, auto = cfg.memory.limit_bytes, ""
     if limit is None:  # "auto": a share of what the machine (or its cgroup) has available now
         limit = auto_limit_bytes()
@@ -214,7 +214,7 @@ def _fill(cfg: Config, f: GGUFFile, spec: ModelSpec, *, flash: FlashConfig, tree
     def plan(resident: frozenset[int]) -> MemoryPlan:
         return run_memory(target=f, spec=spec, flash=flash, tree=tree, n_ctx=n_ctx, draft_file=draft_file,
                           draft_spec=draft_spec, runtime_bytes=runtime_bytes_for(cfg.placement),
-                          n_prompt=FILL_PROMPT_TOKENS, resident=resident, process_bytes=process_bytes,
+                          n_prompt=n_ctx - 1, resident=resident, process_bytes=process_bytes,
                           grammar_bytes=grammar_bytes)
 
     try:

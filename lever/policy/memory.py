@@ -15,7 +15,7 @@ import attrs
 import psutil
 
 from lever.backends.cpu.kv_cache import KVCache
-from lever.backends.cpu.layer import resident_layer_bytes, tiled_bytes
+from lever.backends.cpu.layer import PASS_CHUNK_TOKENS, resident_layer_bytes, tiled_bytes
 from lever.backends.flash import FlashConfig
 from lever.backends.flash.config import parse_bytes, plan_residency, spread
 from lever.backends.flash.layout import layer_extents
@@ -120,10 +120,14 @@ def mib(n: int) -> str:
 
 
 def activation_bytes(spec: ModelSpec, n_tok: int, n_rows: int, n_logit_rows: int) -> int:
-    """One layer's live arrays for n_tok tokens (residual, norm, q/k/v, attention, the FFN's
-    gate/up/product), the attention mask over n_rows, and n_logit_rows rows of vocabulary logits."""
+    """A pass of n_tok tokens: one chunk's live arrays in a layer (residual, norm, q/k/v,
+    attention, the FFN's gate/up/product, its mask; a layer runs PASS_CHUNK_TOKENS at a time),
+    the whole pass's hidden states in and out and its attention mask over n_rows, and
+    n_logit_rows rows of vocabulary logits."""
     per_tok = 4 * spec.n_embd + 2 * (spec.n_head + 2 * spec.n_head_kv) * spec.head_dim + 3 * spec.n_ff
-    return n_tok * per_tok * F32 + n_tok * n_rows + n_logit_rows * spec.n_vocab * F32
+    chunk = min(n_tok, PASS_CHUNK_TOKENS)
+    return chunk * (per_tok * F32 + n_rows) + n_tok * (2 * spec.n_embd * F32 + n_rows) + \
+        n_logit_rows * spec.n_vocab * F32
 
 
 def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx: int, n_pass_tokens: int,
@@ -155,13 +159,6 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx:
     return MemoryPlan(sum(resident_layer_bytes(target, spec, i) for i in resident), head, window,
                       KVCache.bytes_for(spec, n_rows), draft_total, acts, process_bytes, runtime_bytes=runtime_bytes,
                       grammar_bytes=grammar_bytes)
-
-
-# A prompt a plan that fills [memory] limit leaves room for: its prefill's activations are the
-# largest pass's (~0.23 MB a token for the Qwen pair). A longer prompt is refused with the plan's
-# figures, as any plan over the limit is; reserving the whole context would cost a 2 GiB cap
-# ~460 MB of layers at n_ctx 2048 for prompts most runs never send.
-FILL_PROMPT_TOKENS = 512
 
 
 def mem_overrides(size: int | str) -> list[str]:

@@ -184,3 +184,52 @@ def test_matmul_many_is_matmul_each(tiny_model):
     mats = [native.matrix(w.type_id, w.data, w.n_out, w.n_in, w.layout) for w in (lw.wq, lw.wk, lw.wv)]
     for got, w in zip(native.matmul_many(mats, x), (lw.wq, lw.wk, lw.wv)):
         np.testing.assert_array_equal(got, w(x))
+
+
+def random_tree_mask(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A tree of n nodes listed parents first (a chain now and then, as a prompt is): its
+    ancestor mask (n, n) and each node's depth."""
+    chain = rng.random() < 0.3
+    parents = [-1] + [i - 1 if chain else int(rng.integers(-1, i)) for i in range(1, n)]
+    mask, depth = np.zeros((n, n), bool), np.zeros(n, np.int32)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        if p >= 0:
+            mask[i] |= mask[p]
+            depth[i] = depth[p] + 1
+    return mask, depth
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_pass_in_chunks_is_the_pass_whole_bit_for_bit(tiny_model, arch, kv_dtype):
+    """layer_in_chunks over random trees and chains, random committed prefixes and chunk sizes:
+    the same output and cache rows as the whole pass, bit for bit, though the pass's own rows
+    hold NaN until written (a chunk that attended to a row not yet written would show it)."""
+    from lever.backends.cpu.kv_cache import KVCache
+    from lever.backends.cpu.layer import layer_forward, layer_in_chunks
+
+    model = Model(tiny_model(arch, "Q4_K"))
+    spec, lw = model.spec, model.layers[0]
+    rng = np.random.default_rng(11)
+    for case in range(40):
+        n, prefix = int(rng.integers(2, 40)), int(rng.integers(0, 20))
+        chunk = int(rng.integers(1, n))
+        tree, depth = random_tree_mask(rng, n)
+        mask = np.ones((n, prefix + n), bool)
+        mask[:, prefix:] = tree
+        x = rng.standard_normal((n, spec.n_embd)).astype(np.float32)
+        committed = rng.standard_normal((2, prefix, spec.n_head_kv, spec.head_dim)).astype(kv_dtype)
+        outs, caches = [], []
+        for fn in (layer_forward, lambda *a, **k: layer_in_chunks(layer_forward, *a, chunk=chunk, **k)):
+            cache = KVCache(spec, 64, kv_dtype)
+            cache.k[0][:], cache.v[0][:] = np.nan, np.nan
+            cache.k[0][:prefix], cache.v[0][:prefix] = committed
+            outs.append(fn(spec, lw, x, pos=(prefix + depth).astype(np.int32), mask=mask, cache=cache, layer=0,
+                           rows=slice(prefix, prefix + n), inv_freq=model.inv_freq))
+            caches.append(cache)
+        what = f"case {case}: {n} nodes after {prefix} rows, chunks of {chunk}"
+        assert np.isfinite(outs[0]).all(), what
+        np.testing.assert_array_equal(outs[1], outs[0], err_msg=what)
+        np.testing.assert_array_equal(caches[1].k[0][: prefix + n], caches[0].k[0][: prefix + n], err_msg=what)
+        np.testing.assert_array_equal(caches[1].v[0][: prefix + n], caches[0].v[0][: prefix + n], err_msg=what)
