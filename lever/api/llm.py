@@ -64,14 +64,15 @@ def _toml(value) -> str:
 
 
 def load(config: str | os.PathLike | None = None, *, overrides: Sequence[str] = (), chat_template: str | None = None,
-         **settings) -> LLM:
+         grammars: bool = True, **settings) -> LLM:
     """Opens a pipeline: from a config file, or from settings alone (target=..., draft=...).
 
     `settings` are the common keys by short name (ALIASES: target, draft, dram_budget, n_ctx,
     kind, policy, threads, and the [generate] defaults), and `mem` ("2G", or bytes) as `--mem`
     takes it: [memory] limit, with the target's resident layers filling what the rest leaves
     (a dram_budget given too wins); `overrides` any "section.key=value" as `--set` takes them.
-    Paths given here resolve against the working directory."""
+    Paths given here resolve against the working directory. `grammars` false: no structured
+    output, and no room for it in the memory plan (a call bringing a grammar is refused)."""
     mem = settings.pop("mem", None)
     sets = [] if mem is None else mem_overrides(mem)
     for name, value in settings.items():
@@ -84,7 +85,7 @@ def load(config: str | os.PathLike | None = None, *, overrides: Sequence[str] = 
     if config is None and "kind" not in settings:  # no file: speculative with a draft, else Flash-AR
         sets.insert(0, 'pipeline.kind="speculative"' if settings.get("draft") else 'pipeline.kind="flash-ar"')
     cfg = load_config(config, [*sets, *overrides])
-    return LLM(cfg, Engine.open(cfg, grammars=True), chat_template)  # structured output is in the plan
+    return LLM(cfg, Engine.open(cfg, grammars=grammars), chat_template, structured=grammars)  # in the plan, or off
 
 
 @attrs.define
@@ -99,6 +100,7 @@ class LLM:
     grammars: GrammarCache = attrs.field(init=False)  # compiled grammars, bounded by bytes (lever.model.grammar_cache)
     renderer: ChatRenderer = attrs.field(init=False)  # every chat's template runs in its child (lever.api.render)
     watch: Watch | None = None  # sees every generation's cycles as they run (a live page: lever.pipelines.watch)
+    structured: bool = True  # structured output planned for (lever.load's `grammars`); off, a grammar is refused
 
     def __attrs_post_init__(self):
         self.grammars = GrammarCache(self.engine.tok)  # its compiler's child starts with the first grammar
@@ -194,6 +196,10 @@ class LLM:
             raise LeverError(f"prompt: must be a string, got {type(prompt).__name__}")
         gen, stops, logprobs = prepare_generate(args, self.config.generate, n_prompt=len(ids), n_ctx=self.n_ctx,
                                                 n_ctx_source=self.n_ctx_source, tok=self.tokenizer)
+        if not self.structured and (args.get("grammar") is not None or args.get("json_schema") is not None):
+            raise LeverError("grammar: structured output is off here (lever serve --no-grammars gave its memory to "
+                             "the model); drop grammar / json_schema / response_format / a required tool call, or "
+                             "restart the server without --no-grammars")
         grammar = self.grammars.get(args.get("grammar"), args.get("json_schema"))
         return Call(ids=ids, generate=gen, stop=stops, logprobs=logprobs, grammar=grammar, tools=offer.tools,
                     cancel=args.get("cancel") or threading.Event())

@@ -54,6 +54,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "under way: half of it)")
     s.add_argument("--cache-ram", type=int_in(0, 1 << 20), default=256, metavar="MIB",
                    help="MiB of other conversations' KV rows kept between requests, per client key (0: none)")
+    s.add_argument("--no-grammars", action="store_true",
+                   help="no structured output (grammar, json_schema, a required tool call: refused), and none of "
+                        "its memory in the plan (the compiler's child, compiled grammars: ~115 MiB on Qwen's "
+                        "vocabulary) under --mem: layers get it")
     s.add_argument("-np", "--parallel", type=int_in(1, MAX_SLOTS), default=1, metavar="N",
                    help="llama-server's slots: N, each of the context's n_ctx / N tokens (--ctx-size is all N's); "
                         "their generations still run one at a time, in the queue's turns")
@@ -218,7 +222,8 @@ def main(args) -> int:
             server_state.shutdown(args.grace)
 
         sockets = listening(hosts(args.host), args.port)  # each address, before the line saying it listens
-        llm.grammars.start()  # the grammar compiler's child, before the first schema waits for it
+        if llm.structured:
+            llm.grammars.start()  # the grammar compiler's child, before the first schema waits for it
         _announce(args, llm, rules, server_state, model_id)
         _say_template(llm)
         if not rules.api_keys and not set(hosts(args.host.lower())) <= LOOPBACK_HOSTS:
@@ -269,8 +274,9 @@ def _load(args, load):
     requests, kept conversations, live page), so the whole server keeps to --mem."""
     config, model_sets = config_and_sets(args)
     model_sets += _slot_sets(config, [*model_sets, *args.set], args)
+    grammars = not getattr(args, "no_grammars", False)
     if getattr(args, "mem", None) is None:
-        return load(config, overrides=[*model_sets, *args.set])
+        return load(config, overrides=[*model_sets, *args.set], grammars=grammars)
     from lever.backends.flash.config import parse_bytes
     from lever.pipelines.watch import LIVE_BYTES
     from lever.serve.pool import POOL_BYTES, server_parts
@@ -282,7 +288,7 @@ def _load(args, load):
     if own >= mem:
         raise LeverError(f"{where}, which leaves nothing for the run; give more, or a smaller --cache-ram")
     try:
-        return load(config, overrides=[*model_sets, *args.set, f"memory.limit={mem - own}"])
+        return load(config, overrides=[*model_sets, *args.set, f"memory.limit={mem - own}"], grammars=grammars)
     except LeverError as e:
         raise LeverError(f"{where}; the run in the {(mem - own) >> 20} MiB left: {e}") from None
 

@@ -108,11 +108,12 @@ class Server:
         return self.admission.closing
 
     def memory_plan(self) -> dict[str, int]:
-        """What the server's RSS stays within, by part (bytes): the largest generation's plan
-        (a prompt filling the context; its grammars among it), what requests hold (their bodies,
+        """The server's plan by part (bytes), what --mem holds it to: the largest generation's
+        (a prompt filling the context; its grammars among it; its resident layers placed within
+        what --mem leaves it, as `lever run --mem` places them), what requests hold (their bodies,
         their parsing, their queued calls: lever.serve.pool), the kept conversations, the live page."""
         cache = self.session.cache
-        return {"run": self.llm.memory_plan().rss_bound_bytes, "requests": self.pool.capacity_bytes,
+        return {"run": self.llm.memory_plan().total_bytes, "requests": self.pool.capacity_bytes,
                 "kept conversations": cache.capacity_bytes if cache is not None else 0,
                 "live page": self.page.watch.max_bytes if self.page is not None else 0}
 

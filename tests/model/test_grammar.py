@@ -251,6 +251,20 @@ def test_a_bad_grammar_is_one_line_naming_it(llm, kw, words):
     assert "\n" not in str(e.value)
 
 
+def test_without_grammars_a_grammar_is_refused_and_the_plan_holds_none(llm):
+    """lever.load(grammars=False) (lever serve --no-grammars): no grammar's bytes in the memory
+    plan, a call bringing one refused in one line naming the flag, a plain call as with them."""
+    assert llm.memory_plan().grammar_bytes > 0
+    with lever.load(shipped("default.toml"), grammars=False) as plain:
+        assert plain.memory_plan().grammar_bytes == 0
+        assert plain.memory_plan().total_bytes < llm.memory_plan().total_bytes
+        for kw in ({"grammar": DIGITS}, {"json_schema": SCHEMA}):
+            with pytest.raises(LeverError, match="^grammar: structured output is off here .*--no-grammars") as e:
+                plain.generate(PROMPT, max_tokens=4, **kw)
+            assert "\n" not in str(e.value)
+        assert plain.generate(PROMPT, max_tokens=8).tokens == llm.generate(PROMPT, max_tokens=8).tokens
+
+
 def test_a_gbnf_grammar_is_read_too(llm):
     c = llm.generate(PROMPT, max_tokens=12, grammar='root ::= "x = " [0-9]+')
     assert c.text.startswith("x = ") and c.text[4:].isdigit()

@@ -165,8 +165,10 @@ def row_names(spec_ks: Sequence[int]) -> list[str]:
 
 
 def rows_for(names: Sequence[str], *, target: str, draft: str, server: str | None, ctx: int, threads: int,
-             cap_bytes: int | None = None, lever_mem: int | None = None, lever_sets=(), place=None) -> list[Row]:
-    """The rows `names` (row_names); `lever_sets`: lever serve's --set overrides; `place(name,
+             cap_bytes: int | None = None, lever_mem: int | None = None, lever_sets=(), place=None,
+             lever_grammars: bool = True) -> list[Row]:
+    """The rows `names` (row_names); `lever_sets`: lever serve's --set overrides;
+    `lever_grammars` false: lever serve --no-grammars (FIM brings none); `place(name,
     path)`: the file that row reads for `path` (its own copy). Under a cap neither server keeps
     prompts between requests (--cache-ram 0 both): these share ~10 tokens, and what a cache would
     hold is the model's room."""
@@ -178,7 +180,8 @@ def rows_for(names: Sequence[str], *, target: str, draft: str, server: str | Non
             mib = lever_mem and lever_mem % 2**20 == 0  # as a person would write it, in its refusals too
             mem = ["--mem", f"{lever_mem >> 20}MiB" if mib else str(lever_mem)] if lever_mem else []
             argv = [sys.executable, "-m", "lever", "serve", "-m", target, "-md", draft, "--ctx-size", str(ctx),
-                    "--threads", str(threads), *mem, *capped, *(x for s in lever_sets for x in ("--set", s))]
+                    "--threads", str(threads), *mem, *capped, *(x for s in lever_sets for x in ("--set", s)),
+                    *([] if lever_grammars else ["--no-grammars"])]
             rows.append(Row(name, tuple(argv), (target, draft)))
             continue
         t, d = place(name, target), place(name, draft) if name != LLAMA_AR else None
@@ -462,6 +465,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="only these rows, in turn (default: lever, llama-server k=K for each K, llama-server no draft)")
     b.add_argument("--lever-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a --set for lever serve (repeat for several)")
+    b.add_argument("--lever-no-grammars", action="store_true",
+                   help="lever serve --no-grammars: no room planned for structured output, which FIM requests "
+                        "never bring (llama-server allocates a grammar's memory only when a request brings one)")
     b.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama-server (default: $LLAMA_SERVER, beside llama-bench, on PATH)")
     b.add_argument("--no-reference", action="store_true", help="skip the check of Lever against greedy decoding")
@@ -525,7 +531,8 @@ def main(args) -> int:
     meta = {"cpu": cpu_model(), "cores": os.cpu_count(), "machine": platform.platform(),
             "python": platform.python_version(), "stdlib": str(root), "seed": args.seed, "threads": threads,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "target": c["target"],
-            "draft": c["draft"], "n_ctx": args.ctx_size, "llama_n_batch": N_BATCH, "lever_mem_bytes": c["mem"]}
+            "draft": c["draft"], "n_ctx": args.ctx_size, "llama_n_batch": N_BATCH, "lever_mem_bytes": c["mem"],
+            "lever_grammars": not args.lever_no_grammars}
     say = functools.partial(print, flush=True)  # each request's line as it comes: a run takes minutes
     say(f"cpu: {meta['cpu']}, {meta['cores']} cores, {threads} threads; requests from {root} (seed {args.seed})")
     llama = [n for n in c["names"] if n != LEVER]
@@ -533,7 +540,7 @@ def main(args) -> int:
     with own_copies(llama, files, c["cap"] is not None) as place:
         rows = rows_for(c["names"], target=c["target"], draft=c["draft"], server=c["server"], ctx=args.ctx_size,
                         threads=threads, cap_bytes=c["cap"], lever_mem=c["mem"], lever_sets=args.lever_set,
-                        place=place)
+                        place=place, lever_grammars=not args.lever_no_grammars)
         greedy = None if args.no_reference else greedy_reference(c["target"], ctx=args.ctx_size,
                                                                  n_predict=args.n_predict, threads=threads)
         bench_fim(picked[1:], rows, n_predict=args.n_predict, cap_bytes=c["cap"], warmup=picked[0], greedy=greedy,
