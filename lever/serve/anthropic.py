@@ -19,21 +19,20 @@ import re
 
 import attrs
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from lever.api import Chunk, Completion, Usage
 from lever.config import KNOBS
-from lever.errors import LeverError
 from lever.gguf.chat_template import MAX_NESTING
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.stop import StopReason
 from lever.model.tool_calls import ToolCall
 from lever.nesting import check_json
 from lever.pipelines.result import RunResult
-from lever.serve.dialect import Dialect, refusal
-from lever.serve.pool import client_of
-from lever.serve.request import SHUTTING_DOWN, BadRequest, shutting_down
+from lever.serve.dialect import Dialect
+from lever.serve.llama import input_tokens
+from lever.serve.request import BadRequest
 
 # Anthropic's stop_reason of each of Lever's (lever.model.stop); a reply that calls says tool_use
 STOP_REASONS = {StopReason.EOS: "end_turn", StopReason.LENGTH: "max_tokens", StopReason.STOP: "stop_sequence",
@@ -423,15 +422,6 @@ def routes(server) -> list:
     see them (read, rendered and tokenized as a generation's, within the same bounds; never queued)."""
 
     async def count_tokens(request: Request) -> Response:
-        with server.pool.hold(client_of(request)) as hold:
-            try:
-                if server.closing:
-                    raise shutting_down()
-                _, call = await server.prep.call(request, COUNT, hold)
-            except BadRequest as e:
-                return COUNT.error(e.message, e.status, e.kind, e.param)
-            except LeverError as e:
-                return COUNT.error(*SHUTTING_DOWN) if server.closing else COUNT.error(**refusal(str(e)))
-        return JSONResponse({"input_tokens": len(call.ids)})
+        return await input_tokens(server, request, COUNT, body=lambda n: {"input_tokens": n})
 
     return [Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]

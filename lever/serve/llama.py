@@ -282,9 +282,14 @@ async def slots(server, request: Request) -> Response:
     return JSONResponse(view)
 
 
-async def input_tokens(server, request: Request, dialect: Dialect = OPENAI_CHAT) -> Response:
-    """/chat/completions/input_tokens (and the Responses API's): how many tokens the prompt is
-    (read, rendered and tokenized as the generation's, within the same bounds; never queued)."""
+def _openai_count(n: int) -> dict:
+    return {"input_tokens": n, "object": "response.input_tokens"}
+
+
+async def input_tokens(server, request: Request, dialect: Dialect = OPENAI_CHAT, body=_openai_count) -> Response:
+    """/chat/completions/input_tokens (and the Responses API's, and Anthropic's count_tokens in
+    its dialect and `body`): how many tokens the prompt is (read, rendered and tokenized as the
+    generation's, within the same bounds; never queued)."""
     with server.pool.hold(client_of(request)) as hold:
         try:
             if server.closing:
@@ -294,7 +299,7 @@ async def input_tokens(server, request: Request, dialect: Dialect = OPENAI_CHAT)
             return server.refused(dialect, e.message, e.status, e.kind, e.param)
         except LeverError as e:
             return dialect.error(*SHUTTING_DOWN) if server.closing else server.refused(dialect, **refusal(str(e)))
-    return JSONResponse({"input_tokens": len(call.ids), "object": "response.input_tokens"})
+    return JSONResponse(body(len(call.ids)))
 
 
 def routes(server) -> list:
