@@ -21,6 +21,7 @@ import attrs
 import numpy as np
 
 from lever.backends.cpu import native
+from lever.backends.cpu.batch import Segment, layer_forward_batch
 from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.cpu.layer import LayerWeights, layer_forward, layer_in_chunks
 from lever.dataflow.compute import VERIFY, ComputeSlot
@@ -165,6 +166,26 @@ class PrunedVerify(Stage):
         for i in range(self.spec.n_layer):
             self.layer(st, i, layers[i])
         return self.finish(st)
+
+    @staticmethod
+    def verify_batch(verifiers: list[PrunedVerify], trees: list[TokenTree],
+                     layers: dict[int, LayerWeights]) -> list[Verified]:
+        """Several requests' trees in one pass over `layers` (issue 49): each request's
+        verifier keeps its own cache and keep protocol; each layer runs once over every
+        request's rows (backends/cpu/batch.py), so each Verified is its own `verify`'s, bit for
+        bit. No pruning here (the predictor scores one tree at a time)."""
+        states = [v.begin(t) for v, t in zip(verifiers, trees, strict=True)]
+        spec = verifiers[0].spec
+        segments = [Segment(v.cache, st.rows, st.pos, st.mask) for v, st in zip(verifiers, states)]
+        x = np.concatenate([st.x for st in states])  # (sum of n_nodes, n_embd)
+        for i in range(spec.n_layer):
+            x = layer_forward_batch(spec, layers[i], x, segments=segments, layer=i, inv_freq=verifiers[0].inv_freq)
+        out, a = [], 0
+        for v, st in zip(verifiers, states):
+            st.x, a = x[a : a + st.tree.n_nodes], a + st.tree.n_nodes
+            v.token_layers += st.tree.n_nodes * spec.n_layer
+            out.append(v.finish(st))
+        return out
 
     async def run(self, inputs, outputs):
         layers_in, free_out = inputs.get("layers"), outputs.get("free")

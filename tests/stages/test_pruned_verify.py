@@ -41,3 +41,48 @@ def test_commit_keeps_the_accepted_rows(tiny_model):
     path = [3, 4, 9, 11, 7]
     h = model.forward(np.array(path), np.arange(5, dtype=np.int32), causal_mask(0, 5), model.new_cache(5))
     assert np.array_equal(out.hidden[0], h[-1])
+
+
+def random_tree(rng: np.random.Generator, pass_id: int, n: int, vocab: int, keep) -> TokenTree:
+    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int32)
+    return TokenTree(pass_id, rng.integers(0, vocab, n), parents, keep=keep)
+
+
+def kept_path(rng: np.random.Generator, tree: TokenTree) -> tuple[int, ...]:
+    """The rows of a root-to-node path of `tree`, as Accept keeps them."""
+    node, path = int(rng.integers(0, tree.n_nodes)), []
+    while node >= 0:
+        path.append(node)
+        node = int(tree.parents[node])
+    return tuple(reversed(path))
+
+
+def test_trees_of_several_requests_in_one_pass_are_each_verified_as_alone(tiny_model):
+    """verify_batch over 1-4 requests, each with its own prompt, cache and kept rows, for
+    several passes: every request's hidden states equal its own verify's, bit for bit, and its
+    cache holds the same rows (whatever shares the pass, in any order)."""
+    model = Model(tiny_model("qwen2", "Q4_K", n_layer=2))
+    layers, vocab = dict(enumerate(model.layers)), model.spec.n_vocab
+    rng = np.random.default_rng(49)
+    for case in range(12):
+        n_req = int(rng.integers(1, 5))
+        batched, alone = [make(model) for _ in range(n_req)], [make(model) for _ in range(n_req)]
+        for b, a in zip(batched, alone):
+            prompt = [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 8)))]
+            b.verify(TokenTree.chain(0, prompt), layers)
+            a.verify(TokenTree.chain(0, prompt), layers)
+        last: list[TokenTree | None] = [None] * n_req
+        for pass_id in range(1, 4):
+            trees = [random_tree(rng, pass_id, int(rng.integers(1, 7)), vocab,
+                                 kept_path(rng, t) if t is not None else None) for t in last]
+            order = rng.permutation(n_req)  # who stands where in the pass changes nothing
+            got = PrunedVerify.verify_batch([batched[i] for i in order], [trees[i] for i in order], layers)
+            for j, i in enumerate(order):
+                want = alone[i].verify(trees[i], layers)
+                what = f"case {case}, pass {pass_id}, request {i} of {n_req}"
+                assert np.array_equal(got[j].hidden, want.hidden), what
+                assert batched[i].cache.n_rows == alone[i].cache.n_rows, what
+                rows = batched[i].cache.n_rows
+                assert all(np.array_equal(bk[:rows], ak[:rows]) for bk, ak in
+                           zip(batched[i].cache.k, alone[i].cache.k)), what
+            last = trees
