@@ -1,0 +1,146 @@
+"""The batcher: several requests' trees verified in one pass of the target's layers (issue 49).
+
+Between each request's TreeExpand and its PrunedVerify. Every request keeps its own stages, caches,
+stop rule, sampler and grammar; what they share is the pass. A request's verifier hands its tree
+to `Batcher.verify` from its own thread and gets its Verified back; the first tree to arrive
+leads: it waits for the other requests that have joined (at most `wait_s`), then runs one pass
+over the layers for every tree gathered (PrunedVerify.verify_batch), which reads each streamed
+layer once for all of them (`StreamedLayers`). Trees that arrive while a pass runs go into the
+next. Each request's result is what it gets alone, bit for bit (the kernels are batch-invariant,
+each request attends only to its own cache): tests/pipelines/test_batcher.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import attrs
+
+from lever.backends.cpu.layer import LayerWeights, load_layer
+from lever.backends.flash import FlashStore
+from lever.backends.flash.pool import StagingBuffer
+from lever.dataflow.messages import TokenTree, Verified
+from lever.gguf.file import GGUFFile
+from lever.gguf.spec import ModelSpec
+from lever.stages.pruned_verify import PrunedVerify
+
+WAIT_S = 0.005  # how long a pass's first tree waits for the other joined requests' trees
+
+
+@attrs.define(eq=False)
+class StreamedLayers:
+    """One pass's layers, indexable in order: resident ones as kept, streamed ones read from
+    flash into two staging buffers in turn, the next layer's read under way while this one
+    computes. Made for one pass and used once."""
+
+    store: FlashStore
+    file: GGUFFile
+    spec: ModelSpec
+    resident: dict[int, LayerWeights]
+    buffers: tuple[StagingBuffer, StagingBuffer]
+    read_bytes: int = 0
+    _pool: ThreadPoolExecutor = attrs.field(factory=lambda: ThreadPoolExecutor(1, "lever-batch-read"))
+    _ahead: dict[int, Future] = attrs.field(factory=dict)
+
+    def _read(self, layer: int) -> LayerWeights:
+        buf = self.buffers[layer % 2]
+        return load_layer(self.file, self.spec, layer, raws=self.store.read_layer(layer, buf))
+
+    def _start(self, layer: int) -> None:
+        if layer < self.spec.n_layer and layer not in self.resident and layer not in self._ahead:
+            self._ahead[layer] = self._pool.submit(self._read, layer)
+
+    def __getitem__(self, layer: int) -> LayerWeights:
+        if layer in self.resident:
+            self._start(layer + 1)
+            return self.resident[layer]
+        self._start(layer)
+        weights = self._ahead.pop(layer).result()
+        self.read_bytes += self.store.layer_bytes[layer]
+        self._start(layer + 1)  # into the other buffer: this layer's stays until it is computed
+        return weights
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@attrs.define(eq=False)
+class _Ticket:
+    verifier: PrunedVerify
+    tree: TokenTree
+    result: Verified | None = None
+    error: BaseException | None = None
+
+
+@attrs.define(eq=False)
+class Batcher:
+    """Gathers the trees of the requests that joined and verifies them in shared passes.
+    `layers()`: the layers of one pass (a dict, or a fresh StreamedLayers)."""
+
+    layers: object  # () -> a pass's layers, indexable by layer
+    wait_s: float = WAIT_S
+    passes: int = 0  # passes run
+    trees: int = 0  # trees verified (trees / passes: how many shared a pass, on average)
+    _members: int = 0
+    _queue: list[_Ticket] = attrs.field(factory=list)
+    _leading: bool = False
+    _cond: threading.Condition = attrs.field(factory=threading.Condition)
+
+    def join(self) -> None:
+        """A request starts: passes wait for its trees too."""
+        with self._cond:
+            self._members += 1
+
+    def leave(self) -> None:
+        """A request ends (done, stopped, cancelled): no pass waits for it any more."""
+        with self._cond:
+            self._members -= 1
+            self._cond.notify_all()
+
+    def verify(self, verifier: PrunedVerify, tree: TokenTree) -> Verified:
+        """The tree verified, in a pass shared with the trees of the other joined requests that
+        are ready; from the request's own thread, which may run the pass for all of them."""
+        ticket = _Ticket(verifier, tree)
+        with self._cond:
+            self._queue.append(ticket)
+            self._cond.notify_all()
+            while ticket.result is None and ticket.error is None and (self._leading or ticket not in self._queue):
+                self._cond.wait()
+            if ticket.result is None and ticket.error is None:
+                batch = self._gather()
+        if ticket.result is None and ticket.error is None:
+            self._run(batch)
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.result
+
+    def _gather(self) -> list[_Ticket]:
+        """As the leader (under the lock): the other members' trees, for at most wait_s."""
+        self._leading = True
+        deadline = time.monotonic() + self.wait_s
+        while len(self._queue) < self._members and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
+        batch, self._queue = self._queue, []
+        return batch
+
+    def _run(self, batch: list[_Ticket]) -> None:
+        layers = self.layers()
+        try:
+            results = PrunedVerify.verify_batch([t.verifier for t in batch], [t.tree for t in batch], layers)
+        except BaseException as e:  # every tree of the pass hears it, not only the leader's
+            results = None
+            for t in batch:
+                t.error = e
+        finally:
+            if hasattr(layers, "close"):
+                layers.close()
+        with self._cond:
+            if results is not None:
+                for t, r in zip(batch, results):
+                    t.result = r
+                self.passes += 1
+                self.trees += len(batch)
+            self._leading = False
+            self._cond.notify_all()

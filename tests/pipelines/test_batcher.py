@@ -1,0 +1,106 @@
+"""The batcher: requests in their own threads, their trees verified in shared passes, each
+request's states those it gets alone, bit for bit; joining and leaving mid-flight; reads shared."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from lever.backends.cpu.kv_cache import KVCache
+from lever.backends.flash import FlashConfig, FlashStore
+from lever.backends.flash.pool import StagingBuffer
+from lever.config import load_config
+from lever.dataflow.messages import TokenTree
+from lever.model.transformer import Model
+from lever.pipelines.batcher import Batcher, StreamedLayers
+from lever.shipped import shipped
+from lever.stages.pruned_verify import PrunedVerify
+from tests.stages.test_pruned_verify import kept_path, random_tree
+
+
+def make(model: Model) -> PrunedVerify:
+    return PrunedVerify("verify", model.spec, model.embed, KVCache(model.spec, 96), dict(enumerate(model.layers)))
+
+
+def script(rng: np.random.Generator, vocab: int, n_passes: int) -> list[TokenTree]:
+    """One request's passes: its prompt, then trees keeping a path of the one before."""
+    trees = [TokenTree.chain(0, [int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 9)))])]
+    for pass_id in range(1, n_passes):
+        trees.append(random_tree(rng, pass_id, int(rng.integers(1, 7)), vocab,
+                                 kept_path(rng, trees[-1]) if pass_id > 1 else None))
+    return trees
+
+
+def run_requests(batcher: Batcher, model: Model, scripts: list[list[TokenTree]], starts: list[float]) -> list:
+    """Each script in its own thread, leaving when done; those starting at 0 have joined before
+    any thread runs (a pass waits for them), the others join after their delay, mid-flight."""
+    got: list = [None] * len(scripts)
+    for start in starts:
+        if start == 0:
+            batcher.join()
+
+    def request(i: int) -> None:
+        if starts[i]:
+            threading.Event().wait(starts[i])
+            batcher.join()
+        try:
+            v = make(model)
+            got[i] = [batcher.verify(v, t).hidden for t in scripts[i]]
+        finally:
+            batcher.leave()
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(len(scripts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    return got
+
+
+def alone(model: Model, trees: list[TokenTree]) -> list[np.ndarray]:
+    v, layers = make(model), dict(enumerate(model.layers))
+    return [v.verify(t, layers).hidden for t in trees]
+
+
+def test_concurrent_requests_each_get_their_own_states_whoever_shares_the_pass(tiny_model):
+    model = Model(tiny_model("qwen2", "Q4_K", n_layer=3))
+    layers = dict(enumerate(model.layers))
+    rng = np.random.default_rng(490)
+    shared_any = False
+    for case in range(8):
+        n = int(rng.integers(2, 6))
+        scripts = [script(rng, model.spec.n_vocab, int(rng.integers(2, 7))) for _ in range(n)]
+        starts = [float(rng.choice([0.0, 0.0, 0.01, 0.03])) for _ in range(n)]  # some join mid-flight
+        batcher = Batcher(lambda: layers, wait_s=0.05)
+        got = run_requests(batcher, model, scripts, starts)
+        for i, trees in enumerate(scripts):
+            for p, (g, want) in enumerate(zip(got[i], alone(model, trees))):
+                assert np.array_equal(g, want), f"case {case}, request {i} of {n}, pass {p}"
+        assert batcher.trees == sum(len(s) for s in scripts)
+        shared_any |= batcher.passes < batcher.trees
+    assert shared_any  # requests did share passes (else the test shows nothing about batching)
+
+
+def test_a_streamed_pass_reads_each_layer_once_for_all_its_trees():
+    cfg = load_config(shipped("default.toml"))
+    model = Model(cfg.model.target)
+    spec = model.spec
+    rng = np.random.default_rng(7)
+    with FlashStore(cfg.model.target, FlashConfig(mode="direct", dram_budget=0)) as store:
+        bufs = (StagingBuffer(0, max(store.layer_bytes)), StagingBuffer(1, max(store.layer_bytes)))
+        made: list[StreamedLayers] = []
+
+        def layers() -> StreamedLayers:
+            made.append(StreamedLayers(store, model.file, spec, {}, bufs))
+            return made[-1]
+
+        batcher = Batcher(layers, wait_s=10.0)  # a pass waits until every joined tree is in
+        scripts = [script(rng, spec.n_vocab, 3) for _ in range(3)]
+        got = run_requests(batcher, model, scripts, [0.0, 0.0, 0.0])
+        for i, trees in enumerate(scripts):
+            assert all(np.array_equal(g, w) for g, w in zip(got[i], alone(model, trees))), f"request {i}"
+        every_layer = sum(store.layer_bytes)
+        assert all(m.read_bytes == every_layer for m in made)  # one read of each layer per pass
+        assert len(made) == batcher.passes < batcher.trees == 9
