@@ -74,6 +74,9 @@ class PrunedVerify(Stage):
     observer: Callable[[int, TokenTree, np.ndarray], None] | None = None
     emulate_layer_s_per_token: float = 0.0  # [runtime] emulate_layer_ms_per_token, in seconds
     layer_fn: Callable = layer_forward  # the backend of the target's layers ([placement] verify): CPU kernels or QNN
+    # several requests' passes in one (lever.pipelines.batcher.Batcher.verify): this verifier's
+    # tree goes there, from a thread, instead of through its own layers; None: a pass of its own
+    shared_pass: Callable | None = None
     INPUTS = {"tree": TokenTree, "layers": StreamedLayer}
     OUTPUTS = {"verified": Verified, "free": FreeBuffer}
     OPTIONAL = frozenset({"layers", "free"})  # all-resident (memory AR) needs no streaming
@@ -191,7 +194,10 @@ class PrunedVerify(Stage):
         layers_in, free_out = inputs.get("layers"), outputs.get("free")
         async for tree in inputs["tree"]:
             with self.tracer.span(self.name, f"pass {tree.pass_id}", kind="pass", batch=tree.n_nodes):
-                verified = await self._pass(tree, layers_in, free_out)
+                if self.shared_pass is not None:
+                    verified = await anyio.to_thread.run_sync(self.shared_pass, self, tree)
+                else:
+                    verified = await self._pass(tree, layers_in, free_out)
             await outputs["verified"].send(verified)
 
     async def _pass(self, tree: TokenTree, layers_in, free_out) -> Verified:

@@ -30,6 +30,7 @@ from lever.gguf.vocab_map import VocabMap
 from lever.model.grammar import Constraint, Grammar
 from lever.model.sampling import BIAS, LogitBias, SamplingParams
 from lever.model.transformer import Model
+from lever.pipelines.batcher import Batcher
 from lever.pipelines.plan import RunPlan
 from lever.pipelines.target import FlashTarget
 from lever.pipelines.text import TextStream
@@ -103,6 +104,7 @@ class Request:
     observer: Callable | None = None  # PrunedVerify's per-layer observer (`lever calibrate` records through it)
     watch: RunWatch | None = None  # sees each cycle and span as the run goes (a live page: lever.pipelines.watch)
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))  # the stages' spans (Engine.run: its own)
+    batcher: Batcher | None = None  # passes shared with other requests' (lever.pipelines.batcher); None: its own
 
 
 def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Request) -> Composition:
@@ -132,7 +134,8 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
                           resident=target.resident, slot=compute, predictor=predictor, tracer=tracer,
                           observer=request.observer,
                           emulate_layer_s_per_token=plan.runtime.emulate_layer_ms_per_token / 1e3,
-                          layer_fn=plan.placement.verify_fn)
+                          layer_fn=plan.placement.verify_fn,
+                          shared_pass=request.batcher.verify if request.batcher is not None else None)
     stops = AcceptConfig(gen.n_predict, plan.eos_ids, plan.n_ctx, full_lm_head=tree.growth.full_lm_head,
                          stop=request.text, logprobs=request.logprobs, constraint=constraint)
     accept = Accept("accept", stops, params, target.model.logits, tracer, diagnose=target.model.nonfinite_logits,
@@ -142,8 +145,9 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
     ch = plan.channels
     p = Pipeline(tree.policy)
     p.connect(expand, "tree", verify, "tree", ch.tokens)
-    p.connect(prefetch, "layers", verify, "layers", ch.layers_for(plan.flash.window_layers))
-    p.connect(verify, "free", prefetch, "free", plan.flash.window_layers)
+    if request.batcher is None:  # else the batcher's passes read the layers, once for every request in them
+        p.connect(prefetch, "layers", verify, "layers", ch.layers_for(plan.flash.window_layers))
+        p.connect(verify, "free", prefetch, "free", plan.flash.window_layers)
     p.connect(verify, "verified", accept, "verified", 1)
     p.connect(accept, "accepted", expand, "accepted", ch.tokens)
     p.connect(accept, "emitted", output, "emitted", 4)

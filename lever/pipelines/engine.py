@@ -24,6 +24,7 @@ import psutil
 from lever.backends.cpu import native
 from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.flash.device import process_read_bytes
+from lever.backends.flash.pool import StagingBuffer
 from lever.config import Config
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
@@ -31,6 +32,7 @@ from lever.gguf.tokenizer import Tokenizer
 from lever.model.grammar import Grammar, compile_args, matcher_limits
 from lever.model.grammar_child import CompileProcess
 from lever.model.transformer import Model
+from lever.pipelines.batcher import WAIT_S, Batcher, StreamedLayers
 from lever.pipelines.compose import KVState, Request, compose
 from lever.pipelines.plan import RunPlan
 from lever.pipelines.result import FlashFigures, MemoryFigures, RunResult, Timing
@@ -159,6 +161,18 @@ class Engine:
         mem = self.memory_plan(len(request.ids), request.kv.n_rows if request.kv is not None else 0)
         with native.default_threads(self.plan.runtime.threads):
             return _run(self, request, mem, on_text=on_text, trace_path=trace_path, on_kv=on_kv)
+
+    def batcher(self, wait_s: float = WAIT_S) -> Batcher:
+        """A Batcher over this engine's target: generations run with it (Request.batcher), each in
+        its own thread between `join` and `leave`, verify their trees in shared passes, each
+        streamed layer read once per pass for all of them (lever.pipelines.batcher)."""
+        t = self.target
+        if t is None:
+            raise LeverError(f"{self.plan.where}: the engine is closed")
+        size = max((t.store.layer_bytes[i] for i in t.store.streamed), default=0)
+        buffers = (StagingBuffer(0, size), StagingBuffer(1, size))
+        return Batcher(lambda: StreamedLayers(t.store, t.model.file, self.plan.spec, t.resident, buffers),
+                       wait_s=wait_s)
 
     def new_kv(self) -> KVState:
         """Empty caches of the sizes a run of this engine makes (for a session read from disk)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import attrs
 import numpy as np
 
 from lever.backends.cpu.kv_cache import KVCache
@@ -104,3 +105,47 @@ def test_a_streamed_pass_reads_each_layer_once_for_all_its_trees():
         every_layer = sum(store.layer_bytes)
         assert all(m.read_bytes == every_layer for m in made)  # one read of each layer per pass
         assert len(made) == batcher.passes < batcher.trees == 9
+
+
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def", "for i in range(", "# sort a list\n",
+           "with open(path) as f:", "x = [", "return self."]
+
+
+def test_generations_sharing_passes_each_give_their_own_tokens():
+    """The shipped pair at budget 0 (every layer streamed): 2-4 generations at once, greedy and
+    seeded sampling, some joining after the others started, each through the engine with one
+    Batcher; each one's tokens equal its own run alone, and they shared passes."""
+    from lever.pipelines.compose import Request
+    from lever.pipelines.engine import Engine
+
+    cfg = load_config(shipped("default.toml"), ["flash.dram_budget=0", 'pipeline.baseline=""'])
+    rng = np.random.default_rng(4900)
+    with Engine.open(cfg) as engine:
+        for case in range(3):
+            n = int(rng.integers(2, 5))
+            prompts = [PROMPTS[i] for i in rng.choice(len(PROMPTS), n, replace=False)]
+            gens = [attrs.evolve(engine.plan.generate, n_predict=int(rng.integers(8, 24)),
+                                 temperature=float(rng.choice([0.0, 0.8])), seed=int(rng.integers(0, 1000)))
+                    for _ in range(n)]
+            requests = [Request(engine.encode(p), generate=g) for p, g in zip(prompts, gens)]
+            want = [engine.run(r).tokens for r in requests]
+            batcher = engine.batcher(wait_s=0.05)
+            got: list = [None] * n
+            starts = [0.0 if i < 2 else float(rng.choice([0.0, 0.2])) for i in range(n)]
+
+            def run(i: int) -> None:
+                threading.Event().wait(starts[i])
+                batcher.join()
+                try:
+                    got[i] = engine.run(attrs.evolve(requests[i], batcher=batcher)).tokens
+                finally:
+                    batcher.leave()
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            for i in range(n):
+                assert got[i] == want[i], f"case {case}: request {i} of {n} ({gens[i].temperature=}, {prompts[i]!r})"
+            assert batcher.passes < batcher.trees, f"case {case}: no pass was shared"
