@@ -17,6 +17,7 @@ import time
 import attrs
 
 from lever.config import load_config
+from lever.pipelines.batcher import WAIT_S
 from lever.pipelines.compose import Request
 from lever.pipelines.engine import Engine
 
@@ -26,11 +27,11 @@ PROMPTS = ["def parse_config(path):\n    \"\"\"Read a TOML file", "class LRUCach
            "fn main() {\n    let args"]
 
 
-def clients(engine: Engine, n: int, n_predict: int) -> dict:
+def clients(engine: Engine, n: int, n_predict: int, wait_s: float = WAIT_S) -> dict:
     """n generations at once (one alone: no batcher); their tokens and times."""
     reqs = [Request(engine.encode(p), generate=attrs.evolve(engine.plan.generate, n_predict=n_predict))
             for p in (PROMPTS * n)[:n]]
-    batcher = engine.batcher() if n > 1 else None
+    batcher = engine.batcher(wait_s) if n > 1 else None
     out: list = [None] * n
 
     def run(i: int) -> None:
@@ -63,13 +64,14 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--clients", default="1,2,4")
     ap.add_argument("-n", "--n-predict", type=int, default=32)
     ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--wait-ms", type=float, default=WAIT_S * 1e3, help="how long a pass waits for the others' trees")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, ['pipeline.baseline=""', *args.set])
     rows = []
     with Engine.open(cfg) as engine:
         engine.run(Request(engine.encode("x = 1"), generate=attrs.evolve(engine.plan.generate, n_predict=4)))  # warm
         for n in (int(x) for x in args.clients.split(",")):
-            r = clients(engine, n, args.n_predict)
+            r = clients(engine, n, args.n_predict, args.wait_ms / 1e3)
             shared = f"; {r['passes']} passes for {r['trees']} trees" if r["passes"] is not None else ""
             print(f"{n} client(s): {sum(map(len, r['tokens']))} tokens in {r['wall_s']:.1f} s = {r['tok_s']:.2f} "
                   f"tok/s aggregate; each client {', '.join(f'{s:.1f}' for s in r['client_s'])} s{shared}", flush=True)
