@@ -41,12 +41,17 @@ class StreamedLayers:
     resident: dict[int, LayerWeights]
     buffers: tuple[StagingBuffer, StagingBuffer]
     read_bytes: int = 0
-    _pool: ThreadPoolExecutor = attrs.field(factory=lambda: ThreadPoolExecutor(1, "lever-batch-read"))
+    _pool: ThreadPoolExecutor = attrs.field(factory=lambda: ThreadPoolExecutor(1, "lever-batch-layer"))
+    _reads: ThreadPoolExecutor | None = None  # a layer's chunks in flight, up to the flash queue depth (as Prefetch)
     _ahead: dict[int, Future] = attrs.field(factory=dict)
 
     def _read(self, layer: int) -> LayerWeights:
         buf = self.buffers[layer % 2]
-        return load_layer(self.file, self.spec, layer, raws=self.store.read_layer(layer, buf))
+        if self._reads is None:
+            self._reads = ThreadPoolExecutor(max(self.store.config.queue_depth, 1), "lever-batch-read")
+        for f in [self._reads.submit(self.store.read, r, buf) for r in self.store.plan_reads(layer)]:
+            f.result()
+        return load_layer(self.file, self.spec, layer, raws=self.store.tensors(layer, buf))
 
     def _start(self, layer: int) -> None:
         if layer < self.spec.n_layer and layer not in self.resident and layer not in self._ahead:
@@ -64,6 +69,8 @@ class StreamedLayers:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._reads is not None:
+            self._reads.shutdown(wait=True)
 
 
 @attrs.define(eq=False)
