@@ -11,20 +11,7 @@ from lever.backends.cpu.batch import Segment, layer_forward_batch
 from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.cpu.layer import layer_forward
 from lever.model.transformer import Model
-
-
-def random_tree(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """A tree of n nodes listed parents first (now and then a chain, as a prompt is): its
-    ancestor mask (n, n) and each node's depth."""
-    chain = rng.random() < 0.3
-    parents = [-1] + [i - 1 if chain else int(rng.integers(-1, i)) for i in range(1, n)]
-    mask, depth = np.zeros((n, n), bool), np.zeros(n, np.int32)
-    for i, p in enumerate(parents):
-        mask[i, i] = True
-        if p >= 0:
-            mask[i] |= mask[p]
-            depth[i] = depth[p] + 1
-    return mask, depth
+from tests.model.test_transformer import random_tree_mask
 
 
 def request(rng: np.random.Generator, spec, kv_dtype, n_ctx: int = 96):
@@ -35,7 +22,7 @@ def request(rng: np.random.Generator, spec, kv_dtype, n_ctx: int = 96):
         cache.k[layer][:prefix] = rng.standard_normal((prefix, spec.n_head_kv, spec.head_dim))
         cache.v[layer][:prefix] = rng.standard_normal((prefix, spec.n_head_kv, spec.head_dim))
     cache.n_rows = prefix
-    tree, depth = random_tree(rng, n)
+    tree, depth = random_tree_mask(rng, n)
     mask = np.ones((n, prefix + n), bool)
     mask[:, prefix:] = tree
     x = rng.standard_normal((n, spec.n_embd)).astype(np.float32)
