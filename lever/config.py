@@ -78,8 +78,14 @@ class PipelineConfig:
     baseline: str = ""
     """Another kind to run after it on the same prompt (usually flash-ar): the summary then
     gives the speedup over it, measured in the same run, and checks greedy tokens are equal."""
+    parallel: int = 1
+    """Generations at once (`lever serve --parallel`): each keeps its own caches of n_ctx rows,
+    and their trees are verified in shared passes of the target, each streamed layer read once
+    for all of them (lever.pipelines.batcher). The memory plan holds every one's caches."""
 
     def __attrs_post_init__(self):
+        if not isinstance(self.parallel, int) or isinstance(self.parallel, bool) or not 1 <= self.parallel <= 256:
+            raise LeverError(f"[pipeline] parallel: generations at once, 1 to 256, got {self.parallel!r}")
         for key, kind in (("kind", self.kind), ("baseline", self.baseline)):
             if kind not in PIPELINE_KINDS and (key == "kind" or kind):
                 raise LeverError(f"[pipeline] {key}: unknown pipeline {kind!r} (known: {', '.join(PIPELINE_KINDS)})")

@@ -21,7 +21,7 @@ import attrs
 import numpy as np
 
 from lever.backends.cpu import native
-from lever.backends.cpu.batch import Segment, layer_forward_batch
+from lever.backends.cpu.batch import Segment, layer_batch_in_chunks
 from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.cpu.layer import LayerWeights, layer_forward, layer_in_chunks
 from lever.dataflow.compute import VERIFY, ComputeSlot
@@ -182,7 +182,7 @@ class PrunedVerify(Stage):
         segments = [Segment(v.cache, st.rows, st.pos, st.mask) for v, st in zip(verifiers, states)]
         x = np.concatenate([st.x for st in states])  # (sum of n_nodes, n_embd)
         for i in range(spec.n_layer):
-            x = layer_forward_batch(spec, layers[i], x, segments=segments, layer=i, inv_freq=verifiers[0].inv_freq)
+            x = layer_batch_in_chunks(spec, layers[i], x, segments=segments, layer=i, inv_freq=verifiers[0].inv_freq)
         out, a = [], 0
         for v, st in zip(verifiers, states):
             st.x, a = x[a : a + st.tree.n_nodes], a + st.tree.n_nodes

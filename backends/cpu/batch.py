@@ -16,7 +16,7 @@ import numpy as np
 
 from lever.backends.cpu import native
 from lever.backends.cpu.kv_cache import KVCache
-from lever.backends.cpu.layer import LayerWeights
+from lever.backends.cpu.layer import PASS_CHUNK_TOKENS, LayerWeights
 from lever.gguf.spec import ModelSpec
 
 
@@ -71,3 +71,37 @@ def layer_forward_batch(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, *, seg
     x = x + lw.wo(attn.reshape(n_tok, -1))
     h = native.rmsnorm(x, lw.ffn_norm, spec.rms_eps)
     return x + lw.w_down(native.swiglu(lw.w_gate(h), lw.w_up(h)))
+
+
+def layer_batch_in_chunks(spec: ModelSpec, lw: LayerWeights, x: np.ndarray, *, segments: list[Segment], layer: int,
+                          inv_freq: np.ndarray, chunk: int = PASS_CHUNK_TOKENS) -> np.ndarray:
+    """`layer_forward_batch` over the stacked rows at most `chunk` tokens at a time, in order,
+    as `layer_in_chunks` runs one request's pass: a long prefill beside other requests' trees
+    holds one chunk's activations, not the whole pass's. A segment that is one run of new rows
+    after its cache is cut where a chunk ends, each piece attending over its cache up to its own
+    last row (written by then: a pass lists parents first); one that is not (rows as indices: a
+    pruned tree) goes whole into a chunk of its own if it does not fit."""
+    out = np.empty_like(x)  # (n_tok, n_embd)
+    pieces: list[Segment] = []
+    a = b = 0  # the chunk being gathered: rows [a, b) of x
+    for s in segments:
+        start = s.rows.start if isinstance(s.rows, slice) else None
+        cuttable = start is not None and s.mask.shape[1] == start + s.n_tok
+        i = 0
+        while i < s.n_tok:
+            room = chunk - (b - a)
+            if room <= 0 or (not cuttable and pieces and s.n_tok - i > room):
+                out[a:b] = layer_forward_batch(spec, lw, x[a:b], segments=pieces, layer=layer, inv_freq=inv_freq)
+                pieces, a = [], b
+                continue
+            j = min(s.n_tok, i + room) if cuttable else s.n_tok
+            if i == 0 and j == s.n_tok:
+                pieces.append(s)
+            else:
+                pieces.append(Segment(s.cache, slice(start + i, start + j), s.pos[i:j],
+                                      np.ascontiguousarray(s.mask[i:j, : start + j])))
+            b += j - i
+            i = j
+    if pieces:
+        out[a:b] = layer_forward_batch(spec, lw, x[a:b], segments=pieces, layer=layer, inv_freq=inv_freq)
+    return out

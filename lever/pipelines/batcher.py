@@ -32,21 +32,23 @@ WAIT_S = 0.005  # how long a pass's first tree waits for the other joined reques
 @attrs.define(eq=False)
 class StreamedLayers:
     """One pass's layers, indexable in order: resident ones as kept, streamed ones read from
-    flash into two staging buffers in turn, the next layer's read under way while this one
-    computes. Made for one pass and used once."""
+    flash into the store's staging window (two of its buffers, taken for the pass: the window
+    the memory plan counts, which no Prefetch uses while passes are shared), the next layer's
+    read under way while this one computes (with a window of one, after it). Made for one pass
+    and used once; `close` gives the buffers back."""
 
     store: FlashStore
     file: GGUFFile
     spec: ModelSpec
     resident: dict[int, LayerWeights]
-    buffers: tuple[StagingBuffer, StagingBuffer]
     read_bytes: int = 0
+    buffers: list[StagingBuffer] = attrs.field(factory=list)
     _pool: ThreadPoolExecutor = attrs.field(factory=lambda: ThreadPoolExecutor(1, "lever-batch-layer"))
     _reads: ThreadPoolExecutor | None = None  # a layer's chunks in flight, up to the flash queue depth (as Prefetch)
     _ahead: dict[int, Future] = attrs.field(factory=dict)
 
     def _read(self, layer: int) -> LayerWeights:
-        buf = self.buffers[layer % 2]
+        buf = self.buffers[layer % len(self.buffers)]
         if self._reads is None:
             self._reads = ThreadPoolExecutor(max(self.store.config.queue_depth, 1), "lever-batch-read")
         for f in [self._reads.submit(self.store.read, r, buf) for r in self.store.plan_reads(layer)]:
@@ -55,6 +57,9 @@ class StreamedLayers:
 
     def _start(self, layer: int) -> None:
         if layer < self.spec.n_layer and layer not in self.resident and layer not in self._ahead:
+            if not self.buffers:  # the first streamed layer of the pass: take the window
+                pool = self.store.pool
+                self.buffers = [pool.acquire() for _ in range(min(pool.n_buffers, 2))]
             self._ahead[layer] = self._pool.submit(self._read, layer)
 
     def __getitem__(self, layer: int) -> LayerWeights:
@@ -64,13 +69,17 @@ class StreamedLayers:
         self._start(layer)
         weights = self._ahead.pop(layer).result()
         self.read_bytes += self.store.layer_bytes[layer]
-        self._start(layer + 1)  # into the other buffer: this layer's stays until it is computed
+        if len(self.buffers) > 1:
+            self._start(layer + 1)  # into the other buffer: this layer's stays until it is computed
         return weights
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         if self._reads is not None:
             self._reads.shutdown(wait=True)
+        for buf in self.buffers:
+            self.store.pool.release(buf)
+        self.buffers = []
 
 
 @attrs.define(eq=False)

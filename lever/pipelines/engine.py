@@ -24,7 +24,6 @@ import psutil
 from lever.backends.cpu import native
 from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.flash.device import process_read_bytes
-from lever.backends.flash.pool import StagingBuffer
 from lever.config import Config
 from lever.dataflow.trace import Tracer
 from lever.errors import LeverError
@@ -162,17 +161,20 @@ class Engine:
         with native.default_threads(self.plan.runtime.threads):
             return _run(self, request, mem, on_text=on_text, trace_path=trace_path, on_kv=on_kv)
 
-    def batcher(self, wait_s: float = WAIT_S) -> Batcher:
+    def batcher(self, wait_s: float | None = None) -> Batcher:
         """A Batcher over this engine's target: generations run with it (Request.batcher), each in
         its own thread between `join` and `leave`, verify their trees in shared passes, each
-        streamed layer read once per pass for all of them (lever.pipelines.batcher)."""
+        streamed layer read once per pass for all of them, through the target's own window
+        (lever.pipelines.batcher). `wait_s`: how long a pass waits for the other generations'
+        trees; by default what a pass costs whatever its tree (the cost model's pass of one
+        token: the read of the streamed layers, the resident ones' weights), which is what a
+        tree joining it saves, so a wait never costs more than it can gain."""
         t = self.target
         if t is None:
             raise LeverError(f"{self.plan.where}: the engine is closed")
-        size = max((t.store.layer_bytes[i] for i in t.store.streamed), default=0)
-        buffers = (StagingBuffer(0, size), StagingBuffer(1, size))
-        return Batcher(lambda: StreamedLayers(t.store, t.model.file, self.plan.spec, t.resident, buffers),
-                       wait_s=wait_s)
+        if wait_s is None:
+            wait_s = self.plan.cost.verify_s(1) if self.plan.cost is not None else WAIT_S
+        return Batcher(lambda: StreamedLayers(t.store, t.model.file, self.plan.spec, t.resident), wait_s=wait_s)
 
     def new_kv(self) -> KVState:
         """Empty caches of the sizes a run of this engine makes (for a session read from disk)."""

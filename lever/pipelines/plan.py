@@ -79,6 +79,7 @@ class RunPlan:
     flash: FlashConfig  # the kind's all-resident override applied
     resident: frozenset[int]  # target layers kept in DRAM: the memory plan's, the store's, the cost model's
     n_ctx: int  # KV rows: [model] n_ctx, capped by the target's trained context
+    parallel: int  # generations at once ([pipeline] parallel), each with caches of n_ctx rows
     generate: GenerateConfig  # a request's defaults ([generate])
     channels: ChannelsConfig
     runtime: RuntimeConfig
@@ -114,7 +115,7 @@ class RunPlan:
     def memory_plan(self, n_prompt: int, process_bytes: int | None = None) -> MemoryPlan:
         """This run's memory plan for a prompt of n_prompt tokens (run_memory)."""
         return run_memory(target=self.target_file, spec=self.spec, flash=self.flash, tree=self.tree, n_ctx=self.n_ctx,
-                          draft_file=self.draft_file, draft_spec=self.draft_spec,
+                          parallel=self.parallel, draft_file=self.draft_file, draft_spec=self.draft_spec,
                           runtime_bytes=self.sizes.runtime_bytes, n_prompt=n_prompt, resident=self.resident,
                           process_bytes=process_bytes, grammar_bytes=self.sizes.grammar_bytes)
 
@@ -167,7 +168,8 @@ class RunPlan:
         grammar_bytes = one_grammar_bytes(grammars, spec.n_vocab) if isinstance(grammars, Grammar) else \
             plan_bytes(spec.n_vocab) if grammars else 0
         if parse_budget(flash.dram_budget).kind == "fill":
-            resident, fill = _fill(cfg, f, spec, flash=flash, tree=tree, n_ctx=n_ctx, draft_file=draft_file,
+            resident, fill = _fill(cfg, f, spec, flash=flash, tree=tree, n_ctx=n_ctx, parallel=cfg.pipeline.parallel,
+                                   draft_file=draft_file,
                                    draft_spec=draft_spec, grammar_bytes=grammar_bytes)
         else:
             resident = plan_residency([e.buffer_bytes for e in layer_extents(f)], flash.dram_budget)
@@ -182,6 +184,7 @@ class RunPlan:
                                   draft_spec=draft_spec, n_ctx=n_ctx)
         draft = DraftPlan(draft_file, draft_spec, vocab) if draft_file is not None else None
         return cls(where=cfg.where, kind=pk, tree=tree, flash=flash, resident=resident, n_ctx=n_ctx,
+                   parallel=cfg.pipeline.parallel,
                    generate=cfg.generate, channels=cfg.channels, runtime=cfg.runtime, memory=cfg.memory,
                    target_file=f, spec=spec, tok=tok, draft=draft, cost=cost, pruning=pruning, acceptance=acceptance,
                    placement=placement, warnings=tuple(warnings),
@@ -189,18 +192,18 @@ class RunPlan:
 
 
 def run_memory(*, target: GGUFFile, spec: ModelSpec, flash: FlashConfig, tree: TreeExpandConfig, n_ctx: int,
-               draft_file: GGUFFile | None, draft_spec: ModelSpec | None, runtime_bytes: int, n_prompt: int,
+               parallel: int = 1, draft_file: GGUFFile | None, draft_spec: ModelSpec | None, runtime_bytes: int, n_prompt: int,
                resident: frozenset[int], process_bytes: int | None = None, grammar_bytes: int = 0) -> MemoryPlan:
     """A run's memory plan (lever.policy.memory.plan_memory) for a prompt of n_prompt tokens:
     the one wiring of its parts, for Engine's check and for fill's placement alike."""
-    return plan_memory(target, spec, flash, n_ctx=n_ctx, n_pass_tokens=max(n_prompt, tree.max_nodes),
+    return plan_memory(target, spec, flash, n_ctx=n_ctx, parallel=parallel, n_pass_tokens=max(n_prompt, tree.max_nodes),
                        tree_rows=tree.max_nodes, draft=draft_file, draft_spec=draft_spec,
                        draft_rows=tree.draft_rows if tree.drafts else 0, runtime_bytes=runtime_bytes,
                        resident=resident, process_bytes=process_bytes, grammar_bytes=grammar_bytes)
 
 
 def _fill(cfg: Config, f: GGUFFile, spec: ModelSpec, *, flash: FlashConfig, tree: TreeExpandConfig, n_ctx: int,
-          draft_file: GGUFFile | None, draft_spec: ModelSpec | None,
+          parallel: int, draft_file: GGUFFile | None, draft_spec: ModelSpec | None,
           grammar_bytes: int = 0) -> tuple[frozenset[int], MemoryPlan]:
     """[flash] dram_budget = "fill": the layers [memory] limit holds beside everything else
     the run plans (run_memory's parts, for a prompt filling the context: what a server checks
@@ -212,7 +215,8 @@ def _fill(cfg: Config, f: GGUFFile, spec: ModelSpec, *, flash: FlashConfig, tree
     process_bytes = psutil.Process().memory_info().rss  # once: every candidate is priced against the same process
 
     def plan(resident: frozenset[int]) -> MemoryPlan:
-        return run_memory(target=f, spec=spec, flash=flash, tree=tree, n_ctx=n_ctx, draft_file=draft_file,
+        return run_memory(target=f, spec=spec, flash=flash, tree=tree, n_ctx=n_ctx, parallel=parallel,
+                          draft_file=draft_file,
                           draft_spec=draft_spec, runtime_bytes=runtime_bytes_for(cfg.placement),
                           n_prompt=n_ctx - 1, resident=resident, process_bytes=process_bytes,
                           grammar_bytes=grammar_bytes)

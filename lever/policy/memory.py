@@ -72,7 +72,7 @@ class MemoryPlan:
     resident_layer_bytes: int  # target layers read once and kept (matrices in the tile layout)
     head_bytes: int  # the target's output projection (and embeddings when tied), resident, tiled
     window_bytes: int  # the staging window streamed layers pass through (+ mmap chunks in flight)
-    kv_cache_bytes: int  # the target's KV cache for the context and one tree
+    kv_cache_bytes: int  # the target's KV cache for the context and one tree (one per generation at once)
     draft_bytes: int  # the draft's weights (Model.resident_bytes) and its KV cache
     activation_bytes: int  # the largest pass's activations and logits, both models
     process_bytes: int  # the process before loading: interpreter, libraries, tokenizer
@@ -130,7 +130,7 @@ def activation_bytes(spec: ModelSpec, n_tok: int, n_rows: int, n_logit_rows: int
         n_logit_rows * spec.n_vocab * F32
 
 
-def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx: int, n_pass_tokens: int,
+def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx: int, n_pass_tokens: int, parallel: int = 1,
                 tree_rows: int = 1, draft: GGUFFile | None = None, draft_spec: ModelSpec | None = None,
                 draft_rows: int = 0, process_bytes: int | None = None, runtime_bytes: int = 0,
                 resident: frozenset[int] | None = None, grammar_bytes: int = 0) -> MemoryPlan:
@@ -138,7 +138,9 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx:
     prompt's prefill or a tree of tree_rows), a draft's cache of n_ctx + draft_rows rows, and
     `runtime_bytes` of an accelerator runtime (`runtime_bytes_for(cfg.placement)`), and
     `grammar_bytes` of structured output (lever.model.grammar_cache.plan_bytes); `resident`:
-    the layers kept in DRAM (a RunPlan's), else planned from `flash`."""
+    the layers kept in DRAM (a RunPlan's), else planned from `flash`. `parallel` generations at
+    once ([pipeline] parallel): each its own caches and drafting, and the target's pass of all
+    their prompts or trees together (one read of the weights, so one window)."""
     extents = layer_extents(target)
     layer_bytes = [e.buffer_bytes for e in extents]
     if resident is None:
@@ -149,15 +151,15 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx:
         window += flash.queue_depth * flash.chunk_bytes  # mapped pages of the chunks being copied
     head = tiled_bytes(target, "output.weight" if "output.weight" in target.tensors else "token_embd.weight")
     n_rows = n_ctx + tree_rows
-    acts = activation_bytes(spec, n_pass_tokens, n_rows, max(tree_rows, 1))
+    acts = activation_bytes(spec, parallel * n_pass_tokens, n_rows, parallel * max(tree_rows, 1))
     draft_total = 0
     if draft is not None and draft_spec is not None:
-        draft_total = Model.resident_bytes(draft, draft_spec) + KVCache.bytes_for(draft_spec, n_ctx + draft_rows)
-        acts += activation_bytes(draft_spec, max(n_pass_tokens, draft_rows), n_ctx + draft_rows, draft_rows)
+        draft_total = Model.resident_bytes(draft, draft_spec) + parallel * KVCache.bytes_for(draft_spec, n_ctx + draft_rows)
+        acts += parallel * activation_bytes(draft_spec, max(n_pass_tokens, draft_rows), n_ctx + draft_rows, draft_rows)
     if process_bytes is None:
         process_bytes = psutil.Process().memory_info().rss
     return MemoryPlan(sum(resident_layer_bytes(target, spec, i) for i in resident), head, window,
-                      KVCache.bytes_for(spec, n_rows), draft_total, acts, process_bytes, runtime_bytes=runtime_bytes,
+                      parallel * KVCache.bytes_for(spec, n_rows), draft_total, acts, process_bytes, runtime_bytes=runtime_bytes,
                       grammar_bytes=grammar_bytes)
 
 

@@ -10,7 +10,6 @@ import numpy as np
 
 from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.flash import FlashConfig, FlashStore
-from lever.backends.flash.pool import StagingBuffer
 from lever.config import load_config
 from lever.dataflow.messages import TokenTree
 from lever.model.transformer import Model
@@ -90,11 +89,10 @@ def test_a_streamed_pass_reads_each_layer_once_for_all_its_trees():
     spec = model.spec
     rng = np.random.default_rng(7)
     with FlashStore(cfg.model.target, FlashConfig(mode="direct", dram_budget=0)) as store:
-        bufs = (StagingBuffer(0, max(store.layer_bytes)), StagingBuffer(1, max(store.layer_bytes)))
         made: list[StreamedLayers] = []
 
         def layers() -> StreamedLayers:
-            made.append(StreamedLayers(store, model.file, spec, {}, bufs))
+            made.append(StreamedLayers(store, model.file, spec, {}))
             return made[-1]
 
         batcher = Batcher(layers, wait_s=10.0)  # a pass waits until every joined tree is in
@@ -105,6 +103,7 @@ def test_a_streamed_pass_reads_each_layer_once_for_all_its_trees():
         every_layer = sum(store.layer_bytes)
         assert all(m.read_bytes == every_layer for m in made)  # one read of each layer per pass
         assert len(made) == batcher.passes < batcher.trees == 9
+        assert store.pool.n_free == store.pool.n_buffers  # every pass gave the window back
 
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def", "for i in range(", "# sort a list\n",
