@@ -25,6 +25,7 @@ from lever.model.grammar import Grammar, Source
 from lever.model.sampling import LogitBias
 from lever.model.stop import StopReason
 from lever.model.tool_calls import ToolCall
+from lever.pipelines.batcher import Batcher
 from lever.pipelines.compose import KVState, Request
 from lever.pipelines.result import RunResult
 from lever.pipelines.text import TextStream
@@ -72,11 +73,12 @@ class Call:
     cancel: threading.Event = attrs.field(factory=threading.Event, eq=False)
 
     def request(self, text: TextStream, *, watch: RunWatch | None = None, kv: KVState | None = None,
-                cached: int = 0) -> Request:
+                cached: int = 0, batcher: Batcher | None = None) -> Request:
         """The engine's request, its text leaving by `text`: the ids past the `cached` ones `kv`
-        already holds (a conversation's), the rest as the text before them (the repeat penalty)."""
+        already holds (a conversation's), the rest as the text before them (the repeat penalty);
+        `batcher`: the passes it shares with the other generations running (parallel lanes)."""
         return Request(self.ids[cached:], self.generate, text, kv=kv, history=self.ids[:cached],
-                       logprobs=self.logprobs, grammar=self.grammar, watch=watch)
+                       logprobs=self.logprobs, grammar=self.grammar, watch=watch, batcher=batcher)
 
 
 @attrs.frozen

@@ -19,6 +19,7 @@ from lever.errors import LeverError
 from lever.gguf.chat_template import check_messages
 from lever.gguf.identity import ModelIdentity
 from lever.pipelines import saved_session
+from lever.pipelines.batcher import Batcher
 from lever.pipelines.compose import KVState
 from lever.pipelines.engine import Engine
 from lever.pipelines.prefix_cache import MIN_REUSE_TOKENS, KVSnapshot, PrefixCache, shared
@@ -56,6 +57,7 @@ class Session:
     last_cached: int = 0  # prompt tokens the last call took from the caches
     client: object = None  # whose text the caches hold (a server's API key; None for every in-process call)
     cache: PrefixCache | None = None  # other conversations kept between calls (a server's); None: this one alone
+    lock: threading.Lock = attrs.field(factory=threading.Lock, eq=False)  # one call at a time in these caches
 
     @property
     def n_cached(self) -> int:
@@ -102,7 +104,7 @@ class Session:
         self.ids, self.kv = [], None
 
     def switch(self, ids: list[int], client: object) -> None:
-        """Before a call of `client` with prompt `ids` (under the LLM's lock): the caches should
+        """Before a call of `client` with prompt `ids` (holding this session's lock): the caches should
         hold that client's conversation sharing the most with `ids`. Another client's text is
         never reused; with a prefix cache, the conversation leaving is kept there and a better
         one of this client's comes back from it (lever.pipelines.prefix_cache)."""
@@ -135,12 +137,12 @@ class Session:
 
     def save(self, path: str | os.PathLike) -> None:
         """The conversation and the caches' rows, to msgpack (lever.pipelines.saved_session)."""
-        with self.llm.lock:
+        with self.lock:
             saved_session.write(path, messages=self.messages, ids=self.ids, kv=self.kv, **self._identities())
 
     def load(self, path: str | os.PathLike) -> None:
         """A saved session of the same model pair: its conversation goes on from its caches."""
-        with self.llm.lock:
+        with self.lock:
             kv = self.llm.engine.new_kv()
             messages, ids = saved_session.read(path, kv=kv, n_vocab=self.llm.engine.plan.spec.n_vocab,
                                                **self._identities())
@@ -159,9 +161,11 @@ class Session:
         self.messages.extend(added)
         return call
 
-    def run(self, call: Call, text: TextStream, watch: RunWatch | None = None) -> tuple[RunResult, int]:
-        """The engine's run of `call` from what the caches share with its ids (called under the
-        LLM's lock). Returns the run and how many prompt tokens came from the caches."""
+    def run(self, call: Call, text: TextStream, watch: RunWatch | None = None,
+            batcher: Batcher | None = None) -> tuple[RunResult, int]:
+        """The engine's run of `call` from what the caches share with its ids (called in one of
+        the LLM's lanes, holding this session's lock), its passes shared through `batcher` when
+        given. Returns the run and how many prompt tokens came from the caches."""
         ids = list(call.ids)
         # at least one token is prefilled: its logits start the reply
         common = min(shared(ids, self.ids[: self.n_cached]), len(ids) - 1)
@@ -169,7 +173,8 @@ class Session:
         if kv is not None:
             kv.truncate(common)
         self.ids, self.kv = [], None  # until the run ends well, the caches are in flux
-        res = self.llm.engine.run(call.request(text, watch=watch, kv=kv, cached=common), on_kv=kept.append)
+        res = self.llm.engine.run(call.request(text, watch=watch, kv=kv, cached=common, batcher=batcher),
+                                  on_kv=kept.append)
         self.kv = kept[0]
         self.ids = (ids + res.tokens)[: self.kv.n_rows]
         self.last_cached = common

@@ -38,6 +38,7 @@ from lever.gguf.tokenizer import Tokenizer
 from lever.model.grammar_cache import GrammarCache
 from lever.model.stop import StopReason
 from lever.model.tool_calls import GENERIC, ToolFormat, detect, plan
+from lever.pipelines.batcher import Batcher
 from lever.pipelines.engine import Engine
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.text import TextStream
@@ -95,14 +96,21 @@ class LLM:
     config: Config
     engine: Engine
     chat_template_text: str | None = None
-    lock: threading.Lock = attrs.field(factory=threading.Lock)  # one generation at a time (sessions' save, load)
+    lock: threading.Lock = attrs.field(factory=threading.Lock)  # one generation at a time, [pipeline] parallel 1
     _template: ChatTemplate | None = None
     grammars: GrammarCache = attrs.field(init=False)  # compiled grammars, bounded by bytes (lever.model.grammar_cache)
     renderer: ChatRenderer = attrs.field(init=False)  # every chat's template runs in its child (lever.api.render)
     watch: Watch | None = None  # sees every generation's cycles as they run (a live page: lever.pipelines.watch)
     structured: bool = True  # structured output planned for (lever.load's `grammars`); off, a grammar is refused
+    running: int = attrs.field(init=False, default=0)  # generations under way now
+    _lanes: threading.BoundedSemaphore = attrs.field(init=False)  # [pipeline] parallel generations at once
+    _batcher: Batcher | None = attrs.field(init=False, default=None)  # their shared passes (parallel > 1)
+    _count: threading.Lock = attrs.field(init=False, factory=threading.Lock)
 
     def __attrs_post_init__(self):
+        self._lanes = threading.BoundedSemaphore(self.parallel)
+        if self.parallel > 1:
+            self._batcher = self.engine.batcher()
         self.grammars = GrammarCache(self.engine.tok)  # its compiler's child starts with the first grammar
         self.renderer = ChatRenderer(self.engine.tok, self.engine.n_ctx, self.engine.n_ctx_source,  # child: lazily
                                      reasoning=self.config.model.reasoning)
@@ -112,9 +120,39 @@ class LLM:
         return self.engine.tok
 
     @property
+    def parallel(self) -> int:
+        """Generations that run at once ([pipeline] parallel), their trees verified in shared passes."""
+        return self.engine.plan.parallel
+
+    @property
     def busy(self) -> bool:
-        """A generation is running (the others wait on the lock)."""
-        return self.lock.locked()
+        """Every lane runs a generation (the next waits for one to end)."""
+        return self.running >= self.parallel
+
+    @property
+    def batcher(self) -> Batcher | None:
+        """The shared passes of the generations running at once (parallel > 1), for their figures."""
+        return self._batcher
+
+    @contextlib.contextmanager
+    def _lane(self, session: Session | None):
+        """The model, for one generation: alone ([pipeline] parallel 1), or in one of `parallel`
+        lanes whose trees share passes (yields the Batcher). A session runs one call at a time."""
+        with contextlib.ExitStack() as held:
+            held.enter_context(self.lock if self._batcher is None else self._lanes)
+            if session is not None:
+                held.enter_context(session.lock)
+            with self._count:
+                self.running += 1
+            if self._batcher is not None:
+                self._batcher.join()
+            try:
+                yield self._batcher
+            finally:
+                if self._batcher is not None:
+                    self._batcher.leave()
+                with self._count:
+                    self.running -= 1
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -240,20 +278,25 @@ class LLM:
         `session`, the prefix its caches already hold is not prefilled again, when the
         session's last call was `client`'s (a server's clients never share a prefix); `watch`:
         who sees its cycles (a live page's; default this LLM's `watch`); `turn`: a context the
-        call waits in before it takes the model (a server's turns among its clients)."""
+        call waits in before it takes the model (a server's turns among its clients); a session
+        it yields is the one the call runs in (a server's slot). With [pipeline] parallel N, up
+        to N calls run at once, each from its own thread, sharing the target's passes; each
+        gives the tokens it gives alone."""
         text = TextStream(self.engine.tok, call.stop, on_text, frozenset(self.engine.tok.eos_ids), call.cancel,
                           grammar=call.grammar, offered=Offer(call.tools).names if call.tools else None,
                           tool_format=tool_format(self) if call.tools else GENERIC)
-        with turn if turn is not None else contextlib.nullcontext(), self.lock:
-            if call.cancel.is_set():  # its caller left while it waited
-                raise Cancelled("the generation was cancelled before it started")
-            watch = watch or self.watch
-            watch = watch.run(client) if watch is not None else None
-            if session is None:
-                res, cached = self.engine.run(call.request(text, watch=watch)), 0
-            else:
-                session.switch(list(call.ids), client)
-                res, cached = session.run(call, text, watch=watch)
+        with turn if turn is not None else contextlib.nullcontext() as slot:
+            session = slot if isinstance(slot, Session) else session
+            with self._lane(session) as batcher:
+                if call.cancel.is_set():  # its caller left while it waited
+                    raise Cancelled("the generation was cancelled before it started")
+                watch = watch or self.watch
+                watch = watch.run(client) if watch is not None else None
+                if session is None:
+                    res, cached = self.engine.run(call.request(text, watch=watch, batcher=batcher)), 0
+                else:
+                    session.switch(list(call.ids), client)
+                    res, cached = session.run(call, text, watch=watch, batcher=batcher)
         text.finish()
         reason = StopReason.STOP if text.stopped_at >= 0 else res.stop_reason or StopReason.LENGTH
         tokens = tuple(text.tokens)
@@ -301,7 +344,9 @@ class LLM:
     def close(self) -> None:
         self.grammars.close()  # a compile under way (a server's request thread) fails at once
         self.renderer.close()  # so does a render
-        with self.lock:
+        with self.lock, contextlib.ExitStack() as lanes:
+            for _ in range(self.parallel):  # every lane: no generation is running
+                lanes.enter_context(self._lanes)
             self.engine.close()
 
     def __enter__(self) -> LLM:

@@ -59,10 +59,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "its memory in the plan (the compiler's child, compiled grammars: ~115 MiB on Qwen's "
                         "vocabulary) under --mem: layers get it")
     s.add_argument("-np", "--parallel", type=int_in(1, MAX_SLOTS), default=1, metavar="N",
-                   help="llama-server's slots: N, each of the context's n_ctx / N tokens (--ctx-size is all N's); "
-                        "their generations still run one at a time, in the queue's turns")
+                   help="N generations at once, each in a slot (llama-server's) of the context's n_ctx / N tokens "
+                        "(--ctx-size is all N's); their trees are verified in shared passes of the target, each "
+                        "streamed layer read once for all; the memory plan holds N slots' caches")
     s.add_argument("--kv-unified", action="store_true",
-                   help="the slots share the whole context: each may fill it (one generation runs at a time)")
+                   help="each slot may fill the whole context (the memory plan holds N caches of it)")
     s.add_argument("--slots", dest="slots", action="store_true", default=True,
                    help="serve GET /slots, the slots and the generation running (the default)")
     s.add_argument("--no-slots", dest="slots", action="store_false", help="/slots answers 501")
@@ -294,10 +295,13 @@ def _load(args, load):
 
 
 def _slot_sets(config, sets: list[str], args) -> list[str]:
-    """--parallel N: each slot's context is the context's n_ctx / N tokens, as llama-server
-    divides it (--kv-unified: the whole context each); the pipeline is opened with one slot's."""
-    if args.parallel <= 1 or args.kv_unified:
+    """--parallel N: N generations at once ([pipeline] parallel), each slot's context the
+    context's n_ctx / N tokens, as llama-server divides it (--kv-unified: the whole context
+    each); the pipeline is opened with one slot's, and its memory plan holds N."""
+    if args.parallel <= 1:
         return []
+    if args.kv_unified:
+        return [f"pipeline.parallel={args.parallel}"]
     from lever.config import load_config
     from lever.gguf.file import GGUFFile
     from lever.gguf.spec import read_spec
@@ -307,7 +311,7 @@ def _slot_sets(config, sets: list[str], args) -> list[str]:
     if n_ctx < 2:
         raise LeverError(f"--parallel {args.parallel}: a slot's context would be {n_ctx} tokens; give fewer slots "
                          "or more --ctx-size (or --kv-unified)")
-    return [f"model.n_ctx={n_ctx}"]
+    return [f"model.n_ctx={n_ctx}", f"pipeline.parallel={args.parallel}"]
 
 
 def check_plan(plan: dict[str, int], limit_bytes: int | None, *, cache_ram_mib: int,

@@ -99,6 +99,7 @@ class Batcher:
     wait_s: float = WAIT_S
     passes: int = 0  # passes run
     trees: int = 0  # trees verified (trees / passes: how many shared a pass, on average)
+    read_bytes: int = 0  # streamed from flash by the passes, once per pass for all their trees
     _members: int = 0
     _queue: list[_Ticket] = attrs.field(factory=list)
     _leading: bool = False
@@ -158,5 +159,6 @@ class Batcher:
                     t.result = r
                 self.passes += 1
                 self.trees += len(batch)
+                self.read_bytes += getattr(layers, "read_bytes", 0)
             self._leading = False
             self._cond.notify_all()

@@ -13,6 +13,7 @@ the memory plan the server prints. Copying a conversation in costs a memcpy of i
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Sequence
 
 import attrs
@@ -79,6 +80,7 @@ class PrefixCache:
     hits: int = 0
     _next: int = 0
     _by_client: collections.Counter = attrs.field(factory=collections.Counter)  # bytes each client holds
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, eq=False)  # a server's slots take and put at once
 
     @property
     def share_bytes(self) -> int:
@@ -87,6 +89,10 @@ class PrefixCache:
     def take(self, client: object, ids: Sequence[int], at_least: int = 0) -> KVSnapshot | None:
         """The entry of `client` sharing the longest prefix with `ids`, if longer than both
         `at_least` and MIN_REUSE_TOKENS; it leaves the cache (the live caches hold it now)."""
+        with self._lock:
+            return self._take(client, ids, at_least)
+
+    def _take(self, client: object, ids: Sequence[int], at_least: int) -> KVSnapshot | None:
         best, best_n = None, max(at_least, MIN_REUSE_TOKENS - 1)
         for key, snap in self.entries.items():
             if key[0] == client and (n := shared(snap.ids, ids)) > best_n:
@@ -103,6 +109,10 @@ class PrefixCache:
         """Keeps `snap` for `client`, in place of its entries `snap` begins with (the same prompt
         again is kept once); the client's oldest entries leave until its bytes fit its share (one
         bigger than the share is not kept). Other clients' entries are not touched."""
+        with self._lock:
+            self._put(client, snap)
+
+    def _put(self, client: object, snap: KVSnapshot) -> None:
         if snap.nbytes > self.share_bytes or not snap.ids:
             return
         for key in [k for k, s in self.entries.items() if k[0] == client and shared(s.ids, snap.ids) == len(s.ids)]:

@@ -8,8 +8,9 @@ next goes round the clients waiting (`Turns`), first come first served within on
 client that queues ten requests gets one turn in each round, as another that queues one does, so
 it cannot make the others wait behind all of its own. Each admitted request's cancel event is
 tracked, so shutdown can refuse new requests at once and cancel the admitted ones after a grace.
-llama-server's slots (`Slots`, `lever serve --parallel N`) are N contexts of n_ctx each; the
-generations still run one at a time through the queue, so one slot at most is processing.
+llama-server's slots (`Slots`, `lever serve --parallel N`) are N conversations' caches of n_ctx
+each: N generations run at once (their trees share the target's passes: lever.pipelines.batcher),
+each in the slot that holds the most of its prompt, and the rest wait their turn in the queue.
 """
 
 from __future__ import annotations
@@ -31,19 +32,25 @@ WAIT_POLL_S = 0.1  # how often a waiting request looks at its cancel event
 class Admission:
     """The queue's count and the admitted requests' cancel events; safe from any thread."""
 
-    queue: int = 8  # requests that may wait beside the one running
+    queue: int = 8  # requests that may wait beside the running ones
     shared: bool = False  # several clients (API keys) to keep apart: each holds at most half the places
     admitted: int = 0  # running + waiting
     closing: bool = False
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
     _cancels: set = attrs.field(factory=set)  # the admitted requests' cancel events
     _by_client: collections.Counter = attrs.field(factory=collections.Counter)
+    running: int = 1  # generations that run at once (the slots)
+
+    @property
+    def places(self) -> int:
+        """Requests admitted at most: the running ones and the queue."""
+        return self.queue + self.running
 
     @property
     def client_share(self) -> int:
         """Requests one client may have admitted: half the places (one at least) on a server of
         several keys; all of them where there is no other key to keep room for."""
-        return max((self.queue + 1) // 2, 1) if self.shared else self.queue + 1
+        return max(self.places // 2, 1) if self.shared else self.places
 
     def admit(self, client: object = None) -> None:
         """A request of `client` joins: 503 when the server is stopping, 429 past the queue or
@@ -51,12 +58,12 @@ class Admission:
         with self._lock:
             if self.closing:
                 raise shutting_down()
-            if self.admitted > self.queue:  # one running and `queue` waiting
+            if self.admitted >= self.places:  # `running` running and `queue` waiting
                 raise BadRequest(f"the server is busy: {self.queue} requests already wait", status=429,
                                  kind="rate_limit_exceeded")
             if self._by_client[client] >= self.client_share:
                 raise BadRequest(f"this client already has {self._by_client[client]} requests running or waiting, "
-                                 f"its share of the server's {self.queue + 1} places", status=429,
+                                 f"its share of the server's {self.places} places", status=429,
                                  kind="rate_limit_exceeded")
             self.admitted += 1
             self._by_client[client] += 1
@@ -96,13 +103,14 @@ class Admission:
 
 @attrs.define
 class Turns:
-    """Whose generation runs: one at a time, round the clients waiting. Safe from any thread
-    (a generation waits for its turn in its worker thread)."""
+    """Whose generation runs: `n` at a time (the slots), the next round the clients waiting.
+    Safe from any thread (a generation waits for its turn in its worker thread)."""
 
+    n: int = 1
     _cond: threading.Condition = attrs.field(factory=threading.Condition)
     _waiting: dict = attrs.field(factory=dict)  # client -> deque of its tickets, first come first
     _round: collections.deque = attrs.field(factory=collections.deque)  # clients waiting, next first
-    _busy: bool = False
+    _running: int = 0
     served: collections.Counter = attrs.field(factory=collections.Counter)  # turns by client
 
     @contextlib.contextmanager
@@ -114,7 +122,7 @@ class Turns:
                 self._waiting[client] = collections.deque()
                 self._round.append(client)
             self._waiting[client].append(ticket)
-            while self._busy or self._waiting[self._round[0]][0] is not ticket:
+            while self._running >= self.n or self._waiting[self._round[0]][0] is not ticket:
                 if cancel.is_set():
                     self._leave(client, ticket)
                     raise Cancelled("the generation was cancelled before it started")
@@ -123,13 +131,13 @@ class Turns:
             if client in self._waiting:  # its next request waits a round
                 self._round.remove(client)
                 self._round.append(client)
-            self._busy = True
+            self._running += 1
             self.served[client] += 1
         try:
             yield
         finally:
             with self._cond:
-                self._busy = False
+                self._running -= 1
                 self._cond.notify_all()
 
     def _leave(self, client: object, ticket: object) -> None:
@@ -144,32 +152,42 @@ class Turns:
 @attrs.define
 class Slots:
     """llama-server's slots as Lever has them (GET /slots, /props' total_slots): `n` of them,
-    each a context of `n_ctx` tokens (`lever serve --parallel`). Generations run one at a time
-    (Turns), so at most one slot processes: slot 0, showing its task (its id, prompt tokens and
-    settings) while it runs. Safe from any thread."""
+    each a context of `n_ctx` tokens (`lever serve --parallel`) and the caches of the
+    conversation it last held. A generation that has its turn (Turns: at most `n` at once) takes
+    the free slot holding the most of its prompt (`hold`), shown processing its task (its id,
+    prompt tokens and settings) while it runs. Safe from any thread."""
 
     n: int = 1
     n_ctx: int = 0
     speculative: bool = True  # the pipeline drafts (llama-server's "speculative")
-    _running: dict | None = None
+    _running: dict = attrs.field(factory=dict)  # slot -> its task
     _tasks: itertools.count = attrs.field(factory=itertools.count)
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     @contextlib.contextmanager
-    def hold(self, task: dict):
-        """Slot 0 processes `task` inside (a generation that has its turn)."""
+    def hold(self, task: dict, score=None):
+        """A free slot for `task` inside (its index): the one `score(slot)` ranks highest (how
+        much of the prompt its caches hold), else the lowest free one."""
         with self._lock:
-            self._running = {"id_task": next(self._tasks), **task}
+            free = [i for i in range(self.n) if i not in self._running]
+            if not free:  # Turns lets at most n run: a slot is always free
+                raise RuntimeError("no free slot: more generations running than slots")
+            slot = max(free, key=lambda i: (score(i) if score is not None else 0, -i))
+            self._running[slot] = {"id_task": next(self._tasks), **task}
         try:
-            yield
+            yield slot
         finally:
             with self._lock:
-                self._running = None
+                del self._running[slot]
+
+    @property
+    def processing(self) -> int:
+        with self._lock:
+            return len(self._running)
 
     def view(self) -> list[dict]:
         """llama-server's /slots: each slot's id, context, whether it processes, its task's fields."""
         with self._lock:
-            running = self._running
-        return [{"id": i, "n_ctx": self.n_ctx, "speculative": self.speculative,
-                 "is_processing": i == 0 and running is not None, **(running if i == 0 and running else {})}
-                for i in range(self.n)]
+            running = dict(self._running)
+        return [{"id": i, "n_ctx": self.n_ctx, "speculative": self.speculative, "is_processing": i in running,
+                 **running.get(i, {})} for i in range(self.n)]

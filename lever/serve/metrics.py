@@ -36,9 +36,9 @@ SERIES = {
     "prompt_tokens_seconds": (LLAMA, "gauge", "Prompt tokens prefilled per second, since the start."),
     "predicted_tokens_seconds": (LLAMA, "gauge", "Tokens generated per second after each first token, since the "
                                                  "start."),
-    "requests_processing": (LLAMA, "gauge", "Generations running (0 or 1: one at a time)."),
+    "requests_processing": (LLAMA, "gauge", "Generations running (at most --parallel)."),
     "requests_deferred": (LLAMA, "gauge", "Generation requests waiting in the queue."),
-    "n_busy_slots_per_decode": (LLAMA, "gauge", "Slots generating per pass (1: one generation at a time)."),
+    "n_busy_slots_per_decode": (LLAMA, "gauge", "Generations' trees per pass of the target (passes shared under --parallel)."),
     "requests_total": (PREFIX, "counter", "Answers to generation requests, by HTTP status."),
     "flash_read_bytes_total": (PREFIX, "counter", "Bytes of the target read from storage while generating."),
     "draft_acceptance_ratio": (PREFIX, "gauge", "Draft tokens accepted over draft tokens grown, since the start."),
@@ -74,8 +74,10 @@ class Metrics:
         with self._lock:
             self.statuses[status] += 1
 
-    def text(self, *, processing: int, deferred: int) -> str:
-        """Prometheus's text exposition format (version 0.0.4)."""
+    def text(self, *, processing: int, deferred: int, batcher=None) -> str:
+        """Prometheus's text exposition format (version 0.0.4). `batcher`: the passes that the
+        generations running at once share (lever.pipelines.batcher), whose own counts give the
+        slots per pass and the bytes read (a run's own count is the process's, everyone's)."""
         with self._lock:
             tot = self.totals
             values = {k: tot[k] for k, (_, kind, _) in SERIES.items() if kind == "counter" and k != "requests_total"}
@@ -83,9 +85,12 @@ class Metrics:
             values.update(requests_processing=processing, requests_deferred=deferred,
                           prompt_tokens_seconds=_per(tot["prompt_tokens_total"], tot["prompt_seconds_total"]),
                           predicted_tokens_seconds=_per(tot["_decode_tokens"], tot["tokens_predicted_seconds_total"]),
-                          n_busy_slots_per_decode=1 if tot["n_decode_total"] else 0,
+                          n_busy_slots_per_decode=(_per(batcher.trees, batcher.passes) if batcher is not None
+                                                   else 1 if tot["n_decode_total"] else 0),
                           draft_acceptance_ratio=_per(tot["spec_decode_num_accepted_tokens_total"], drafted),
                           tokens_per_pass=_per(tot["_decode_tokens"], passes))
+            if batcher is not None:
+                values["flash_read_bytes_total"] = batcher.read_bytes
             statuses = dict(sorted(self.statuses.items()))
         lines = []
         for name, (prefix, kind, help_text) in SERIES.items():

@@ -6,13 +6,14 @@
     (lever.serve.responses), Anthropic's and Ollama's, / (a live page of the trees being
     verified) and its /live events (lever.serve.page)
 
-One model pair, one generation at a time, as on a phone: requests wait in a queue of at most
-`queue` beside the one running (a client at most half of it), and past it get 429 with an
-OpenAI-style error; the waiting generations take their turns round their clients
-(lever.serve.admission.Turns), so one key's many requests do not make another's wait behind all.
-A request of several prompts or choices (`n`) runs them one after another, in its one turn each.
-`lever serve --parallel N` shows N slots (llama-server's), each of the context's n_ctx tokens
-(the context n_ctx / N), but they still take their turns one at a time (lever.serve.admission.Slots).
+One model pair; one generation at a time, or with `lever serve --parallel N` N at once, each in
+a slot (llama-server's) with its own caches of n_ctx / N tokens, their trees verified in shared
+passes of the target (one read of each streamed layer for all: lever.pipelines.batcher).
+Requests wait in a queue of at most `queue` beside the running ones (a client at most half of
+it), and past it get 429 with an OpenAI-style error; the waiting generations take their turns
+round their clients (lever.serve.admission.Turns), so one key's many requests do not make
+another's wait behind all. A request of several prompts or choices (`n`) runs them one after
+another, in its one turn each.
 A client that goes away cancels its generation at the end of the current pass and frees its
 place. Bad requests get 400 naming the field. On shutdown (SIGINT, SIGTERM or SIGHUP to
 `lever serve`) new requests get 503 and the admitted ones have `grace_s` to finish; then the
@@ -43,7 +44,7 @@ from starlette.routing import Route
 from lever.api import LLM, Call, Cancelled, Completion, Session
 from lever.errors import LeverError
 from lever.model.stop import StopReason
-from lever.pipelines.prefix_cache import PrefixCache
+from lever.pipelines.prefix_cache import PrefixCache, shared
 from lever.pipelines.watch import LIVE_BYTES, Watch
 from lever.serve import MAX_CONNECTIONS, TIMEOUT_S, anthropic, llama, ollama, responses
 from lever.serve.admission import Admission, Slots, Turns
@@ -91,12 +92,12 @@ class Server:
     model_id: str
     admission: Admission
     prep: Preparer
-    # the live conversation's KV caches (one pair, the memory plan's; one generation at a time)
-    # and, in its cache, other conversations' rows: a request that continues one of its client's
-    # (API key) conversations prefills only what is new; clients never share
-    session: Session
+    # each slot's live conversation (its KV caches, the memory plan's: one pair per slot) and, in
+    # their shared prefix cache, other conversations' rows: a request that continues one of its
+    # client's (API key) conversations prefills only what is new; clients never share
+    sessions: tuple[Session, ...]
     settings: Settings = Settings()
-    slots: Slots = attrs.field(factory=Slots)  # which slot shows the running generation (GET /slots)
+    slots: Slots = attrs.field(factory=Slots)  # which slot runs which generation (GET /slots)
     pool: RequestPool = attrs.field(factory=RequestPool)  # what requests hold, from their first byte to their end
     turns: Turns = attrs.field(factory=Turns)  # whose generation runs next: round the clients waiting
     metrics: Metrics | None = None  # running totals for /metrics; None: not served
@@ -112,7 +113,7 @@ class Server:
         (a prompt filling the context; its grammars among it; its resident layers placed within
         what --mem leaves it, as `lever run --mem` places them), what requests hold (their bodies,
         their parsing, their queued calls: lever.serve.pool), the kept conversations, the live page."""
-        cache = self.session.cache
+        cache = self.sessions[0].cache
         return {"run": self.llm.memory_plan().total_bytes, "requests": self.pool.capacity_bytes,
                 "kept conversations": cache.capacity_bytes if cache is not None else 0,
                 "live page": self.page.watch.max_bytes if self.page is not None else 0}
@@ -146,8 +147,9 @@ class Server:
     async def prometheus(self, request: Request) -> Response:
         if self.metrics is None:  # as llama-server answers it
             return error("this server does not serve /metrics: start it with --metrics", 501, "not_supported_error")
-        running = int(self.llm.busy)
-        r = Response(self.metrics.text(processing=running, deferred=max(self.admission.admitted - running, 0)),
+        running = self.slots.processing
+        r = Response(self.metrics.text(processing=running, deferred=max(self.admission.admitted - running, 0),
+                                       batcher=self.llm.batcher),
                      media_type="text/plain; version=0.0.4")
         # llama-server's header, in its case (starlette lowercases the names it is given; some clients read a dict)
         r.raw_headers.append((b"Process-Start-Time-Unix", str(self.created).encode()))
@@ -260,8 +262,9 @@ class Server:
                 try:
                     for call in calls:
                         outcome.append(await anyio.to_thread.run_sync(
-                            lambda call=call: self.llm.run(call, session=self.session, client=client,
-                                                           watch=self.watch(), turn=self.turn(whose, call, shape))))
+                            lambda call=call: self.llm.run(call, client=client,
+                                                           watch=self.watch(),
+                                                           turn=self.turn(whose, call, shape, client))))
                 except LeverError as e:
                     outcome.append(e)
                 finally:
@@ -279,11 +282,18 @@ class Server:
         return self.page.watch if self.page is not None else None
 
     @contextlib.contextmanager
-    def turn(self, whose, call: Call, shape: Shape):
-        """A generation's turn (Turns), shown in slot 0 while it runs (GET /slots)."""
+    def turn(self, whose, call: Call, shape: Shape, client):
+        """A generation's turn (Turns), in the free slot whose conversation holds the most of its
+        prompt (`client`'s conversations only), shown there while it runs (GET /slots); yields
+        the slot's session, which the call runs in."""
         task = {"n_prompt_tokens": len(call.ids), "params": llama.generation_settings(call, shape)}
-        with self.turns.turn(whose, call.cancel), self.slots.hold(task):
-            yield
+
+        def score(i: int) -> int:
+            s = self.sessions[i]
+            return shared(s.ids, call.ids) if s.client == client else -1 if s.ids else 0
+
+        with self.turns.turn(whose, call.cancel), self.slots.hold(task, score) as slot:
+            yield self.sessions[slot]
 
     @staticmethod
     async def _until_client_leaves(request: Request, cancels: list[threading.Event]) -> None:
@@ -319,15 +329,16 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
     settings = settings or Settings()
     # the kept conversations' bytes split evenly among the keys: one key's cannot push another's out
     shares = max(len(access.api_keys), 1)
-    session = llm.session(cache=PrefixCache(cache_bytes, shares=shares) if cache_bytes > 0 else None)
-    admission = Admission(queue, shared=len(access.api_keys) > 1)
+    cache = PrefixCache(cache_bytes, shares=shares) if cache_bytes > 0 else None
+    sessions = tuple(llm.session(cache=cache) for _ in range(llm.parallel))
+    admission = Admission(queue, shared=len(access.api_keys) > 1, running=llm.parallel)
     live = None
     if page:  # the live page (lever.serve.page) over every generation's cycles
         tok = llm.tokenizer
         watch = Watch(lambda t: tok.token_bytes(t).decode("utf-8", "replace"), max_bytes=live_bytes)
         live = Page(watch, lambda: admission.closing)
-    slots = Slots(settings.n_slots, llm.n_ctx, llm.engine.plan.kind.speculates)
-    s = Server(llm, model_id, admission, Preparer(llm, timeout_s), session, settings, slots,
+    slots = Slots(llm.parallel, llm.n_ctx, llm.engine.plan.kind.speculates)
+    s = Server(llm, model_id, admission, Preparer(llm, timeout_s), sessions, settings, slots, turns=Turns(llm.parallel),
                metrics=Metrics() if metrics else None, page=live)
     return Guard(_starlette(s, live), access,
                  max_requests=max(max_connections // 2, 1) if len(access.api_keys) > 1 else None)

@@ -77,8 +77,8 @@ class Stream:
         s, options = self.server, self.shape.options
         progress = Progress(s.watch()) if (options.get("return_progress") or options.get("timings_per_token")) \
             and hasattr(reply, "progress") else None
-        it = s.llm.stream_call(call, session=s.session, client=self.client, watch=progress or s.watch(),
-                               turn=s.turn(self.whose, call, self.shape))
+        it = s.llm.stream_call(call, client=self.client, watch=progress or s.watch(),
+                               turn=s.turn(self.whose, call, self.shape, self.client))
         n_out, n_chars, reported = 0, 0, False
         self.n_prompt += len(call.ids)
         try:

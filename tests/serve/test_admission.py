@@ -1,5 +1,5 @@
 """lever.serve.admission: the queue's places, a client's share of them, the model's turns
-going round the clients waiting, and the slots showing the generation that has its turn."""
+going round the clients waiting (n at once), and the slots holding the generations that run."""
 
 from __future__ import annotations
 
@@ -112,6 +112,43 @@ def test_a_waiting_turn_cancelled_leaves_and_the_next_goes_on():
     assert out == ["cancelled"] and not turns._waiting
     with turns.turn("c", threading.Event()):
         pass
+
+
+@settings(max_examples=20, deadline=None, database=None)
+@given(n=st.integers(1, 4), clients=st.lists(st.sampled_from("abc"), min_size=1, max_size=10))
+def test_n_turns_run_at_once_never_more(n, clients):
+    """Generations of any clients arriving at once: never more than n hold a turn together, and
+    n do when enough wait (each holds it until n have started, or all have)."""
+    turns, cond, inside, most, started = Turns(n), threading.Condition(), [0], [0], [0]
+
+    def one(client: str):
+        with turns.turn(client, threading.Event()):
+            with cond:
+                inside[0] += 1
+                started[0] += 1
+                most[0] = max(most[0], inside[0])
+                cond.notify_all()
+                cond.wait_for(lambda: started[0] >= min(n, len(clients)), 10)
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert most[0] == min(n, len(clients)) and not turns._waiting
+
+
+def test_a_generation_takes_the_free_slot_that_holds_most_of_its_prompt():
+    slots = Slots(4, n_ctx=64)
+    held = {0: 3, 1: 9, 2: -1, 3: 9}.get  # slot 1 and 3 hold 9 tokens of the prompt, 2 another client's
+    with slots.hold({"n_prompt_tokens": 12}, held) as first:
+        with slots.hold({"n_prompt_tokens": 12}, held) as second:
+            with slots.hold({"n_prompt_tokens": 12}, held) as third:
+                assert (first, second, third) == (1, 3, 0)  # ties: the lowest
+                assert [s["is_processing"] for s in slots.view()] == [True, True, False, True]
+                assert slots.processing == 3
+    assert slots.processing == 0
 
 
 @settings(max_examples=50, deadline=None, database=None)
