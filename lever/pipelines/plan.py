@@ -192,7 +192,8 @@ class RunPlan:
 
 
 def run_memory(*, target: GGUFFile, spec: ModelSpec, flash: FlashConfig, tree: TreeExpandConfig, n_ctx: int,
-               parallel: int = 1, draft_file: GGUFFile | None, draft_spec: ModelSpec | None, runtime_bytes: int, n_prompt: int,
+               parallel: int = 1, draft_file: GGUFFile | None, draft_spec: ModelSpec | None, runtime_bytes: int,
+               n_prompt: int,
                resident: frozenset[int], process_bytes: int | None = None, grammar_bytes: int = 0) -> MemoryPlan:
     """A run's memory plan (lever.policy.memory.plan_memory) for a prompt of n_prompt tokens:
     the one wiring of its parts, for Engine's check and for fill's placement alike."""

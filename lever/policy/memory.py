@@ -130,7 +130,8 @@ def activation_bytes(spec: ModelSpec, n_tok: int, n_rows: int, n_logit_rows: int
         n_logit_rows * spec.n_vocab * F32
 
 
-def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx: int, n_pass_tokens: int, parallel: int = 1,
+def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx: int, n_pass_tokens: int,
+                parallel: int = 1,
                 tree_rows: int = 1, draft: GGUFFile | None = None, draft_spec: ModelSpec | None = None,
                 draft_rows: int = 0, process_bytes: int | None = None, runtime_bytes: int = 0,
                 resident: frozenset[int] | None = None, grammar_bytes: int = 0) -> MemoryPlan:
@@ -154,8 +155,10 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx:
     acts = activation_bytes(spec, parallel * n_pass_tokens, n_rows, parallel * max(tree_rows, 1))
     draft_total = 0
     if draft is not None and draft_spec is not None:
-        draft_total = Model.resident_bytes(draft, draft_spec) + parallel * KVCache.bytes_for(draft_spec, n_ctx + draft_rows)
-        acts += parallel * activation_bytes(draft_spec, max(n_pass_tokens, draft_rows), n_ctx + draft_rows, draft_rows)
+        draft_kv = KVCache.bytes_for(draft_spec, n_ctx + draft_rows)
+        draft_total = Model.resident_bytes(draft, draft_spec) + parallel * draft_kv
+        acts += parallel * activation_bytes(draft_spec, max(n_pass_tokens, draft_rows), n_ctx + draft_rows,
+                                            draft_rows)
     if process_bytes is None:
         process_bytes = psutil.Process().memory_info().rss
     return MemoryPlan(sum(resident_layer_bytes(target, spec, i) for i in resident), head, window,

@@ -38,7 +38,8 @@ SERIES = {
                                                  "start."),
     "requests_processing": (LLAMA, "gauge", "Generations running (at most --parallel)."),
     "requests_deferred": (LLAMA, "gauge", "Generation requests waiting in the queue."),
-    "n_busy_slots_per_decode": (LLAMA, "gauge", "Generations' trees per pass of the target (passes shared under --parallel)."),
+    "n_busy_slots_per_decode": (LLAMA, "gauge", "Generations' trees per pass of the target (shared under "
+                                                "--parallel)."),
     "requests_total": (PREFIX, "counter", "Answers to generation requests, by HTTP status."),
     "flash_read_bytes_total": (PREFIX, "counter", "Bytes of the target read from storage while generating."),
     "draft_acceptance_ratio": (PREFIX, "gauge", "Draft tokens accepted over draft tokens grown, since the start."),
