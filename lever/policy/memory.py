@@ -162,8 +162,8 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx:
     if process_bytes is None:
         process_bytes = psutil.Process().memory_info().rss
     return MemoryPlan(sum(resident_layer_bytes(target, spec, i) for i in resident), head, window,
-                      parallel * KVCache.bytes_for(spec, n_rows), draft_total, acts, process_bytes, runtime_bytes=runtime_bytes,
-                      grammar_bytes=grammar_bytes)
+                      parallel * KVCache.bytes_for(spec, n_rows), draft_total, acts, process_bytes,
+                      runtime_bytes=runtime_bytes, grammar_bytes=grammar_bytes)
 
 
 def mem_overrides(size: int | str) -> list[str]:
