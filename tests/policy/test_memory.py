@@ -208,3 +208,38 @@ def test_long_run_does_not_grow(tiny_model):
     k = len(rss) // 10
     early, late = sorted(rss[2 * k : 3 * k])[k // 2], sorted(rss[8 * k : 9 * k])[k // 2]
     assert late - early <= r["memory"]["plan"]["kv_cache_bytes"] + GROWTH_SLACK_BYTES, (early >> 20, late >> 20)
+
+
+PARALLEL_RUN = """
+import json, sys, threading
+import lever
+from lever.pipelines.engine import _peak_rss_bytes
+from lever.shipped import shipped
+n = int(sys.argv[1])
+with lever.load(shipped("default.toml"), overrides=["pipeline.baseline=\\"\\"", f"pipeline.parallel={n}",
+                                                   "model.n_ctx=256", "flash.dram_budget=0"]) as llm:
+    prompts = ["def f(x):\\n", "import os\\n", "class A:\\n", "for i in range(10):\\n"][:n]
+    threads = [threading.Thread(target=llm.generate, args=(p,), kwargs={"max_tokens": 48}) for p in prompts]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    plan = llm.memory_plan()
+    print(json.dumps({"peak": _peak_rss_bytes(), "bound": plan.rss_bound_bytes, "kv": plan.kv_cache_bytes,
+                      "draft": plan.draft_bytes, "trees": llm.batcher.trees if llm.batcher else 0,
+                      "passes": llm.batcher.passes if llm.batcher else 0}))
+"""
+
+
+def test_generations_at_once_stay_within_a_plan_that_holds_each_ones_caches():
+    """[pipeline] parallel 4: the plan holds four generations' caches (the target's and the
+    draft's), and four generations at once (sharing passes) keep the process's peak RSS within it."""
+    ballast = np.ones(BALLAST_BYTES // 8)  # noqa: F841 (a parent bigger than any bound: see above)
+    runs = {}
+    for n in (1, 4):
+        p = subprocess.run([sys.executable, "-c", PARALLEL_RUN, str(n)], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr
+        runs[n] = json.loads(p.stdout)
+    one, four = runs[1], runs[4]
+    assert four["kv"] == 4 * one["kv"] and four["draft"] > one["draft"]
+    assert four["passes"] < four["trees"]  # the four shared passes
+    for n, r in runs.items():
+        assert r["peak"] <= r["bound"], (n, r["peak"] >> 20, r["bound"] >> 20)
