@@ -214,14 +214,14 @@ class Served:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise LeverError(f"bench fim: {self.row.name} exited {self.proc.returncode}: {self.tail()}")
+                raise LeverError(f"bench: {self.row.name} exited {self.proc.returncode}: {self.tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise LeverError(f"bench fim: {self.row.name} did not answer /health within {START_S:g} s")
+        raise LeverError(f"bench: {self.row.name} did not answer /health within {START_S:g} s")
 
     def tail(self) -> str:
         self.err.seek(0)
