@@ -199,6 +199,8 @@ def run_memory(*, target: GGUFFile, spec: ModelSpec, flash: FlashConfig, tree: T
     the one wiring of its parts, for Engine's check and for fill's placement alike."""
     return plan_memory(target, spec, flash, n_ctx=n_ctx, parallel=parallel, n_pass_tokens=max(n_prompt, tree.max_nodes),
                        tree_rows=tree.max_nodes, draft=draft_file, draft_spec=draft_spec,
+                       # Accept runs the output head along the accepted path only (root and max_depth)
+                       head_rows=tree.max_nodes if tree.growth.full_lm_head else tree.max_depth + 1,
                        draft_rows=tree.draft_rows if tree.drafts else 0, runtime_bytes=runtime_bytes,
                        resident=resident, process_bytes=process_bytes, grammar_bytes=grammar_bytes)
 

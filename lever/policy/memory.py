@@ -132,11 +132,12 @@ def activation_bytes(spec: ModelSpec, n_tok: int, n_rows: int, n_logit_rows: int
 
 def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx: int, n_pass_tokens: int,
                 parallel: int = 1,
-                tree_rows: int = 1, draft: GGUFFile | None = None, draft_spec: ModelSpec | None = None,
+                tree_rows: int = 1, head_rows: int | None = None, draft: GGUFFile | None = None, draft_spec: ModelSpec | None = None,
                 draft_rows: int = 0, process_bytes: int | None = None, runtime_bytes: int = 0,
                 resident: frozenset[int] | None = None, grammar_bytes: int = 0) -> MemoryPlan:
     """The plan of one run: n_ctx context rows, passes of at most n_pass_tokens tokens (the
-    prompt's prefill or a tree of tree_rows), a draft's cache of n_ctx + draft_rows rows, and
+    prompt's prefill or a tree of tree_rows, the output head over head_rows of them: the
+    accepted path's; None: all), a draft's cache of n_ctx + draft_rows rows, and
     `runtime_bytes` of an accelerator runtime (`runtime_bytes_for(cfg.placement)`), and
     `grammar_bytes` of structured output (lever.model.grammar_cache.plan_bytes); `resident`:
     the layers kept in DRAM (a RunPlan's), else planned from `flash`. `parallel` generations at
@@ -152,7 +153,8 @@ def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx:
         window += flash.queue_depth * flash.chunk_bytes  # mapped pages of the chunks being copied
     head = tiled_bytes(target, "output.weight" if "output.weight" in target.tensors else "token_embd.weight")
     n_rows = n_ctx + tree_rows
-    acts = activation_bytes(spec, parallel * n_pass_tokens, n_rows, parallel * max(tree_rows, 1))
+    logit_rows = max(tree_rows if head_rows is None else head_rows, 1)
+    acts = activation_bytes(spec, parallel * n_pass_tokens, n_rows, parallel * logit_rows)
     draft_total = 0
     if draft is not None and draft_spec is not None:
         draft_kv = KVCache.bytes_for(draft_spec, n_ctx + draft_rows)
