@@ -129,10 +129,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(hub, data[start:] if drop is None else data[start:start + drop], drop is not None)
 
     def _send(self, hub: FakeHub, chunk: bytes, cut: bool) -> None:
+        with hub.lock:  # counted before it goes: a client may have it all, and be asserting, before write returns
+            hub.served += len(chunk)
         self.wfile.write(chunk)
         self.wfile.flush()
-        with hub.lock:
-            hub.served += len(chunk)
         if cut:  # the connection dies mid-body
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
