@@ -20,7 +20,9 @@ GREEDY = {"temperature": 0}  # Anthropic's client takes the knobs in extra_body
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                             "required": ["city"], "additionalProperties": False}}
-FUNCTION = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"]}}
+# the same tool in OpenAI's shape, description too: a template that prints the tools must get the same prompt
+FUNCTION = {"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],
+                                             "parameters": WEATHER["input_schema"]}}
 ONE_CALL = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
 
 
