@@ -131,8 +131,8 @@ def activation_bytes(spec: ModelSpec, n_tok: int, n_rows: int, n_logit_rows: int
 
 
 def plan_memory(target: GGUFFile, spec: ModelSpec, flash: FlashConfig, *, n_ctx: int, n_pass_tokens: int,
-                parallel: int = 1,
-                tree_rows: int = 1, head_rows: int | None = None, draft: GGUFFile | None = None, draft_spec: ModelSpec | None = None,
+                parallel: int = 1, tree_rows: int = 1, head_rows: int | None = None, draft: GGUFFile | None = None,
+                draft_spec: ModelSpec | None = None,
                 draft_rows: int = 0, process_bytes: int | None = None, runtime_bytes: int = 0,
                 resident: frozenset[int] | None = None, grammar_bytes: int = 0) -> MemoryPlan:
     """The plan of one run: n_ctx context rows, passes of at most n_pass_tokens tokens (the
