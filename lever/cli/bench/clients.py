@@ -33,13 +33,12 @@ from pathlib import Path
 
 from lever.backends.flash.config import parse_bytes
 from lever.cli.bench.cgroup import memory_group
-from lever.cli.bench.fim import DRAFT, LEVER, LEVER_MARGIN, TARGET, Row, Served, own_copies, sample_requests
+from lever.cli.bench.fim import DRAFT, LEVER, LEVER_MARGIN, TARGET, Row, Served, own_copies, pair_of, sample_requests
 from lever.cli.bench.llama_cpp import find_server, server_cmd
 from lever.cli.common import add_common, bench_tokens, cpu_model, int_in, memory_size, output_file, parse_list
 from lever.cli.table import show
 from lever.config import check_overrides
 from lever.errors import LeverError
-from lever.hub.store import models_dir
 from lever.model.sampling import Range
 from lever.outputs import write_json
 
@@ -205,15 +204,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def check_args(args) -> dict:
-    from lever.errors import regular_file
-
-    target = args.model or str(models_dir() / TARGET)
-    draft = args.model_draft or str(models_dir() / DRAFT)
-    for path, flag in ((target, "-m"), (draft, "-md")):
-        try:
-            regular_file(path, "model")
-        except LeverError as e:
-            raise LeverError(f"{flag} {e} (`lever pull qwen2.5-coder` fetches the default pair)") from None
+    target, draft = pair_of(args)
     clients = [int(x) for x in parse_list(args.clients, "--clients", Range(1, 64, integer=True), max_items=8)]
     names = [r.strip() for r in args.rows.split(",") if r.strip()]
     if not names or set(names) - {LEVER, LLAMA} or len(set(names)) != len(names):

@@ -490,8 +490,8 @@ def _names(args) -> list[str]:
     return names
 
 
-def check_args(args) -> dict:
-    """The files, rows and sizes, before any server starts; returns what main needs of them."""
+def pair_of(args) -> tuple[str, str]:
+    """-m and -md (default: the Qwen pair in $LEVER_MODELS), each checked to be a file."""
     from lever.errors import regular_file
 
     target = args.model or str(models_dir() / TARGET)
@@ -501,6 +501,12 @@ def check_args(args) -> dict:
             regular_file(path, "model")
         except LeverError as e:
             raise LeverError(f"{flag} {e} (`lever pull qwen2.5-coder` fetches the default pair)") from None
+    return target, draft
+
+
+def check_args(args) -> dict:
+    """The files, rows and sizes, before any server starts; returns what main needs of them."""
+    target, draft = pair_of(args)
     names = _names(args)
     server = find_server(args.llama_server) if set(names) - {LEVER} else None
     if set(names) - {LEVER} and not server:

@@ -42,6 +42,20 @@ def copy_cache(spec, cache: KVCache) -> KVCache:
     return out
 
 
+def assert_each_alone(model, layer: int, reqs, alone_caches, together: np.ndarray, what: str) -> None:
+    """Each request's rows of `together` and its cache's rows equal its own layer_forward's."""
+    a = 0
+    for (cache, x, pos, mask), alone_cache in zip(reqs, alone_caches):
+        rows = slice(alone_cache.n_rows, alone_cache.n_rows + x.shape[0])
+        alone = layer_forward(model.spec, model.layers[layer], x, pos=pos, mask=mask, cache=alone_cache, layer=layer,
+                              rows=rows, inv_freq=model.inv_freq)
+        np.testing.assert_array_equal(together[a : a + x.shape[0]], alone, err_msg=what)
+        np.testing.assert_array_equal(cache.k[layer], alone_cache.k[layer], err_msg=what)
+        np.testing.assert_array_equal(cache.v[layer], alone_cache.v[layer], err_msg=what)
+        a += x.shape[0]
+    assert np.isfinite(together).all()
+
+
 @pytest.mark.parametrize("kv_dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("arch, wtype", [("llama", "Q4_K"), ("qwen2", "Q8_0"), ("qwen3", "Q6_K")])
 def test_each_request_in_a_batch_gets_its_own_layer_forward_bit_for_bit(tiny_model, arch, wtype, kv_dtype):
@@ -56,17 +70,8 @@ def test_each_request_in_a_batch_gets_its_own_layer_forward_bit_for_bit(tiny_mod
         with native.threads(threads):
             together = layer_forward_batch(spec, model.layers[layer], np.concatenate([x for _, x, *_ in reqs]),
                                            segments=segments, layer=layer, inv_freq=inv_freq)
-        a = 0
-        for (cache, x, pos, mask), alone_cache in zip(reqs, alone_caches):
-            what = f"case {case}: {len(reqs)} requests, layer {layer}, {threads} threads"
-            rows = slice(alone_cache.n_rows, alone_cache.n_rows + x.shape[0])
-            alone = layer_forward(spec, model.layers[layer], x, pos=pos, mask=mask, cache=alone_cache, layer=layer,
-                                  rows=rows, inv_freq=inv_freq)
-            np.testing.assert_array_equal(together[a : a + x.shape[0]], alone, err_msg=what)
-            np.testing.assert_array_equal(cache.k[layer], alone_cache.k[layer], err_msg=what)
-            np.testing.assert_array_equal(cache.v[layer], alone_cache.v[layer], err_msg=what)
-            a += x.shape[0]
-        assert np.isfinite(together).all()
+        assert_each_alone(model, layer, reqs, alone_caches, together,
+                          f"case {case}: {len(reqs)} requests, layer {layer}, {threads} threads")
 
 
 def test_rows_that_do_not_add_up_to_the_segments_are_refused(tiny_model):
@@ -97,13 +102,5 @@ def test_a_batch_in_chunks_is_each_requests_own_layer_forward_bit_for_bit(tiny_m
                     for (c, x, pos, mask), ix in zip(reqs, indexed)]
         together = layer_batch_in_chunks(spec, model.layers[layer], np.concatenate([x for _, x, *_ in reqs]),
                                          segments=segments, layer=layer, inv_freq=inv_freq, chunk=chunk)
-        a = 0
-        for (cache, x, pos, mask), alone_cache in zip(reqs, alone_caches):
-            what = f"case {case}: {len(reqs)} requests, chunk {chunk}, indexed {indexed}"
-            rows = slice(alone_cache.n_rows, alone_cache.n_rows + x.shape[0])
-            alone = layer_forward(spec, model.layers[layer], x, pos=pos, mask=mask, cache=alone_cache, layer=layer,
-                                  rows=rows, inv_freq=inv_freq)
-            np.testing.assert_array_equal(together[a : a + x.shape[0]], alone, err_msg=what)
-            np.testing.assert_array_equal(cache.k[layer], alone_cache.k[layer], err_msg=what)
-            a += x.shape[0]
-        assert np.isfinite(together).all()
+        assert_each_alone(model, layer, reqs, alone_caches, together,
+                          f"case {case}: {len(reqs)} requests, chunk {chunk}, indexed {indexed}")
