@@ -33,7 +33,6 @@ class Runner(Protocol):
     unit: a session is made by it and runs through it, so the type is said here)."""
 
     engine: Engine
-    lock: threading.Lock  # one generation at a time; saving or loading a session holds it too
 
     def prepare(self, prompt: str | None = None, **args) -> Call: ...
 

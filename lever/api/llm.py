@@ -12,7 +12,8 @@ from flash, trees from the draft, lossless), with the models opened once by `loa
 sampling arguments override the config's [generate] for that call only. Stop strings are
 matched on the decoded text, across token boundaries, and never emitted; the pipeline stops
 at the end of the pass that completed one. One generation runs at a time (the engine is a
-phone's whole compute); calls from several threads queue on a lock.
+phone's whole compute), or [pipeline] parallel of them sharing the target's passes; calls
+from more threads wait for a lane (lever.api.lanes).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import attrs
 
 from lever.api.call import Call, Cancelled, Chunk, Completion, Offer, Usage, prepare_generate
 from lever.api.conversation import Session
+from lever.api.lanes import Lanes
 from lever.api.render import ChatRenderer
 from lever.config import KNOBS, Config, load_config
 from lever.dataflow.messages import TokenLogprob
@@ -38,7 +40,6 @@ from lever.gguf.tokenizer import Tokenizer
 from lever.model.grammar_cache import GrammarCache
 from lever.model.stop import StopReason
 from lever.model.tool_calls import GENERIC, ToolFormat, detect, plan
-from lever.pipelines.batcher import Batcher
 from lever.pipelines.engine import Engine
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.text import TextStream
@@ -96,21 +97,16 @@ class LLM:
     config: Config
     engine: Engine
     chat_template_text: str | None = None
-    lock: threading.Lock = attrs.field(factory=threading.Lock)  # one generation at a time, [pipeline] parallel 1
     _template: ChatTemplate | None = None
     grammars: GrammarCache = attrs.field(init=False)  # compiled grammars, bounded by bytes (lever.model.grammar_cache)
     renderer: ChatRenderer = attrs.field(init=False)  # every chat's template runs in its child (lever.api.render)
     watch: Watch | None = None  # sees every generation's cycles as they run (a live page: lever.pipelines.watch)
     structured: bool = True  # structured output planned for (lever.load's `grammars`); off, a grammar is refused
-    running: int = attrs.field(init=False, default=0)  # generations under way now
-    _lanes: threading.BoundedSemaphore = attrs.field(init=False)  # [pipeline] parallel generations at once
-    _batcher: Batcher | None = attrs.field(init=False, default=None)  # their shared passes (parallel > 1)
-    _count: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    lanes: Lanes = attrs.field(init=False)  # [pipeline] parallel generations at once (lever.api.lanes)
 
     def __attrs_post_init__(self):
-        self._lanes = threading.BoundedSemaphore(self.parallel)
-        if self.parallel > 1:
-            self._batcher = self.engine.batcher()
+        n = self.engine.plan.parallel
+        self.lanes = Lanes(n, self.engine.batcher() if n > 1 else None)
         self.grammars = GrammarCache(self.engine.tok)  # its compiler's child starts with the first grammar
         self.renderer = ChatRenderer(self.engine.tok, self.engine.n_ctx, self.engine.n_ctx_source,  # child: lazily
                                      reasoning=self.config.model.reasoning)
@@ -122,37 +118,7 @@ class LLM:
     @property
     def parallel(self) -> int:
         """Generations that run at once ([pipeline] parallel), their trees verified in shared passes."""
-        return self.engine.plan.parallel
-
-    @property
-    def busy(self) -> bool:
-        """Every lane runs a generation (the next waits for one to end)."""
-        return self.running >= self.parallel
-
-    @property
-    def batcher(self) -> Batcher | None:
-        """The shared passes of the generations running at once (parallel > 1), for their figures."""
-        return self._batcher
-
-    @contextlib.contextmanager
-    def _lane(self, session: Session | None):
-        """The model, for one generation: alone ([pipeline] parallel 1), or in one of `parallel`
-        lanes whose trees share passes (yields the Batcher). A session runs one call at a time."""
-        with contextlib.ExitStack() as held:
-            held.enter_context(self.lock if self._batcher is None else self._lanes)
-            if session is not None:
-                held.enter_context(session.lock)
-            with self._count:
-                self.running += 1
-            if self._batcher is not None:
-                self._batcher.join()
-            try:
-                yield self._batcher
-            finally:
-                if self._batcher is not None:
-                    self._batcher.leave()
-                with self._count:
-                    self.running -= 1
+        return self.lanes.n
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -287,7 +253,7 @@ class LLM:
                           tool_format=tool_format(self) if call.tools else GENERIC)
         with turn if turn is not None else contextlib.nullcontext() as slot:
             session = slot if isinstance(slot, Session) else session
-            with self._lane(session) as batcher:
+            with self.lanes.hold(session) as batcher:
                 if call.cancel.is_set():  # its caller left while it waited
                     raise Cancelled("the generation was cancelled before it started")
                 watch = watch or self.watch
@@ -344,9 +310,7 @@ class LLM:
     def close(self) -> None:
         self.grammars.close()  # a compile under way (a server's request thread) fails at once
         self.renderer.close()  # so does a render
-        with self.lock, contextlib.ExitStack() as lanes:
-            for _ in range(self.parallel):  # every lane: no generation is running
-                lanes.enter_context(self._lanes)
+        with self.lanes.all():  # no generation is running
             self.engine.close()
 
     def __enter__(self) -> LLM:

@@ -67,6 +67,7 @@ class PlanSizes:
     runtime_bytes: int = 0  # an accelerator runtime's own DRAM
     grammar_bytes: int = 0  # structured output's part (lever.model.grammar_cache); 0: none runs
     fill: MemoryPlan | None = None  # [flash] dram_budget = "fill": the plan the resident layers were placed by
+    parallel: int = 1  # generations at once ([pipeline] parallel), each with caches of n_ctx rows
 
 
 @attrs.frozen(eq=False, kw_only=True)
@@ -79,7 +80,6 @@ class RunPlan:
     flash: FlashConfig  # the kind's all-resident override applied
     resident: frozenset[int]  # target layers kept in DRAM: the memory plan's, the store's, the cost model's
     n_ctx: int  # KV rows: [model] n_ctx, capped by the target's trained context
-    parallel: int  # generations at once ([pipeline] parallel), each with caches of n_ctx rows
     generate: GenerateConfig  # a request's defaults ([generate])
     channels: ChannelsConfig
     runtime: RuntimeConfig
@@ -107,6 +107,10 @@ class RunPlan:
     def vocab(self) -> VocabMap | None:
         """The draft's token table mapped to the target's; None: the same table (or no draft)."""
         return self.draft.vocab if self.draft is not None else None
+
+    @property
+    def parallel(self) -> int:
+        return self.sizes.parallel
 
     @property
     def fill(self) -> MemoryPlan | None:
@@ -184,11 +188,10 @@ class RunPlan:
                                   draft_spec=draft_spec, n_ctx=n_ctx)
         draft = DraftPlan(draft_file, draft_spec, vocab) if draft_file is not None else None
         return cls(where=cfg.where, kind=pk, tree=tree, flash=flash, resident=resident, n_ctx=n_ctx,
-                   parallel=cfg.pipeline.parallel,
                    generate=cfg.generate, channels=cfg.channels, runtime=cfg.runtime, memory=cfg.memory,
                    target_file=f, spec=spec, tok=tok, draft=draft, cost=cost, pruning=pruning, acceptance=acceptance,
                    placement=placement, warnings=tuple(warnings),
-                   sizes=PlanSizes(runtime_bytes_for(cfg.placement), grammar_bytes, fill))
+                   sizes=PlanSizes(runtime_bytes_for(cfg.placement), grammar_bytes, fill, cfg.pipeline.parallel))
 
 
 def run_memory(*, target: GGUFFile, spec: ModelSpec, flash: FlashConfig, tree: TreeExpandConfig, n_ctx: int,

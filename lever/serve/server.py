@@ -149,7 +149,7 @@ class Server:
             return error("this server does not serve /metrics: start it with --metrics", 501, "not_supported_error")
         running = self.slots.processing
         r = Response(self.metrics.text(processing=running, deferred=max(self.admission.admitted - running, 0),
-                                       batcher=self.llm.batcher),
+                                       batcher=self.llm.lanes.batcher),
                      media_type="text/plain; version=0.0.4")
         # llama-server's header, in its case (starlette lowercases the names it is given; some clients read a dict)
         r.raw_headers.append((b"Process-Start-Time-Unix", str(self.created).encode()))

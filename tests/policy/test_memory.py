@@ -224,8 +224,8 @@ with lever.load(shipped("default.toml"), overrides=["pipeline.baseline=\\"\\"", 
     for t in threads: t.join()
     plan = llm.memory_plan()
     print(json.dumps({"peak": _peak_rss_bytes(), "bound": plan.rss_bound_bytes, "kv": plan.kv_cache_bytes,
-                      "draft": plan.draft_bytes, "trees": llm.batcher.trees if llm.batcher else 0,
-                      "passes": llm.batcher.passes if llm.batcher else 0}))
+                      "draft": plan.draft_bytes, "trees": b.trees if (b := llm.lanes.batcher) else 0,
+                      "passes": b.passes if b else 0}))
 """
 
 
