@@ -62,7 +62,7 @@ class TreeExpand(Stage):
 
     async def draft_ahead(self, b: TreeBuilder, expand_out, expansions, accepted) -> Accepted | None:
         """Drafts ahead until the target's answer arrives (or there is nothing worth drafting)."""
-        end_s = time.perf_counter() + b.cost.verify_s(b.n_sent)  # when the pass should be done
+        end_s = time.perf_counter() + b.cost.verify_s(b.n_sent + b.others.n_nodes)  # when the pass should be done
         while True:
             try:
                 return accepted.receive_nowait()

@@ -24,6 +24,7 @@ from lever.backends.flash.pool import StagingBuffer
 from lever.dataflow.messages import TokenTree, Verified
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import ModelSpec
+from lever.policy.cost import Others
 from lever.stages.pruned_verify import PrunedVerify
 
 WAIT_S = 0.005  # how long a pass's first tree waits for the other joined requests' trees
@@ -101,6 +102,8 @@ class Batcher:
     trees: int = 0  # trees verified (trees / passes: how many shared a pass, on average)
     read_bytes: int = 0  # streamed from flash by the passes, once per pass for all their trees
     _members: int = 0
+    # each running request's last speculative tree, by its verifier's id: (its pass, nodes, expected tokens)
+    _latest: dict[int, tuple[int, int, float]] = attrs.field(factory=dict)
     _queue: list[_Ticket] = attrs.field(factory=list)
     _leading: bool = False
     _cond: threading.Condition = attrs.field(factory=threading.Condition)
@@ -115,6 +118,15 @@ class Batcher:
         with self._cond:
             self._members -= 1
             self._cond.notify_all()
+
+    def others(self, verifier: PrunedVerify) -> Others:
+        """What the next pass holds beside `verifier`'s tree, as its tree's growth prices it: the
+        other requests' last trees, of those in one of the last two passes (one that drafted
+        through a pass is still running; one that left is soon forgotten). A prefill is not
+        counted: the tree after it is a speculative one, of the size its own policy picks."""
+        with self._cond:
+            seen = [v for k, v in self._latest.items() if k != id(verifier) and v[0] >= self.passes - 2]
+        return Others(sum(n for _, n, _ in seen), sum(t for _, _, t in seen))
 
     def verify(self, verifier: PrunedVerify, tree: TokenTree) -> Verified:
         """The tree verified, in a pass shared with the trees of the other joined requests that
@@ -157,7 +169,11 @@ class Batcher:
             if results is not None:
                 for t, r in zip(batch, results):
                     t.result = r
+                    if t.tree.pass_id > 0 and t.tree.n_given == 1:  # a speculative tree, not a prefill
+                        tokens = float(t.tree.gains.sum()) if t.tree.gains is not None else 1.0
+                        self._latest[id(t.verifier)] = (self.passes, t.tree.n_nodes, tokens)
                 self.passes += 1
+                self._latest = {k: v for k, v in self._latest.items() if v[0] >= self.passes - 2}
                 self.trees += len(batch)
                 self.read_bytes += getattr(layers, "read_bytes", 0)
             self._leading = False

@@ -10,6 +10,7 @@ same few `connect` calls (see examples/custom_pipeline.py).
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable
 
@@ -116,10 +117,10 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
     params = gen.params(plan.eos_ids)  # ignore_eos: the end tokens banned by the logit bias
     params.logit_bias.check(spec.n_vocab)
     n_past = kv.n_rows if kv is not None else 0
-    if tree.adapt and not params.exact_match and params.seed is not None:
+    if (tree.adapt or tree.price_shared) and not params.exact_match and params.seed is not None:
         # rejection draws follow the trees, and the trees the machine's timing: a seed must
-        # give the same text every time, so such a run prices trees by the profile
-        tree = attrs.evolve(tree, adapt=False)
+        # give the same text every time, so such a run prices trees by the profile, alone
+        tree = attrs.evolve(tree, adapt=False, price_shared=False)
     constraint = request.grammar.constraint(spec.n_vocab) if request.grammar is not None else None
     compute = ComputeSlot(plan.runtime.ahead_cores)  # verification first; drafting ahead beside it or in turns
     cycle = TreeCycle.for_run(tree, list(request.ids), cost=plan.cost, n_ctx=plan.n_ctx, n_predict=gen.n_predict,
@@ -136,6 +137,8 @@ def compose(target: FlashTarget, draft: Model | None, plan: RunPlan, request: Re
                           emulate_layer_s_per_token=plan.runtime.emulate_layer_ms_per_token / 1e3,
                           layer_fn=plan.placement.verify_fn,
                           shared_pass=request.batcher.verify if request.batcher is not None else None)
+    if request.batcher is not None and tree.price_shared:
+        cycle.others = functools.partial(request.batcher.others, verify)
     stops = AcceptConfig(gen.n_predict, plan.eos_ids, plan.n_ctx, full_lm_head=tree.growth.full_lm_head,
                          stop=request.text, logprobs=request.logprobs, constraint=constraint)
     accept = Accept("accept", stops, params, target.model.logits, tracer, diagnose=target.model.nonfinite_logits,

@@ -28,6 +28,19 @@ class Cost(Protocol):
 
 
 @attrs.frozen
+class Others:
+    """The other requests' trees in a pass shared with this one's (lever.pipelines.batcher): a
+    node's cost is then its compute share of a pass that computes theirs too and reads once for
+    all, and the rate a node must raise is the pass's, every request's tokens per second."""
+
+    n_nodes: int = 0  # their nodes in the pass
+    tokens: float = 0.0  # their expected tokens from it (accepted + the bonus, each)
+
+
+ALONE = Others()
+
+
+@attrs.frozen
 class FlatCost:
     """A cost model of three numbers, for tests and before a profile exists: a pass reads its
     layers once (read_s) while computing n tokens (compute_per_token_s each), whichever is longer."""

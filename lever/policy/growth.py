@@ -24,7 +24,7 @@ from typing import ClassVar, Protocol
 
 import attrs
 
-from lever.policy.cost import Cost
+from lever.policy.cost import Cost, Others
 
 
 class Source(enum.StrEnum):
@@ -72,6 +72,7 @@ class Builder(Protocol):
     cost: Cost
     nodes: object  # lever.tree.nodes.Nodes (the floor above): the arrays (gain, depth, ...) by node
     bar_rate: float  # tokens/s a node must bring: what the last trees reached (0: none yet)
+    others: Others  # the other requests' trees in a pass shared with this one (lever.pipelines.batcher)
 
     @property
     def n_nodes(self) -> int: ...
@@ -86,6 +87,7 @@ class Builder(Protocol):
     def drop_candidates(self) -> None: ...
 
     def expected_accepted(self) -> float: ...
+
 
     def child_gain(self, node: int) -> float: ...  # the expected gain of node's best child, before drafting it
 
@@ -213,8 +215,9 @@ class GainCost(GrowthPolicy):
 
 def pays(b: Builder, gain: float, before_s: float, after_s: float) -> bool:
     """Whether `gain` more expected tokens for a cycle of `after_s` instead of `before_s`
-    raises the tree's rate and brings at least `b.bar_rate` tokens per second it adds."""
-    e = b.expected_accepted() + 1
+    raises the pass's rate (this tree's tokens and, in a shared pass, the others') and brings
+    at least `b.bar_rate` tokens per second it adds."""
+    e = b.expected_accepted() + 1 + b.others.tokens
     if (e + gain) / after_s < e / before_s:
         return False
     return after_s <= before_s or gain / (after_s - before_s) >= b.bar_rate

@@ -22,7 +22,7 @@ import numpy as np
 
 from lever.dataflow.messages import ExpandRequest, Expansion, Proposals, TokenTree
 from lever.policy.acceptance import AcceptanceTable
-from lever.policy.cost import Cost
+from lever.policy.cost import ALONE, Cost, Others
 from lever.policy.growth import Candidate, Source
 from lever.tree.config import MAX_TREE_SIZE, TreeExpandConfig
 from lever.tree.free import FreeSources
@@ -44,6 +44,7 @@ class TreeBuilder:
     acceptance: AcceptanceTable | None = None  # draft p -> acceptance; None: the identity
     bar_rate: float = 0.0  # tokens/s a node must bring to join (gain-cost): the rate recent trees reached
     free: FreeSources | None = None  # the free sources' side (prompt lookup, n-grams); None: the model's alone
+    others: Others = ALONE  # the other requests' trees in a pass shared with this one's (lever.pipelines.batcher)
     nodes: Nodes = attrs.field(factory=Nodes)
     ahead: Lookahead = attrs.field(factory=Lookahead)
     heap: list[Candidate] = attrs.field(factory=list)  # the draft model's candidates, best first
@@ -55,7 +56,6 @@ class TreeBuilder:
     # ran): text before the root, kept with the accepted path when the next cycle commits
     given_rows: tuple[int, ...] = ()
     n_sent: int = 0  # nodes in the tree sent to verification; later nodes were drafted ahead
-    model_rate: float = 0.0  # the model's tree's expected rate before the free sources filled it, tokens/s (0: no fill)
     # the draft's first choices in this tree: their probabilities' sum and count
     first_qs: list[float] = attrs.field(factory=list)
     _seq: int = 0
@@ -225,8 +225,8 @@ class TreeBuilder:
     def latency_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float:
         """The cycle's time by the cost model: drafting in turns so far (and `extra_draft_s`),
         the pass over `n_nodes`, Accept along the expected path."""
-        return self.cost.cycle_s(self.n_nodes if n_nodes is None else n_nodes, self.draft_s + extra_draft_s,
-                                 self.expected_accepted() + 1)
+        n = (self.n_nodes if n_nodes is None else n_nodes) + self.others.n_nodes
+        return self.cost.cycle_s(n, self.draft_s + extra_draft_s, self.expected_accepted() + 1)
 
     def price_s(self, n_nodes: int | None = None, extra_draft_s: float = 0.0) -> float:
         """What growth weighs: the latency, less the pass's idle compute time at what drafting
@@ -235,4 +235,6 @@ class TreeBuilder:
         ahead nothing while the pass leaves more idle time than that: at phone scale a 2-4 s
         read leaves seconds, and charging each node its compute at `idle_value` shrank the trees."""
         n = self.n_nodes if n_nodes is None else n_nodes
-        return self.latency_s(n, extra_draft_s) - self.ahead.idle_value * min(self.cost.idle_s(n), self.ahead.usable_s)
+        idle_s = self.cost.idle_s(n + self.others.n_nodes)
+        return self.latency_s(n, extra_draft_s) - self.ahead.idle_value * min(idle_s, self.ahead.usable_s)
+

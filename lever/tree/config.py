@@ -50,6 +50,10 @@ class TreeExpandConfig:
     # gain-cost: grow a chain or the root alone for a while when, replayed on the same tokens,
     # it would have beaten the trees' recent rate (lever.policy.fallback)
     fallback: bool = True
+    # a tree verified in a pass beside other requests' trees (lever serve --parallel) is priced
+    # with their nodes in the pass and their tokens in its rate (lever.policy.cost.Others); a
+    # seeded sampled run never is: its trees, and so its draws, must not follow the others'
+    price_shared: bool = True
 
     def __attrs_post_init__(self):
         if self.policy not in POLICIES:  # the names: lever.policy.growth

@@ -13,13 +13,15 @@ tokens, the shape the fallback chose.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import numpy as np
 
 from lever.dataflow.messages import Accepted, ExpandRequest, Expansion, TokenTree
 from lever.model.grammar import Constraint
 from lever.policy.acceptance import AcceptanceTable
-from lever.policy.cost import Cost, FlatCost
+from lever.policy.cost import ALONE, Cost, FlatCost, Others
 from lever.policy.fallback import TREE, Shape
 from lever.tree import lookahead
 from lever.tree.builder import TreeBuilder
@@ -109,6 +111,8 @@ class TreeCycle:
     lookahead_hits: int = 0  # cycles that started from rows drafted ahead
     ahead_nodes: int = 0  # nodes drafted ahead, all cycles
     ahead_used: int = 0  # of them, nodes a later tree took
+    # the other requests' trees in the passes this run shares (lever.pipelines.batcher.Batcher.others)
+    others: Callable[[], Others] | None = None
 
     @classmethod
     def for_run(cls, config: TreeExpandConfig, prompt: list[int], *, cost: Cost | None = None, n_ctx: int = 4096,
@@ -167,7 +171,7 @@ class TreeCycle:
                                                                   chain_length=max(self.shape.length, 1))
         b = TreeBuilder(cfg, learner.priced_by, acc.pass_id + 1, room=self.n_ctx - self.committed,
                         remaining=remaining, acceptance=learner.acceptance if learner.prices_by_table else None,
-                        bar_rate=learner.bar_rate, free=free,
+                        bar_rate=learner.bar_rate, free=free, others=self.others() if self.others else ALONE,
                         ahead=Lookahead(beside=self.ahead_beside, idle_value=self.idle_value,
                                         usable_s=self.ahead_usable_s(learner.priced_by)))
         b.add(acc.tokens[-1], -1, 1.0)

@@ -40,7 +40,6 @@ class Growing(Protocol):
 
     nodes: Nodes
     picking: list[Candidate]  # the heap the growth policy picks from
-    model_rate: float
     config: TreeExpandConfig
 
     @property
@@ -73,6 +72,7 @@ class FreeSources:
     _seq: int = 0
     _proposed: set[int] = attrs.field(factory=set)  # nodes whose children the sources have proposed
     _below: dict[int, list[Candidate]] = attrs.field(factory=dict)  # node -> the candidates proposed below it
+    model_rate: float = 0.0  # the model's tree's expected rate before the sources filled it, tokens/s (0: no fill)
 
     def p(self, source: Source, q: float, rank: int) -> float:
         """A free proposal's estimated acceptance, by its source's table."""
@@ -131,7 +131,7 @@ class FreeSources:
         higher. An accepted free node the draft never ran is run at the next cycle's start."""
         if not self.heap:
             return
-        b.model_rate = (b.expected_accepted() + 1) / b.latency_s()
+        self.model_rate = (b.expected_accepted() + 1) / b.latency_s()
         b.picking = self.heap  # the model's tree is done: the policy picks from the sources' heap from now on
         while b.n_nodes < b.limit and b.config.growth.select(b):
             pass

@@ -111,7 +111,8 @@ class TreeLearner:
         scored = tokens if self.acceptance is None else 1 + self.acceptance.score(
             n.parents, n.q, n.rank, n.gain, [x == Source.MODEL for x in n.source])
         if tree.cycle_s > 0 and shape == TREE:  # the bar is the trees' own, not a fallback shape's
-            rate = b.model_rate or tokens / tree.cycle_s  # the model's trees set the model's bar
+            filled = b.free.model_rate if b.free is not None else 0.0  # the model's trees set the model's bar
+            rate = filled or tokens / tree.cycle_s
             self.bar_rate = rate if not self.bar_rate else BAR_WEIGHT * rate + (1 - BAR_WEIGHT) * self.bar_rate
         return SentTree(b.n_sent, tree.cycle_s, tokens, scored)
 

@@ -7,6 +7,7 @@ import threading
 
 import attrs
 import numpy as np
+import pytest
 
 from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.flash import FlashConfig, FlashStore
@@ -14,6 +15,7 @@ from lever.config import load_config
 from lever.dataflow.messages import TokenTree
 from lever.model.transformer import Model
 from lever.pipelines.batcher import Batcher, StreamedLayers
+from lever.policy.cost import Others
 from lever.shipped import shipped
 from lever.stages.pruned_verify import PrunedVerify
 from tests.stages.test_pruned_verify import kept_path, random_tree
@@ -148,3 +150,46 @@ def test_generations_sharing_passes_each_give_their_own_tokens():
             for i in range(n):
                 assert got[i] == want[i], f"case {case}: request {i} of {n} ({gens[i].temperature=}, {prompts[i]!r})"
             assert batcher.passes < batcher.trees, f"case {case}: no pass was shared"
+
+
+def test_a_tree_is_priced_beside_the_other_requests_trees_of_the_last_passes(tiny_model):
+    """What a request's next tree is priced beside (Batcher.others): the other running
+    requests' last speculative trees, their nodes and expected tokens; not a prefill, not its
+    own, and not a request's that has left."""
+    model = Model(tiny_model("qwen2", "Q4_K", n_layer=2))
+    layers, vocab = dict(enumerate(model.layers)), model.spec.n_vocab
+    rng = np.random.default_rng(4902)
+    batcher = Batcher(lambda: layers, wait_s=10.0)  # lockstep: a pass waits for every joined tree
+    trees = []
+    for _ in range(3):
+        first = script(rng, vocab, 2)
+        gains = rng.uniform(0, 1, first[1].n_nodes).astype(np.float32)
+        trees.append([first[0], attrs.evolve(first[1], gains=gains)])
+    seen: list = [None] * 3
+    for _ in trees:
+        batcher.join()
+
+    def request(i: int) -> None:
+        v = make(model)
+        batcher.verify(v, trees[i][0])
+        after_prefill = batcher.others(v)
+        batcher.verify(v, trees[i][1])
+        seen[i] = (after_prefill, batcher.others(v))
+        batcher.leave()
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i, (after_prefill, after) in enumerate(seen):
+        assert after_prefill == Others()
+        others = [trees[j][1] for j in range(3) if j != i]
+        assert after.n_nodes == sum(t.n_nodes for t in others)
+        assert after.tokens == pytest.approx(sum(float(t.gains.sum()) for t in others))
+    v = make(model)  # passes go on without them: two later, they are forgotten
+    for tree in script(rng, vocab, 3):
+        batcher.join()
+        batcher.verify(v, tree)
+        batcher.leave()
+    assert batcher.others(v) == Others()

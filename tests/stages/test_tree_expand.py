@@ -252,8 +252,8 @@ def test_free_sources_fill_the_models_tree_and_leave_it_as_the_model_grows_it_al
     learner = TreeLearner.for_run(TreeExpandConfig(policy="gain-cost", sources=("model", "prompt-lookup")),
                                   FlatCost(), text)
     sent = learner.sent(mixed, mixed.tree(1, ()), TREE)
-    assert learner.bar_rate == pytest.approx(mixed.model_rate)
-    assert mixed.model_rate < sent.predicted_tokens / sent.predicted_s
+    assert learner.bar_rate == pytest.approx(mixed.free.model_rate)
+    assert mixed.free.model_rate < sent.predicted_tokens / sent.predicted_s
 
 
 

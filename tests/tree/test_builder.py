@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from lever.policy.acceptance import AcceptanceTable
-from lever.policy.cost import FlatCost
+from lever.policy.cost import ALONE, FlatCost, Others
 from lever.tree.builder import TreeBuilder
 from lever.tree.config import TreeExpandConfig
 from lever.tree.free import FreeSources
@@ -13,8 +13,9 @@ from lever.tree.lookahead import Lookahead
 from tests.tree.fake_draft import FakeDraft
 
 
-def grow(config: TreeExpandConfig, cost=FlatCost(), room=1000, acceptance=None, p_first=0.7) -> TreeBuilder:
-    b = TreeBuilder(config, cost, cycle=1, room=room, acceptance=acceptance)
+def grow(config: TreeExpandConfig, cost=FlatCost(), room=1000, acceptance=None, p_first=0.7,
+         others: Others = ALONE) -> TreeBuilder:
+    b = TreeBuilder(config, cost, cycle=1, room=room, acceptance=acceptance, others=others)
     b.add(5, -1, 1.0)
     draft = FakeDraft(p_first)
     req = b.request([0], given=[], keep=())
