@@ -32,6 +32,7 @@ from lever.model.finite import NonFiniteError, finite, first_bad_row
 from lever.model.grammar import Constraint
 from lever.model.sampling import SamplingParams, distribution, rejection_sample, sample
 from lever.model.stop import StopReason, stop_reason
+from lever.model.transformer import HEAD_ROWS
 
 
 class StopRule(Protocol):
@@ -100,8 +101,9 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
     `logits_at(nodes)` gives the target's logits, (len(nodes), n_vocab), at those tree nodes.
 
     The output projection runs in batches along the likely path (the chain of highest gains
-    from where the walk stands): one batched matmul reads the projection's weights once
-    for all its rows, where row by row each row would read them again. When the target leaves
+    from where the walk stands), of at most HEAD_ROWS rows: one batched matmul reads the
+    projection's weights once for all its rows, where row by row each row would read them
+    again, and the logits held stay within what the memory plan counts. When the target leaves
     that chain, the rows past the fork were wasted and a new batch starts at the fork. The
     kernels are batch-invariant, so the logits, and the tokens, are those of one row at a time.
 
@@ -126,7 +128,7 @@ def accept_tree(tree: TokenTree, logits_at: Callable[[list[int]], np.ndarray], p
     out: list[int] = []
     rows = 0
     while True:
-        path = likely_path(tree, kids, node, budget - len(out))
+        path = likely_path(tree, kids, node, min(budget - len(out), HEAD_ROWS))
         logits = logits_at(path)
         rows += len(path)
         for j, at in enumerate(path):

@@ -35,6 +35,7 @@ from lever.gguf.tokenizer import Tokenizer
 from lever.gguf.vocab_map import VocabMap, pair_vocabularies
 from lever.model.grammar import Grammar
 from lever.model.grammar_cache import one_grammar_bytes, plan_bytes
+from lever.model.transformer import HEAD_ROWS
 from lever.policy.acceptance import AcceptanceTable
 from lever.policy.cost_model import CostModel, cost_model_for
 from lever.policy.memory import (
@@ -76,7 +77,7 @@ class RunPlan:
 
     where: str  # how errors name the config
     kind: PipelineKind
-    tree: TreeExpandConfig  # normalised: policy "none" when the kind grows no trees
+    tree: TreeExpandConfig  # normalised: policy "none" when the kind grows no trees; one tree's caps (per_tree)
     flash: FlashConfig  # the kind's all-resident override applied
     resident: frozenset[int]  # target layers kept in DRAM: the memory plan's, the store's, the cost model's
     n_ctx: int  # KV rows: [model] n_ctx, capped by the target's trained context
@@ -154,7 +155,7 @@ class RunPlan:
         f = target if target is not None else GGUFFile(cfg.model.target)
         spec = read_spec(f)
         tok = tok if tok is not None else Tokenizer.from_gguf(f)
-        tree = cfg.tree_expand if pk.speculates else TreeExpandConfig(policy="none")
+        tree = cfg.tree_expand.per_tree(cfg.pipeline.parallel) if pk.speculates else TreeExpandConfig(policy="none")
         flash = attrs.evolve(cfg.flash, dram_budget=1.0) if pk.all_resident else cfg.flash
         n_ctx = min(cfg.model.n_ctx, spec.n_ctx_train)
         draft_file = draft_spec = vocab = None
@@ -203,7 +204,7 @@ def run_memory(*, target: GGUFFile, spec: ModelSpec, flash: FlashConfig, tree: T
     return plan_memory(target, spec, flash, n_ctx=n_ctx, parallel=parallel, n_pass_tokens=max(n_prompt, tree.max_nodes),
                        tree_rows=tree.max_nodes, draft=draft_file, draft_spec=draft_spec,
                        # Accept runs the output head along the accepted path only (root and max_depth)
-                       head_rows=tree.max_nodes if tree.growth.full_lm_head else tree.max_depth + 1,
+                       head_rows=tree.max_nodes if tree.growth.full_lm_head else min(tree.max_depth + 1, HEAD_ROWS),
                        draft_rows=tree.draft_rows if tree.drafts else 0, runtime_bytes=runtime_bytes,
                        resident=resident, process_bytes=process_bytes, grammar_bytes=grammar_bytes)
 

@@ -15,6 +15,9 @@ from lever.policy.lookup import SOURCES
 
 # bound on a tree's nodes, depth and fan-out: one pass verifies it, one draft forward expands a round
 MAX_TREE_SIZE = 1024
+# a tree's node cap when [pipeline] parallel trees share a pass's (`per_tree`), at least: a deep
+# enough chain for one request running alone
+MIN_SHARED_NODES = 16
 
 
 def _sources(names) -> tuple:
@@ -89,6 +92,18 @@ class TreeExpandConfig:
     def lookup_sources(self) -> tuple[Source, ...]:
         """The free sources (lever.policy.lookup), for a policy that grows trees at all."""
         return tuple(x for x in self.sources if x != Source.MODEL) if self.growth.speculates else ()
+
+    def per_tree(self, parallel: int) -> TreeExpandConfig:
+        """The caps of one of `parallel` trees that share a pass ([pipeline] parallel): max_nodes
+        bounds the pass, shared among them (each at least MIN_SHARED_NODES), and depth and
+        drafting ahead within a tree's share. A crowded pass prices small trees anyway
+        (lever.policy.cost.Others); the caps keep each request's drafting and head, which the
+        memory plan holds once per request, to its share."""
+        if parallel <= 1:
+            return self
+        nodes = min(self.max_nodes, max(-(-self.max_nodes // parallel), MIN_SHARED_NODES))
+        return attrs.evolve(self, max_nodes=nodes, max_depth=min(self.max_depth, max(nodes - 1, 1)),
+                            lookahead_nodes=min(self.lookahead_nodes, nodes))
 
     @property
     def draft_rows(self) -> int:

@@ -6,12 +6,15 @@ import inspect
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lever.config import PIPELINE_KINDS, load_config
 from lever.errors import LeverError
 from lever.pipelines.compose import Request, compose
 from lever.pipelines.engine import Engine, run_pipeline
 from lever.pipelines.plan import RunPlan
+from lever.tree.config import MIN_SHARED_NODES, TreeExpandConfig
 from tests.conftest import ROOT
 
 DEFAULT = ROOT / "examples" / "default.toml"
@@ -74,3 +77,29 @@ def test_the_layers_kept_in_dram_are_planned_once_a_run(kind, monkeypatch):
     res = run_pipeline(cfg, "def f(x):")
     assert len(calls) == 1 and len(res.tokens) == 6
     assert res.memory.plan.resident_layer_bytes == res.memory.resident_layer_bytes > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(max_nodes=st.integers(1, 256), max_depth=st.integers(1, 128), lookahead=st.integers(0, 64),
+       parallel=st.integers(1, 16))
+def test_trees_sharing_a_pass_share_its_node_cap(max_nodes, max_depth, lookahead, parallel):
+    """[pipeline] parallel N: each tree's caps are its share of max_nodes (at least
+    MIN_SHARED_NODES, never above max_nodes), depth and drafting ahead within them; alone, the
+    config's own. The plan's tree is that share, and the memory plan is made with it."""
+    cfg = TreeExpandConfig(max_nodes=max_nodes, max_depth=max_depth, lookahead_nodes=lookahead)
+    one = cfg.per_tree(parallel)
+    if parallel == 1:
+        assert one == cfg
+        return
+    assert min(max_nodes, MIN_SHARED_NODES) <= one.max_nodes <= max_nodes
+    assert one.max_nodes * parallel <= max(max_nodes, MIN_SHARED_NODES * parallel) + parallel
+    assert one.max_depth <= min(max_depth, one.max_nodes - 1) or one.max_nodes == 1
+    assert one.lookahead_nodes <= min(lookahead, one.max_nodes)
+
+
+def test_the_plan_holds_each_tree_at_its_share():
+    alone = plan_of("tree_expand.max_nodes=128", "tree_expand.max_depth=64")
+    eight = plan_of("tree_expand.max_nodes=128", "tree_expand.max_depth=64", "pipeline.parallel=8")
+    assert alone.tree.max_nodes == 128 and eight.tree.max_nodes == 16 and eight.tree.max_depth == 15
+    per = eight.memory_plan(8).activation_bytes / 8
+    assert per < alone.memory_plan(8).activation_bytes

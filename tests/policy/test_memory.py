@@ -213,6 +213,7 @@ def test_long_run_does_not_grow(tiny_model):
 PARALLEL_RUN = """
 import json, sys, threading
 import lever
+from lever.backends.cpu.kv_cache import KVCache
 from lever.pipelines.engine import _peak_rss_bytes
 from lever.shipped import shipped
 n = int(sys.argv[1])
@@ -223,7 +224,9 @@ with lever.load(shipped("default.toml"), overrides=["pipeline.baseline=\\"\\"", 
     for t in threads: t.start()
     for t in threads: t.join()
     plan = llm.memory_plan()
-    print(json.dumps({"peak": _peak_rss_bytes(), "bound": plan.rss_bound_bytes, "kv": plan.kv_cache_bytes,
+    p = llm.engine.plan
+    one = KVCache.bytes_for(p.spec, p.n_ctx + p.tree.max_nodes)  # a generation's cache: the context and its tree
+    print(json.dumps({"peak": _peak_rss_bytes(), "bound": plan.rss_bound_bytes, "kv": plan.kv_cache_bytes, "one": one,
                       "draft": plan.draft_bytes, "trees": b.trees if (b := llm.lanes.batcher) else 0,
                       "passes": b.passes if b else 0}))
 """
@@ -231,7 +234,8 @@ with lever.load(shipped("default.toml"), overrides=["pipeline.baseline=\\"\\"", 
 
 def test_generations_at_once_stay_within_a_plan_that_holds_each_ones_caches():
     """[pipeline] parallel 4: the plan holds four generations' caches (the target's and the
-    draft's), and four generations at once (sharing passes) keep the process's peak RSS within it."""
+    draft's, each with rows for its tree's share of the pass), and four generations at once
+    (sharing passes) keep the process's peak RSS within it."""
     ballast = np.ones(BALLAST_BYTES // 8)  # noqa: F841 (a parent bigger than any bound: see above)
     runs = {}
     for n in (1, 4):
@@ -239,7 +243,7 @@ def test_generations_at_once_stay_within_a_plan_that_holds_each_ones_caches():
         assert p.returncode == 0, p.stderr
         runs[n] = json.loads(p.stdout)
     one, four = runs[1], runs[4]
-    assert four["kv"] == 4 * one["kv"] and four["draft"] > one["draft"]
+    assert four["kv"] == 4 * four["one"] and one["kv"] == one["one"] and four["draft"] > one["draft"]
     assert four["passes"] < four["trees"]  # the four shared passes
     for n, r in runs.items():
         assert r["peak"] <= r["bound"], (n, r["peak"] >> 20, r["bound"] >> 20)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from lever.dataflow.messages import Expansion, TokenTree
 from lever.model.sampling import DRAWS, SamplingParams, distribution, draw_without_replacement, sample
+from lever.model.transformer import HEAD_ROWS
 from lever.policy.cost import FlatCost
 from lever.policy.predictor import prune_by_scores
 from lever.stages.accept import accept_tree
@@ -48,6 +49,20 @@ def walk(choice, budget=100, eos=frozenset()):
 def test_the_likely_path_goes_in_one_batch():
     toks, keep, rows, calls = walk({0: 7, 1: 9, 3: 11})
     assert toks == [7, 9, 11] and keep == [0, 1, 3] and rows == 3 and calls == [[0, 1, 3]]
+
+
+def test_a_long_path_runs_the_head_in_batches_the_plan_counts():
+    """A chain deeper than HEAD_ROWS, accepted whole: the head runs batch after batch along it,
+    none over HEAD_ROWS rows, each row once, and the walk emits every token and the bonus."""
+    n = 2 * HEAD_ROWS + 7
+    chain = TokenTree(1, np.arange(n) % VOCAB, np.arange(-1, n - 1, dtype=np.int32),
+                      gains=np.linspace(1, 0.1, n).astype(np.float32))
+    fn, calls = logits_choosing({i: int(chain.tokens[i + 1]) for i in range(n - 1)} | {n - 1: 11})
+    toks, keep, rows = accept_tree(chain, fn, SamplingParams(), rng=np.random.default_rng(0), budget=100,
+                                   eos_ids=frozenset())
+    assert toks == [*(int(t) for t in chain.tokens[1:]), 11] and keep == list(range(n)) and rows == n
+    assert [len(c) for c in calls] == [HEAD_ROWS, HEAD_ROWS, n - 2 * HEAD_ROWS]
+    assert sum(calls, []) == list(range(n))
 
 
 def test_leaving_the_likely_path_starts_a_batch_at_the_fork():
