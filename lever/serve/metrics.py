@@ -44,6 +44,9 @@ SERIES = {
     "flash_read_bytes_total": (PREFIX, "counter", "Bytes of the target read from storage while generating."),
     "draft_acceptance_ratio": (PREFIX, "gauge", "Draft tokens accepted over draft tokens grown, since the start."),
     "tokens_per_pass": (PREFIX, "gauge", "Tokens generated per verification pass after the first, since the start."),
+    "shared_passes_total": (PREFIX, "counter", "Passes of the target that the generations running at once shared "
+                                               "(--parallel)."),
+    "shared_pass_trees_total": (PREFIX, "counter", "Trees (and prompts) those passes verified."),
 }
 
 
@@ -90,6 +93,8 @@ class Metrics:
                                                    else 1 if tot["n_decode_total"] else 0),
                           draft_acceptance_ratio=_per(tot["spec_decode_num_accepted_tokens_total"], drafted),
                           tokens_per_pass=_per(tot["_decode_tokens"], passes))
+            values.update(shared_passes_total=batcher.passes if batcher is not None else 0,
+                          shared_pass_trees_total=batcher.trees if batcher is not None else 0)
             if batcher is not None:
                 values["flash_read_bytes_total"] = batcher.read_bytes
             statuses = dict(sorted(self.statuses.items()))

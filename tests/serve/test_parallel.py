@@ -63,9 +63,9 @@ def cancelled_stream(url: str, b: dict, chunks: int, out: list) -> None:
     out.append(seen)
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, prefix: str = "llamacpp") -> float:
     text = httpx.get(url + "/metrics", timeout=30).text
-    return float(re.search(rf"^llamacpp:{name} (\S+)$", text, re.M).group(1))
+    return float(re.search(rf"^{prefix}:{name} (\S+)$", text, re.M).group(1))
 
 
 def test_requests_at_once_each_give_what_they_give_alone(server):
@@ -102,6 +102,8 @@ def test_requests_at_once_each_give_what_they_give_alone(server):
             if kinds[i] == "stop":  # cut before the first stop string
                 assert "\n\n" not in got[i]["content"] and "return" not in got[i]["content"], what
     assert metric(server, "n_busy_slots_per_decode") > 1  # some passes were shared (the runs alone: 1 a pass)
+    trees, passes = metric(server, "shared_pass_trees_total", "lever"), metric(server, "shared_passes_total", "lever")
+    assert trees / passes == pytest.approx(metric(server, "n_busy_slots_per_decode")) and trees > passes
 
 
 def test_the_slots_show_the_generations_running_at_once(server):

@@ -61,7 +61,7 @@ def rows_for(names, *, n: int, target: str, draft: str, server: str | None, slot
             mem = ["--mem", f"{lever_mem >> 20}MiB"] if lever_mem else []
             argv = [sys.executable, "-m", "lever", "serve", "-m", target, "-md", draft, "-np", str(n),
                     "--ctx-size", str(slot_ctx * n), "--threads", str(threads), "--cache-ram", "0", "--no-grammars",
-                    *mem, *(x for s in lever_sets for x in ("--set", s))]
+                    "--metrics", *mem, *(x for s in lever_sets for x in ("--set", s))]
             rows.append(Row(name, tuple(argv), (target, draft)))
         else:
             t, d = place(name, target), place(name, draft)
@@ -150,7 +150,10 @@ def run_row(row: Row, prompts: list[list[str]], n_predict: int, *, cap_bytes: in
             served.wait_ready()
             with httpx.Client() as c:
                 ask(c, served.url, warmup, 4)
-            got = phase(served, prompts, n_predict)
+                before = counters(c, served.url) if row.name == LEVER else {}
+                got = phase(served, prompts, n_predict)
+                if row.name == LEVER:  # the phase's own: what its passes held and gave
+                    got["passes"] = {k: v - before.get(k, 0) for k, v in counters(c, served.url).items()}
         except LeverError as e:
             got = {"clients": len(prompts), "failed": sum(map(len, prompts)), "errors": [str(e)], "tok_s": 0.0,
                    "results": []}
@@ -161,6 +164,18 @@ def run_row(row: Row, prompts: list[list[str]], n_predict: int, *, cap_bytes: in
         + (f", {got['failed']} failed: {got['errors'][0]}" if got["failed"] else "")
         + (f", {got['mb_per_token']:.0f} MB read/token" if got.get("mb_per_token") else ""))
     return got
+
+
+# Lever's /metrics counters a phase reports: shared passes, their trees, the tokens they gave, the nodes drafted
+PASS_COUNTERS = ("lever:shared_passes_total", "lever:shared_pass_trees_total", "llamacpp:tokens_predicted_total",
+                 "llamacpp:spec_decode_num_draft_tokens_total", "llamacpp:spec_decode_num_drafts_total",
+                 "lever:flash_read_bytes_total")
+
+
+def counters(client, url: str) -> dict[str, float]:
+    text = client.get(url + "/metrics", timeout=30).text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {k: float(values[k]) for k in PASS_COUNTERS if k in values}
 
 
 def same_tokens(runs: dict, prompts_of, most: int) -> dict[int, str]:
