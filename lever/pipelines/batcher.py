@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
@@ -101,6 +102,10 @@ class Batcher:
     passes: int = 0  # passes run
     trees: int = 0  # trees verified (trees / passes: how many shared a pass, on average)
     read_bytes: int = 0  # streamed from flash by the passes, once per pass for all their trees
+    nodes: int = 0  # nodes the passes verified, every tree's
+    seconds: float = 0.0  # the passes' wall time
+    price: Callable[[int], float] | None = None  # the cost model's pass of n nodes (CostModel.verify_s), if any
+    predicted_s: float = 0.0  # what it priced the passes at: against `seconds`, how well shared passes are priced
     _members: int = 0
     # each running request's last speculative tree, by its verifier's id: (its pass, nodes, expected tokens)
     _latest: dict[int, tuple[int, int, float]] = attrs.field(factory=dict)
@@ -155,7 +160,7 @@ class Batcher:
         return batch
 
     def _run(self, batch: list[_Ticket]) -> None:
-        layers = self.layers()
+        layers, t0 = self.layers(), time.perf_counter()
         try:
             results = PrunedVerify.verify_batch([t.verifier for t in batch], [t.tree for t in batch], layers)
         except BaseException as e:  # every tree of the pass hears it, not only the leader's
@@ -176,5 +181,9 @@ class Batcher:
                 self._latest = {k: v for k, v in self._latest.items() if v[0] >= self.passes - 2}
                 self.trees += len(batch)
                 self.read_bytes += getattr(layers, "read_bytes", 0)
+                n = sum(t.tree.n_nodes for t in batch)
+                self.nodes += n
+                self.seconds += time.perf_counter() - t0
+                self.predicted_s += self.price(n) if self.price is not None else 0.0
             self._leading = False
             self._cond.notify_all()

@@ -174,7 +174,9 @@ class Engine:
             raise LeverError(f"{self.plan.where}: the engine is closed")
         if wait_s is None:
             wait_s = self.plan.cost.verify_s(1) if self.plan.cost is not None else WAIT_S
-        return Batcher(lambda: StreamedLayers(t.store, t.model.file, self.plan.spec, t.resident), wait_s=wait_s)
+        price = self.plan.cost.verify_s if self.plan.cost is not None else None
+        return Batcher(lambda: StreamedLayers(t.store, t.model.file, self.plan.spec, t.resident), wait_s=wait_s,
+                       price=price)
 
     def new_kv(self) -> KVState:
         """Empty caches of the sizes a run of this engine makes (for a session read from disk)."""

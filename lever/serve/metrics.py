@@ -47,6 +47,9 @@ SERIES = {
     "shared_passes_total": (PREFIX, "counter", "Passes of the target that the generations running at once shared "
                                                "(--parallel)."),
     "shared_pass_trees_total": (PREFIX, "counter", "Trees (and prompts) those passes verified."),
+    "shared_pass_nodes_total": (PREFIX, "counter", "Nodes (and prompt tokens) those passes verified."),
+    "shared_pass_seconds_total": (PREFIX, "counter", "Seconds those passes took."),
+    "shared_pass_predicted_seconds_total": (PREFIX, "counter", "Seconds the cost model priced those passes at."),
 }
 
 
@@ -93,8 +96,10 @@ class Metrics:
                                                    else 1 if tot["n_decode_total"] else 0),
                           draft_acceptance_ratio=_per(tot["spec_decode_num_accepted_tokens_total"], drafted),
                           tokens_per_pass=_per(tot["_decode_tokens"], passes))
-            values.update(shared_passes_total=batcher.passes if batcher is not None else 0,
-                          shared_pass_trees_total=batcher.trees if batcher is not None else 0)
+            shared = {"passes": "shared_passes_total", "trees": "shared_pass_trees_total",
+                      "nodes": "shared_pass_nodes_total", "seconds": "shared_pass_seconds_total",
+                      "predicted_s": "shared_pass_predicted_seconds_total"}
+            values.update({name: getattr(batcher, k) if batcher is not None else 0 for k, name in shared.items()})
             if batcher is not None:
                 values["flash_read_bytes_total"] = batcher.read_bytes
             statuses = dict(sorted(self.statuses.items()))

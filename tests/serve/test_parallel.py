@@ -104,6 +104,9 @@ def test_requests_at_once_each_give_what_they_give_alone(server):
     assert metric(server, "n_busy_slots_per_decode") > 1  # some passes were shared (the runs alone: 1 a pass)
     trees, passes = metric(server, "shared_pass_trees_total", "lever"), metric(server, "shared_passes_total", "lever")
     assert trees / passes == pytest.approx(metric(server, "n_busy_slots_per_decode")) and trees > passes
+    assert metric(server, "shared_pass_nodes_total", "lever") >= trees  # a tree holds its root at least
+    assert metric(server, "shared_pass_seconds_total", "lever") > 0
+    assert metric(server, "shared_pass_predicted_seconds_total", "lever") > 0  # priced by the shipped profile
 
 
 def test_the_slots_show_the_generations_running_at_once(server):

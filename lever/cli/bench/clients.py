@@ -169,7 +169,8 @@ def run_row(row: Row, prompts: list[list[str]], n_predict: int, *, cap_bytes: in
 # Lever's /metrics counters a phase reports: shared passes, their trees, the tokens they gave, the nodes drafted
 PASS_COUNTERS = ("lever:shared_passes_total", "lever:shared_pass_trees_total", "llamacpp:tokens_predicted_total",
                  "llamacpp:spec_decode_num_draft_tokens_total", "llamacpp:spec_decode_num_drafts_total",
-                 "lever:flash_read_bytes_total")
+                 "lever:flash_read_bytes_total", "lever:shared_pass_nodes_total", "lever:shared_pass_seconds_total",
+                 "lever:shared_pass_predicted_seconds_total")
 
 
 def counters(client, url: str) -> dict[str, float]:
