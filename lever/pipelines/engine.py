@@ -98,7 +98,10 @@ class Engine:
         plan = RunPlan.resolve(cfg, name, grammars=grammars, tok=tok)
         for line in plan.warnings:
             print(f"lever: warning: {line}", file=sys.stderr)
-        engine = cls(plan, process_bytes=psutil.Process().memory_info().rss)
+        # the process as the plan priced it: a fill's resident layers were chosen against the process
+        # of that moment, and the few pages it grew since must not turn the plan it made into a refusal
+        rss = psutil.Process().memory_info().rss
+        engine = cls(plan, process_bytes=plan.fill.process_bytes if plan.fill is not None else rss)
         engine.memory_plan(len(engine.encode(prompt)) if prompt is not None else 1)
         with native.default_threads(plan.runtime.threads), ThreadPoolExecutor(1, "lever-load") as pool:
             # the draft loads beside the target: both are mostly reads and packing in the

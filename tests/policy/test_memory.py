@@ -162,6 +162,30 @@ def test_fill_keeps_resident_what_the_limit_leaves(monkeypatch):
     assert resolve(f"memory.limit={limit}", 'flash.dram_budget="fill"', "flash.dram_budget=0").resident == frozenset()
 
 
+def test_a_fill_to_the_byte_opens_though_the_process_grew_after_it_was_planned(monkeypatch):
+    """A limit the fill's plan meets to the byte, and the process a few MiB bigger by the time
+    the engine opens (imports, the tokenizer): the engine holds to the plan the fill made, not
+    a refusal of it."""
+    from lever.pipelines.engine import Engine
+
+    rss = [100 * 2**20]
+    monkeypatch.setattr(memory.psutil, "Process", lambda: types.SimpleNamespace(
+        memory_info=lambda: types.SimpleNamespace(rss=rss[0])))
+    sets = ['pipeline.baseline=""', 'flash.dram_budget="fill"']
+    limit = RunPlan.resolve(load_config(DEFAULT, [*sets, 'memory.limit="64G"'])).fill.total_bytes
+    resolve = RunPlan.resolve
+
+    def grown(*args, **kw):
+        plan = resolve(*args, **kw)
+        rss[0] += 4 << 20
+        return plan
+
+    monkeypatch.setattr(RunPlan, "resolve", grown)
+    with Engine.open(load_config(DEFAULT, [*sets, f"memory.limit={limit}"])) as engine:
+        largest = engine.memory_plan(engine.plan.n_ctx - 1)  # a server's check: a prompt filling the context
+        assert engine.plan.fill.total_bytes == limit and largest.total_bytes <= limit
+
+
 def test_mem_runs_inside_its_plan_with_the_same_tokens():
     ballast = np.ones(BALLAST_BYTES // 8)  # noqa: F841 (a fresh process's peak is its own: see above)
     r = lever_json("-n", "8", *ALONE, "--mem", "1G")
