@@ -109,6 +109,8 @@ class Batcher:
     _members: int = 0
     # each running request's last speculative tree, by its verifier's id: (its pass, nodes, expected tokens)
     _latest: dict[int, tuple[int, int, float]] = attrs.field(factory=dict)
+    # each running request's share of its passes' reads, pass by pass (a pass's bytes over its trees)
+    _shares: dict[int, list[int]] = attrs.field(factory=dict)
     _queue: list[_Ticket] = attrs.field(factory=list)
     _leading: bool = False
     _cond: threading.Condition = attrs.field(factory=threading.Condition)
@@ -132,6 +134,12 @@ class Batcher:
         with self._cond:
             seen = [v for k, v in self._latest.items() if k != id(verifier) and v[0] >= self.passes - 2]
         return Others(sum(n for _, n, _ in seen), sum(t for _, _, t in seen))
+
+    def take_shares(self, verifier: PrunedVerify) -> list[int]:
+        """`verifier`'s request's share of each of its passes' reads, forgotten here: its run's
+        own flash figure, where the process's counter is every request's."""
+        with self._cond:
+            return self._shares.pop(id(verifier), [])
 
     def verify(self, verifier: PrunedVerify, tree: TokenTree) -> Verified:
         """The tree verified, in a pass shared with the trees of the other joined requests that
@@ -180,7 +188,10 @@ class Batcher:
                 self.passes += 1
                 self._latest = {k: v for k, v in self._latest.items() if v[0] >= self.passes - 2}
                 self.trees += len(batch)
-                self.read_bytes += getattr(layers, "read_bytes", 0)
+                read = getattr(layers, "read_bytes", 0)
+                self.read_bytes += read
+                for t in batch:
+                    self._shares.setdefault(id(t.verifier), []).append(read // len(batch))
                 n = sum(t.tree.n_nodes for t in batch)
                 self.nodes += n
                 self.seconds += time.perf_counter() - t0

@@ -250,10 +250,13 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
                     n_past=request.kv.n_rows if request.kv is not None else 0)
     h = compose(target, engine.draft, plan, attrs.evolve(request, on_tokens=on_tokens, tracer=tracer, text=text))
     target.warm_head()
-    target.store.reset_stats()
-    dev0 = process_read_bytes() or 0
-    t0 = time.perf_counter()
-    run_async(h.pipeline.run)
+    if request.batcher is None:  # else the store and the process's counter are every sharing request's
+        target.store.reset_stats()
+    dev0, t0 = process_read_bytes() or 0, time.perf_counter()
+    try:
+        run_async(h.pipeline.run)
+    finally:
+        shares = request.batcher.take_shares(h.verify) if request.batcher is not None else None
     t1, cpu1 = time.perf_counter(), _cpu_s()
     if on_kv is not None:
         on_kv(h.kv_after())
@@ -267,10 +270,7 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
         tracer.write_chrome(trace_path)
     t_first, cpu_first = first[0] if first else (t1, cpu1)
     timing = _timing(h, summary, n_passes=n_passes, t0=t0, t_first=t_first, t1=t1, cpu_s=cpu1 - cpu_first)
-    # the prefill pass reads the layers once too; decoding is the passes after it
-    per_pass_bytes = target.store.streamed_bytes
-    flash = FlashFigures(per_pass_bytes, max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
-                         target.store.stats().requested_bytes, summary.flash_gbps)
+    flash = _flash(target, shares=shares, dev_bytes=dev_bytes, n_passes=n_passes, gbps=summary.flash_gbps)
     memory = MemoryFigures(target.resident_bytes, target.head_bytes, target.window_bytes, _peak_rss_bytes(), mem,
                            fill=plan.fill)
     if watch is not None:
@@ -287,6 +287,18 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
         channels={k: attrs.asdict(v) for k, v in h.pipeline.channel_stats.items()}, temperature=gen.temperature,
         vocab=plan.vocab.figures if plan.vocab is not None and h.draft is not None else None,
         grammar=h.constraint.stats if h.constraint is not None else None)
+
+
+def _flash(target: FlashTarget, *, shares: list[int] | None, dev_bytes: int, n_passes: int,
+           gbps: float) -> FlashFigures:
+    """The run's reads: the process's counter and the store's, or, where passes were shared with
+    other requests (`shares`), its share of each of its passes' reads. The prefill pass reads the
+    layers once too; decoding is the passes after it."""
+    per_pass_bytes = target.store.streamed_bytes
+    if shares is not None:
+        return FlashFigures(per_pass_bytes, sum(shares[1:]) if n_passes > 1 else sum(shares), sum(shares), gbps)
+    return FlashFigures(per_pass_bytes, max(dev_bytes - per_pass_bytes, 0) if n_passes > 1 else dev_bytes,
+                        target.store.stats().requested_bytes, gbps)
 
 
 def _timing(h, summary, *, n_passes: int, t0: float, t_first: float, t1: float, cpu_s: float) -> Timing:

@@ -34,9 +34,11 @@ def script(rng: np.random.Generator, vocab: int, n_passes: int) -> list[TokenTre
     return trees
 
 
-def run_requests(batcher: Batcher, model: Model, scripts: list[list[TokenTree]], starts: list[float]) -> list:
+def run_requests(batcher: Batcher, model: Model, scripts: list[list[TokenTree]], starts: list[float],
+                 shares: dict | None = None) -> list:
     """Each script in its own thread, leaving when done; those starting at 0 have joined before
-    any thread runs (a pass waits for them), the others join after their delay, mid-flight."""
+    any thread runs (a pass waits for them), the others join after their delay, mid-flight.
+    `shares`: each request's share of its passes' reads, by request."""
     got: list = [None] * len(scripts)
     for start in starts:
         if start == 0:
@@ -49,6 +51,8 @@ def run_requests(batcher: Batcher, model: Model, scripts: list[list[TokenTree]],
         try:
             v = make(model)
             got[i] = [batcher.verify(v, t).hidden for t in scripts[i]]
+            if shares is not None:
+                shares[i] = batcher.take_shares(v)
         finally:
             batcher.leave()
 
@@ -99,12 +103,16 @@ def test_a_streamed_pass_reads_each_layer_once_for_all_its_trees():
 
         batcher = Batcher(layers, wait_s=10.0)  # a pass waits until every joined tree is in
         scripts = [script(rng, spec.n_vocab, 3) for _ in range(3)]
-        got = run_requests(batcher, model, scripts, [0.0, 0.0, 0.0])
+        shares: dict[int, list[int]] = {}
+        got = run_requests(batcher, model, scripts, [0.0, 0.0, 0.0], shares)
         for i, trees in enumerate(scripts):
             assert all(np.array_equal(g, w) for g, w in zip(got[i], alone(model, trees))), f"request {i}"
         every_layer = sum(store.layer_bytes)
         assert all(m.read_bytes == every_layer for m in made)  # one read of each layer per pass
         assert len(made) == batcher.passes < batcher.trees == 9
+        # each request's reads: a third of each of its three passes, every one shared by the three
+        assert all(shares[i] == [every_layer // 3] * 3 for i in range(3)), shares
+        assert batcher.take_shares(make(model)) == []
         assert store.pool.n_free == store.pool.n_buffers  # every pass gave the window back
 
 
