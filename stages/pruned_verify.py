@@ -176,18 +176,27 @@ class PrunedVerify(Stage):
         """Several requests' trees in one pass over `layers` (issue 49): each request's
         verifier keeps its own cache and keep protocol; each layer runs once over every
         request's rows (backends/cpu/batch.py), so each Verified is its own `verify`'s, bit for
-        bit. No pruning here (the predictor scores one tree at a time)."""
+        bit. No pruning here (the predictor scores one tree at a time). Each request hears the
+        whole pass's timing (its nodes all the trees'), which its cost model learns from as from
+        a pass of its own: what a pass of that many nodes took here."""
         states = [v.begin(t) for v, t in zip(verifiers, trees, strict=True)]
         spec = verifiers[0].spec
         segments = [Segment(v.cache, st.rows, st.pos, st.mask) for v, st in zip(verifiers, states)]
         x = np.concatenate([st.x for st in states])  # (sum of n_nodes, n_embd)
+        compute_s = wait_s = 0.0
         for i in range(spec.n_layer):
-            x = layer_batch_in_chunks(spec, layers[i], x, segments=segments, layer=i, inv_freq=verifiers[0].inv_freq)
+            t0 = time.perf_counter()
+            weights = layers[i]  # a streamed layer may still be landing
+            t1 = time.perf_counter()
+            x = layer_batch_in_chunks(spec, weights, x, segments=segments, layer=i, inv_freq=verifiers[0].inv_freq)
+            wait_s, compute_s = wait_s + t1 - t0, compute_s + time.perf_counter() - t1
+        timing = PassTiming(int(x.shape[0]), compute_s, wait_s, getattr(layers, "read_s", 0.0),
+                            getattr(layers, "read_bytes", 0))
         out, a = [], 0
         for v, st in zip(verifiers, states):
             st.x, a = x[a : a + st.tree.n_nodes], a + st.tree.n_nodes
             v.token_layers += st.tree.n_nodes * spec.n_layer
-            out.append(v.finish(st))
+            out.append(v.finish(st, timing))
         return out
 
     async def run(self, inputs, outputs):

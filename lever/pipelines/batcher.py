@@ -44,6 +44,7 @@ class StreamedLayers:
     spec: ModelSpec
     resident: dict[int, LayerWeights]
     read_bytes: int = 0
+    read_s: float = 0.0  # the reads' wall time, one after another (PassTiming.read_s)
     buffers: list[StagingBuffer] = attrs.field(factory=list)
     _pool: ThreadPoolExecutor = attrs.field(factory=lambda: ThreadPoolExecutor(1, "lever-batch-layer"))
     _reads: ThreadPoolExecutor | None = None  # a layer's chunks in flight, up to the flash queue depth (as Prefetch)
@@ -53,8 +54,10 @@ class StreamedLayers:
         buf = self.buffers[layer % len(self.buffers)]
         if self._reads is None:
             self._reads = ThreadPoolExecutor(max(self.store.config.queue_depth, 1), "lever-batch-read")
+        t0 = time.perf_counter()
         for f in [self._reads.submit(self.store.read, r, buf) for r in self.store.plan_reads(layer)]:
             f.result()
+        self.read_s += time.perf_counter() - t0
         return load_layer(self.file, self.spec, layer, raws=self.store.tensors(layer, buf))
 
     def _start(self, layer: int) -> None:

@@ -163,7 +163,8 @@ def test_generations_sharing_passes_each_give_their_own_tokens():
 def test_a_tree_is_priced_beside_the_other_requests_trees_of_the_last_passes(tiny_model):
     """What a request's next tree is priced beside (Batcher.others): the other running
     requests' last speculative trees, their nodes and expected tokens; not a prefill, not its
-    own, and not a request's that has left."""
+    own, and not a request's that has left. Each hears the whole pass's timing, for its cost
+    model to learn what a pass of that many nodes takes."""
     model = Model(tiny_model("qwen2", "Q4_K", n_layer=2))
     layers, vocab = dict(enumerate(model.layers)), model.spec.n_vocab
     rng = np.random.default_rng(4902)
@@ -181,8 +182,8 @@ def test_a_tree_is_priced_beside_the_other_requests_trees_of_the_last_passes(tin
         v = make(model)
         batcher.verify(v, trees[i][0])
         after_prefill = batcher.others(v)
-        batcher.verify(v, trees[i][1])
-        seen[i] = (after_prefill, batcher.others(v))
+        timing = batcher.verify(v, trees[i][1]).timing
+        seen[i] = (after_prefill, batcher.others(v), timing)
         batcher.leave()
 
     threads = [threading.Thread(target=request, args=(i,)) for i in range(3)]
@@ -190,7 +191,8 @@ def test_a_tree_is_priced_beside_the_other_requests_trees_of_the_last_passes(tin
         t.start()
     for t in threads:
         t.join(timeout=120)
-    for i, (after_prefill, after) in enumerate(seen):
+    for i, (after_prefill, after, timing) in enumerate(seen):
+        assert timing.n_tokens == sum(t[1].n_nodes for t in trees) and timing.compute_s > 0  # the whole pass's
         assert after_prefill == Others()
         others = [trees[j][1] for j in range(3) if j != i]
         assert after.n_nodes == sum(t.n_nodes for t in others)
