@@ -125,3 +125,34 @@ def test_the_slots_show_the_generations_running_at_once(server):
         t.join(300)
     assert len(out) == 3 and seen >= 2
     assert [s["n_ctx"] for s in httpx.get(server + "/slots", timeout=30).json()] == [128] * N_SLOTS
+
+
+def test_conversations_at_once_keep_their_prefixes_across_the_slots(server):
+    """More conversations than slots, each of three turns, all at once: every later turn is
+    served from the caches (its earlier turns' prompt not prefilled again, whichever slot it
+    lands in) and equals the same turn asked alone with nothing cached."""
+    rng = random.Random(50)
+    starts = rng.sample(PROMPTS, N_SLOTS + 2)
+    turns: dict[int, list[tuple[dict, dict]]] = {i: [] for i in range(len(starts))}
+
+    def talk(i: int) -> None:
+        prompt = starts[i]
+        for k in range(3):
+            b = body("greedy", prompt, rng.randint(4, 12)) | {"cache_prompt": True}
+            r = complete(server, b)
+            turns[i].append((b, r))
+            prompt = prompt + r["content"] + f"\n# turn {k + 2}\n"
+
+    threads = [threading.Thread(target=talk, args=(i,)) for i in range(len(starts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for i, conv in turns.items():
+        assert len(conv) == 3, f"conversation {i}: {len(conv)} of 3 turns answered"
+        for k, (b, r) in enumerate(conv):
+            what = f"conversation {i}, turn {k + 1}"
+            if k:  # at least the previous turn's prompt came from a cache
+                assert r["tokens_cached"] >= conv[k - 1][1]["tokens_evaluated"], what
+            alone = complete(server, b | {"cache_prompt": False})
+            assert (r["tokens"], r["content"]) == (alone["tokens"], alone["content"]), what
