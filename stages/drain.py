@@ -12,7 +12,7 @@ import time
 import attrs
 
 from lever.dataflow.graph import Stage
-from lever.dataflow.messages import FreeBuffer, StreamedLayer
+from lever.dataflow.messages import FreeBuffer, LayerMessage, StreamedLayer
 
 
 @attrs.define
@@ -25,12 +25,16 @@ class Drain(Stage):
     n_layers: int  # layers to take before closing
     per_pass: int  # streamed layers in one pass
     ends: list[float] = attrs.field(factory=list)  # perf_counter() at the last layer of each pass
-    INPUTS = {"layers": StreamedLayer}
+    INPUTS = {"layers": LayerMessage}
     OUTPUTS = {"free": FreeBuffer}
 
     async def run(self, inputs, outputs):
-        for i in range(self.n_layers):
+        i = 0
+        while i < self.n_layers:
             msg = await inputs["layers"].receive()
-            if (i + 1) % self.per_pass == 0:
+            if not isinstance(msg, StreamedLayer):
+                continue  # a pass's plan: the layers follow
+            i += 1
+            if i % self.per_pass == 0:
                 self.ends.append(time.perf_counter())
             await outputs["free"].send(FreeBuffer(msg.buffer_id))

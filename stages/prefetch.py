@@ -20,7 +20,7 @@ import attrs
 from lever.backends.cpu.layer import LayerWeights, load_layer
 from lever.backends.flash import FlashStore
 from lever.dataflow.graph import Stage
-from lever.dataflow.messages import FreeBuffer, StreamedLayer
+from lever.dataflow.messages import FreeBuffer, LayerMessage, PassLayers, StreamedLayer
 from lever.dataflow.trace import Tracer
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import ModelSpec
@@ -35,7 +35,9 @@ async def read_all(store: FlashStore, layer: int, buffer, limiter: anyio.Capacit
 
 @attrs.define
 class Prefetch(Stage):
-    """FreeBuffer -> StreamedLayer, forever (until PrunedVerify stops listening)."""
+    """FreeBuffer -> PassLayers then its StreamedLayers, pass after pass, forever (until
+    PrunedVerify stops listening). Each pass streams the store's streamed layers of the moment it
+    begins: a live memory budget changes them between passes (lever.pipelines.residency)."""
 
     name: str
     store: FlashStore
@@ -44,7 +46,7 @@ class Prefetch(Stage):
     io_limiter: anyio.CapacityLimiter  # reads in flight: the flash queue depth
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
     INPUTS = {"free": FreeBuffer}
-    OUTPUTS = {"layers": StreamedLayer}
+    OUTPUTS = {"layers": LayerMessage}
     OPTIONAL = frozenset({"free", "layers"})
 
     def read_layer(self, layer: int, buffer) -> LayerWeights:
@@ -56,15 +58,21 @@ class Prefetch(Stage):
         return load_layer(self.file, self.spec, layer, raws=self.store.tensors(layer, buffer))
 
     async def run(self, inputs, outputs):
-        if not self.store.streamed:
-            return  # everything resident: nothing to stream
         pool = self.store.pool
-        buffers = [pool.acquire() for _ in range(pool.n_buffers)]
-        free = list(range(len(buffers)))
+        buffers: list = []  # the window, taken at the first layer streamed (a run all resident takes none)
+        free: list[int] = []
         holding: dict[int, int] = {}  # buffer id -> layer it holds
         try:
             for pass_id in itertools.count():
-                for layer in self.store.streamed:
+                streamed = self.store.streamed  # fixed for the pass; a pass with none still says so
+                try:
+                    await outputs["layers"].send(PassLayers(pass_id, streamed))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return
+                for layer in streamed:
+                    if not buffers:
+                        buffers = [pool.acquire() for _ in range(pool.n_buffers)]
+                        free = list(range(len(buffers)))
                     while not free:
                         try:
                             msg = await inputs["free"].receive()

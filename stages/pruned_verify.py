@@ -1,9 +1,10 @@
 """PrunedVerify: the target model's pass over a token tree, layer by layer.
 
 Resident layers come from DRAM; every other layer arrives from Prefetch's channel as a
-`StreamedLayer` and its window buffer goes back as soon as the layer is computed, so reading
-the next layers overlaps this one's compute. Each node attends to the committed prefix and to
-its own ancestors (positions by depth), so a whole tree costs one streamed pass. The KV cache
+`StreamedLayer` (after the pass's `PassLayers`, which says which) and its window buffer goes
+back as soon as the layer is computed, so reading the next layers overlaps this one's compute.
+Each node attends to the committed prefix and to its own ancestors (positions by depth), so a
+whole tree costs one streamed pass. The KV cache
 belongs to this stage: it changes only by the `keep` each tree carries from Accept.
 With a predictor (`lever/policy/predictor.py`), after its layer m the nodes it prunes leave the pass:
 layers m+1.. run on the survivors only, and the pruned rows of those layers are zeroed, never
@@ -14,7 +15,7 @@ has a pruned ancestor).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import anyio
 import attrs
@@ -26,7 +27,7 @@ from lever.backends.cpu.kv_cache import KVCache
 from lever.backends.cpu.layer import LayerWeights, layer_forward, layer_in_chunks
 from lever.dataflow.compute import VERIFY, ComputeSlot
 from lever.dataflow.graph import Stage
-from lever.dataflow.messages import FreeBuffer, PassTiming, StreamedLayer, TokenTree, Verified
+from lever.dataflow.messages import FreeBuffer, LayerMessage, PassLayers, PassTiming, TokenTree, Verified
 from lever.dataflow.trace import Tracer
 from lever.gguf.spec import ModelSpec
 from lever.policy.predictor import Predictor
@@ -65,7 +66,10 @@ class PrunedVerify(Stage):
     spec: ModelSpec
     embed: Callable[[np.ndarray], np.ndarray]  # token ids -> (n, n_embd)
     cache: KVCache
-    resident: dict[int, LayerWeights]  # layers kept in DRAM; the others stream
+    # layers kept in DRAM now (a mapping with `get`); the others stream. A live memory budget
+    # (lever.pipelines.residency.Residency) may drop one after Prefetch planned a pass to find it
+    # resident: then the pass reads it itself (`read_late`)
+    resident: Mapping[int, LayerWeights]
     slot: ComputeSlot | None = None  # the compute slot, shared with other compute stages
     predictor: Predictor | None = None  # prunes branches after its layer; None: every node runs every layer
     tracer: Tracer = attrs.field(factory=lambda: Tracer(enabled=False))
@@ -77,7 +81,7 @@ class PrunedVerify(Stage):
     # several requests' passes in one (lever.pipelines.batcher.Batcher.verify): this verifier's
     # tree goes there, from a thread, instead of through its own layers; None: a pass of its own
     shared_pass: Callable | None = None
-    INPUTS = {"tree": TokenTree, "layers": StreamedLayer}
+    INPUTS = {"tree": TokenTree, "layers": LayerMessage}
     OUTPUTS = {"verified": Verified, "free": FreeBuffer}
     OPTIONAL = frozenset({"layers", "free"})  # all-resident (memory AR) needs no streaming
 
@@ -215,11 +219,26 @@ class PrunedVerify(Stage):
         st, slot, held = self.begin(tree), self.slot, False
         compute_s = wait_s = read_s = slot_wait_s = 0.0
         read_bytes = 0
+        streamed: tuple[int, ...] = ()
+        if layers_in is not None:  # the pass's plan first: which layers come from Prefetch
+            t0 = time.perf_counter()
+            plan = await layers_in.receive()
+            wait_s += time.perf_counter() - t0
+            assert isinstance(plan, PassLayers), f"expected a pass's plan, Prefetch sent {type(plan).__name__}"
+            streamed = plan.streamed
         try:
             for i in range(self.spec.n_layer):
+                if (stop := getattr(self.resident, "stopped", None)) is not None:
+                    raise stop  # a memory cap below the run's floor: stop before being killed for it
                 msg = None
-                if i in self.resident:
-                    weights = self.resident[i]
+                if i not in streamed:
+                    weights = self.resident.get(i)
+                    if weights is None:  # dropped since the pass was planned: read it here, now
+                        if held:
+                            slot.release(VERIFY)
+                            held = False
+                        weights, n, s = await anyio.to_thread.run_sync(self.resident.read_late, i)
+                        read_s, read_bytes, wait_s = read_s + s, read_bytes + n, wait_s + s
                 else:
                     try:
                         msg = layers_in.receive_nowait()

@@ -102,6 +102,17 @@ def spread(n_layers: int, k: int) -> list[int]:
     return [int((j + 0.5) * n_layers / k) for j in range(k)]
 
 
+def respread(n_layers: int, held: frozenset[int], k: int) -> frozenset[int]:
+    """k resident layers, changing as few as can be from those `held`: fewer keep k of them
+    spread evenly among them (nothing is read to shrink), more add the rest spread evenly over
+    the streamed ones (nothing held is dropped to grow)."""
+    kept = sorted(held)
+    if k <= len(kept):
+        return frozenset(kept[j] for j in spread(len(kept), k)) if k else frozenset()
+    streamed = [i for i in range(n_layers) if i not in held]
+    return frozenset(kept) | frozenset(streamed[j] for j in spread(len(streamed), k - len(kept)))
+
+
 def plan_residency(layer_bytes: list[int], budget: int | float | str | Budget) -> frozenset[int]:
     """The layers kept in DRAM: as many as the budget allows, spread evenly across depth."""
     b = parse_budget(budget)

@@ -84,6 +84,7 @@ class FlashStore:
         self.extents: list[LayerExtent] = layer_extents(self.file)
         self.resident: frozenset[int] = plan_residency(self.layer_bytes, config.dram_budget) if resident is None \
             else frozenset(resident)
+        # both as planned at open; a run's Residency keeps them in step with the layers it holds
         self.streamed: tuple[int, ...] = tuple(i for i in range(self.n_layer) if i not in self.resident)
         self._plans = [plan_chunks(e, config.chunk_bytes) for e in self.extents]
         self._throttle = Throttle(config.bandwidth_cap_bytes_per_s, config.read_latency_ms)
@@ -97,8 +98,9 @@ class FlashStore:
             # A file just written or read sits in the page cache; evicting the streamed ranges
             # makes the first pass read the device like every later one.
             self.reader.evict((run.file_start, run.file_end) for i in self.streamed for run in self.extents[i].runs)
-            self.pool = BufferPool(config.window_layers,
-                                   max((self.extents[i].buffer_bytes for i in self.streamed), default=0))
+            # sized for any layer, not only those streamed at open: a live memory budget may stream
+            # any of them later (lever.pipelines.residency); a buffer's pages cost nothing until read into
+            self.pool = BufferPool(config.window_layers, max((e.buffer_bytes for e in self.extents), default=0))
         except BaseException:
             self.close()
             raise

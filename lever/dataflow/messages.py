@@ -202,10 +202,25 @@ class Expansion:
 
 
 @attrs.frozen
-class StreamedLayer:
-    """One layer's weights, read from flash into a window buffer for one pass."""
+class LayerMessage:
+    """What Prefetch sends PrunedVerify: a pass's plan, then that pass's streamed layers."""
 
     pass_id: int
+
+
+@attrs.frozen
+class PassLayers(LayerMessage):
+    """The layers one pass streams, fixed when Prefetch begins it. The resident set can change
+    while a run goes (a live memory budget: lever.pipelines.residency), so each pass carries its
+    own: PrunedVerify takes these from the channel and every other layer from the residency."""
+
+    streamed: tuple[int, ...]
+
+
+@attrs.frozen
+class StreamedLayer(LayerMessage):
+    """One layer's weights, read from flash into a window buffer for one pass."""
+
     layer: int
     weights: LayerWeights
     buffer_id: int  # which window buffer holds the bytes (returned as a FreeBuffer)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
@@ -42,7 +42,7 @@ class StreamedLayers:
     store: FlashStore
     file: GGUFFile
     spec: ModelSpec
-    resident: dict[int, LayerWeights]
+    resident: Mapping[int, LayerWeights]  # read layer by layer as the pass goes: a live budget may change it
     read_bytes: int = 0
     read_s: float = 0.0  # the reads' wall time, one after another (PassTiming.read_s)
     buffers: list[StagingBuffer] = attrs.field(factory=list)
@@ -61,17 +61,21 @@ class StreamedLayers:
         return load_layer(self.file, self.spec, layer, raws=self.store.tensors(layer, buf))
 
     def _start(self, layer: int) -> None:
-        if layer < self.spec.n_layer and layer not in self.resident and layer not in self._ahead:
+        if layer < self.spec.n_layer and layer not in self._ahead and self.resident.get(layer) is None:
             if not self.buffers:  # the first streamed layer of the pass: take the window
                 pool = self.store.pool
                 self.buffers = [pool.acquire() for _ in range(min(pool.n_buffers, 2))]
             self._ahead[layer] = self._pool.submit(self._read, layer)
 
     def __getitem__(self, layer: int) -> LayerWeights:
-        if layer in self.resident:
-            self._start(layer + 1)
-            return self.resident[layer]
-        self._start(layer)
+        if (stop := getattr(self.resident, "stopped", None)) is not None:
+            raise stop  # a memory cap below the run's floor (lever.pipelines.residency)
+        if layer not in self._ahead:  # a read begun stays the layer's, whatever the residency did since
+            weights = self.resident.get(layer)
+            if weights is not None:
+                self._start(layer + 1)
+                return weights
+            self._start(layer)
         weights = self._ahead.pop(layer).result()
         self.read_bytes += self.store.layer_bytes[layer]
         if len(self.buffers) > 1:

@@ -11,11 +11,11 @@ compute, and peak RSS against the memory plan (lever.pipelines.result). `run_pip
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import resource
 import sys
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import attrs
@@ -34,6 +34,7 @@ from lever.model.transformer import Model
 from lever.pipelines.batcher import WAIT_S, Batcher, StreamedLayers
 from lever.pipelines.compose import KVState, Request, compose
 from lever.pipelines.plan import RunPlan
+from lever.pipelines.residency import MemoryChange, give_back
 from lever.pipelines.result import FlashFigures, MemoryFigures, RunResult, Timing
 from lever.pipelines.target import FlashTarget
 from lever.pipelines.text import TextStream
@@ -87,6 +88,8 @@ class Engine:
     # the process before loading (interpreter, libraries, tokenizer): a plan made after loading
     # must not count the loaded weights twice, once as their parts and once in the process's RSS
     process_bytes: int | None = None
+    _learners: list[weakref.ref] = attrs.field(factory=list)  # generations' tree pricing (set_memory reprices)
+    _memory_lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     @classmethod
     def open(cls, cfg: Config, name: str | None = None, *, prompt: str | None = None,
@@ -164,6 +167,33 @@ class Engine:
         with native.default_threads(self.plan.runtime.threads):
             return _run(self, request, mem, on_text=on_text, trace_path=trace_path, on_kv=on_kv)
 
+    def set_memory(self, limit_bytes: int) -> MemoryChange:
+        """The DRAM this engine may hold from now on (issue 50), from any thread, running or not:
+        the resident layers re-planned as --mem fills them (RunPlan.refill), those dropped freed
+        at once (a pass planned to find one reads it itself), those added read back in the
+        background; running generations price their next trees by the reads that leave. Below
+        the floor (every layer streamed) every layer is dropped, and the passes stop with one
+        line naming the cap and the floor (raised here too) rather than the process be killed."""
+        t = self.target
+        if t is None:
+            raise LeverError(f"{self.plan.where}: the engine is closed")
+        with self._memory_lock:
+            t0, held = time.perf_counter(), t.resident.keys()
+            try:
+                chosen, mem = self.plan.refill(limit_bytes, held, self.process_bytes)
+            except LeverError as e:
+                t.resident.stopped = e
+                t.resident.resize(())
+                raise
+            t.resident.stopped = None
+            freed = t.resident.resize(chosen)
+            self.plan = self.plan.with_resident(chosen, limit_bytes)
+            if self.plan.cost is not None:
+                for ref in list(self._learners):
+                    if (learner := ref()) is not None:
+                        learner.reprice(self.plan.cost.layer_read_bytes)
+            return MemoryChange(limit_bytes, len(held), len(chosen), freed, mem, time.perf_counter() - t0)
+
     def batcher(self, wait_s: float | None = None) -> Batcher:
         """A Batcher over this engine's target: generations run with it (Request.batcher), each in
         its own thread between `join` and `leave`, verify their trees in shared passes, each
@@ -192,7 +222,7 @@ class Engine:
             self.target.close()
             self.target = None
         self.draft = None
-        _give_back()
+        give_back()
 
     def __enter__(self) -> Engine:
         return self
@@ -249,6 +279,7 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
         watch.begin(t0_s=tracer.t0, pipeline=plan.pipeline, n_prompt=len(request.ids),
                     n_past=request.kv.n_rows if request.kv is not None else 0)
     h = compose(target, engine.draft, plan, attrs.evolve(request, on_tokens=on_tokens, tracer=tracer, text=text))
+    engine._learners[:] = [r for r in engine._learners if r() is not None] + [weakref.ref(h.expand.cycle.learner)]
     target.warm_head()
     if request.batcher is None:  # else the store and the process's counter are every sharing request's
         target.store.reset_stats()
@@ -309,24 +340,3 @@ def _timing(h, summary, *, n_passes: int, t0: float, t_first: float, t1: float, 
                   verify_pass_s=summary.pass_s(h.verify.name), draft_s=summary.stage_s.get(d, 0.0) if d else 0.0,
                   accept_s=summary.stage_s.get(h.accept.name, 0.0),
                   draft_hidden_share=summary.hidden_share(d, h.verify.name) if d else 0.0, decode_cpu_s=cpu_s)
-
-
-def _give_back() -> None:
-    """Returns what a closed engine freed to the system: glibc keeps freed arenas mapped, so the
-    next engine in this process (a run's baseline, an app that reopens) would plan from an RSS
-    that counts them, and a limit that held the first would not hold the second."""
-    gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _libc():
-    try:
-        libc = ctypes.CDLL(None)
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        return libc
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        return None
-
-
-_LIBC = _libc()

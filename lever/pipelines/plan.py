@@ -25,7 +25,7 @@ import attrs
 import psutil
 
 from lever.backends.flash import FlashConfig
-from lever.backends.flash.config import parse_budget, plan_residency
+from lever.backends.flash.config import parse_budget, plan_residency, respread
 from lever.backends.flash.layout import layer_extents
 from lever.config import PIPELINE_KINDS, ChannelsConfig, Config, GenerateConfig, PipelineKind, RuntimeConfig
 from lever.errors import LeverError
@@ -37,7 +37,7 @@ from lever.model.grammar import Grammar
 from lever.model.grammar_cache import one_grammar_bytes, plan_bytes
 from lever.model.transformer import HEAD_ROWS
 from lever.policy.acceptance import AcceptanceTable
-from lever.policy.cost_model import CostModel, cost_model_for
+from lever.policy.cost_model import CostModel, cost_model_for, layer_read_bytes
 from lever.policy.memory import (
     MemoryConfig,
     MemoryPlan,
@@ -117,12 +117,40 @@ class RunPlan:
     def fill(self) -> MemoryPlan | None:
         return self.sizes.fill
 
-    def memory_plan(self, n_prompt: int, process_bytes: int | None = None) -> MemoryPlan:
-        """This run's memory plan for a prompt of n_prompt tokens (run_memory)."""
+    def memory_plan(self, n_prompt: int, process_bytes: int | None = None,
+                    resident: frozenset[int] | None = None) -> MemoryPlan:
+        """This run's memory plan for a prompt of n_prompt tokens (run_memory), with its own
+        resident layers or `resident`."""
         return run_memory(target=self.target_file, spec=self.spec, flash=self.flash, tree=self.tree, n_ctx=self.n_ctx,
                           parallel=self.parallel, draft_file=self.draft_file, draft_spec=self.draft_spec,
-                          runtime_bytes=self.sizes.runtime_bytes, n_prompt=n_prompt, resident=self.resident,
+                          runtime_bytes=self.sizes.runtime_bytes, n_prompt=n_prompt,
+                          resident=self.resident if resident is None else resident,
                           process_bytes=process_bytes, grammar_bytes=self.sizes.grammar_bytes)
+
+    def refill(self, limit_bytes: int, held: frozenset[int], process_bytes: int) -> tuple[frozenset[int], MemoryPlan]:
+        """A live memory budget's plan (Engine.set_memory): the most resident layers a run
+        within `limit_bytes` holds, placed as --mem's fill places them (a prompt filling the
+        context; the process as it was before loading), the layers kept a subset of those
+        `held` or a superset (respread), and one layer's buffer more: what a pass planned before
+        a drop reads for itself. Refuses, naming the limit and the floor, what every layer streamed
+        does not fit."""
+        late = max(e.buffer_bytes for e in layer_extents(self.target_file))
+        try:
+            return fill_residency(limit_bytes - late, self.spec.n_layer,
+                                  lambda r: self.memory_plan(self.n_ctx - 1, process_bytes, resident=r),
+                                  choose=lambda k: respread(self.spec.n_layer, held, k))
+        except LeverError as e:
+            floor = self.memory_plan(self.n_ctx - 1, process_bytes, resident=frozenset()).total_bytes + late
+            raise LeverError(f"memory: a cap of {limit_bytes >> 20} MiB is below this run's floor of {floor >> 20} "
+                             f"MiB (every layer streamed): {str(e).split(': ', 2)[-1]}") from None
+
+    def with_resident(self, resident: frozenset[int], limit_bytes: int) -> RunPlan:
+        """This plan with other resident layers, held within `limit_bytes` ([memory] limit),
+        its trees priced by the reads those leave."""
+        cost = self.cost
+        if cost is not None:
+            cost = attrs.evolve(cost, layer_read_bytes=layer_read_bytes(self.target_file, self.flash, resident))
+        return attrs.evolve(self, resident=resident, cost=cost, memory=attrs.evolve(self.memory, limit=limit_bytes))
 
     @property
     def drafts(self) -> bool:

@@ -11,11 +11,12 @@ import attrs
 import numpy as np
 
 from lever.backends.cpu import native
-from lever.backends.cpu.layer import LayerWeights, layer_nbytes, load_layer, tiled_weight
+from lever.backends.cpu.layer import load_layer, tiled_weight
 from lever.backends.flash import FlashConfig, FlashStore
 from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.model.transformer import Model
+from lever.pipelines.residency import Residency
 
 
 @attrs.define
@@ -24,7 +25,7 @@ class FlashTarget:
 
     model: Model  # embeddings and output head (resident); no layers
     store: FlashStore
-    resident: dict[int, LayerWeights]
+    resident: Residency  # the layers kept in DRAM now: a live memory budget changes them between passes
 
     @classmethod
     def open(cls, path, flash: FlashConfig, file: GGUFFile | None = None,
@@ -36,10 +37,11 @@ class FlashTarget:
         try:
             # Resident layers are read once through the store and packed into the tile layout
             # (the kernels' fastest form); their read buffer goes back once packed.
-            resident = {}
+            layers = {}
             for i in sorted(store.resident):
-                resident[i] = load_layer(f, model.spec, i, raws=store.resident_layer(i), tiles=True)
+                layers[i] = load_layer(f, model.spec, i, raws=store.resident_layer(i), tiles=True)
                 store.drop_resident(i)
+            resident = Residency(store, f, model.spec, layers)
             # The head is resident and read whole every cycle: a copy costs no more DRAM than
             # its mapping, and a mapped page of a file truncated under the run would kill the
             # process (SIGBUS) where a read through the store is an error naming the file.
@@ -57,7 +59,7 @@ class FlashTarget:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(layer_nbytes(lw) for lw in self.resident.values())
+        return self.resident.nbytes
 
     @property
     def head_bytes(self) -> int:
@@ -67,7 +69,7 @@ class FlashTarget:
     @property
     def window_bytes(self) -> int:
         pool = self.store.pool
-        return pool.n_buffers * pool.buffer_bytes if pool and self.store.streamed else 0
+        return pool.n_buffers * pool.buffer_bytes if pool and self.resident.streamed() else 0
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """Model.embed, with untied embeddings read row by row through the store rather than

@@ -175,13 +175,14 @@ def mem_overrides(size: int | str) -> list[str]:
     return [f"memory.limit={value}", 'flash.dram_budget="fill"']
 
 
-def fill_residency(limit_bytes: int, n_layer: int, plan) -> tuple[frozenset[int], MemoryPlan]:
+def fill_residency(limit_bytes: int, n_layer: int, plan, choose=None) -> tuple[frozenset[int], MemoryPlan]:
     """[flash] dram_budget = "fill": the most target layers, spread evenly across depth, whose
     plan stays within `limit_bytes`; `plan(resident)` is the run's MemoryPlan with those layers
-    kept (each kept layer also leaves the window when no layer is streamed). Refuses, with the
-    figures, a limit that streaming every layer does not fit."""
+    kept (each kept layer also leaves the window when no layer is streamed); `choose(k)`: which
+    k layers (default: spread evenly; a live budget keeps those held: respread). Refuses, with
+    the figures, a limit that streaming every layer does not fit."""
     for k in range(n_layer, -1, -1):
-        chosen = frozenset(spread(n_layer, k)) if k else frozenset()
+        chosen = choose(k) if choose is not None else frozenset(spread(n_layer, k)) if k else frozenset()
         p = plan(chosen)
         if p.total_bytes <= limit_bytes:
             return chosen, p

@@ -86,6 +86,17 @@ class TreeLearner:
         return cls(config=config, cost=cost, greedy=greedy, acceptance=acceptance, online=online, lookup=lookup,
                    lookup_tables=tables, fallback=fallback)
 
+    def reprice(self, layer_read_bytes: tuple[int, ...]) -> None:
+        """Each layer's reads per pass from the next tree on: a live memory budget moved the
+        resident layers (lever.pipelines.residency); what was learned of the read rate holds. A
+        run priced by the profile alone (no `adapt`: a seeded sampled run, whose draws follow its
+        trees) keeps its prices, so its draws are those of a run the budget left alone."""
+        if isinstance(self.cost, CostModel) and self.config.adapt:
+            self.cost = attrs.evolve(self.cost, layer_read_bytes=layer_read_bytes)
+            if self.online is not None:
+                self.online.base = self.cost
+                self.online._model = None
+
     @property
     def prices_by_table(self) -> bool:
         """Whether the growth policy's gains go through the acceptance table (gain-cost)."""
