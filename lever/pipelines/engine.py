@@ -11,6 +11,7 @@ compute, and peak RSS against the memory plan (lever.pipelines.result). `run_pip
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import threading
@@ -33,6 +34,7 @@ from lever.model.grammar_child import CompileProcess
 from lever.model.transformer import Model
 from lever.pipelines.batcher import WAIT_S, Batcher, StreamedLayers
 from lever.pipelines.compose import KVState, Request, compose
+from lever.pipelines.memory_watch import Cgroup, MemoryWatch
 from lever.pipelines.plan import RunPlan
 from lever.pipelines.residency import MemoryChange, give_back
 from lever.pipelines.result import FlashFigures, MemoryFigures, RunResult, Timing
@@ -71,7 +73,10 @@ def compiled(cfg: Config, constrain: dict) -> Grammar:
 def _run_kind(cfg: Config, name: str, prompt: str, *, on_text=None, trace_path=None, observer=None,
               grammar: Grammar | None = None) -> RunResult:
     with Engine.open(cfg, name, prompt=prompt, grammars=grammar or False,
-                     tok=grammar.tok if grammar is not None else None) as engine:
+                     tok=grammar.tok if grammar is not None else None) as engine, \
+            contextlib.ExitStack() as stack:
+        if (watch := engine.watch_memory()) is not None:
+            stack.enter_context(watch)
         return engine.run(Request(engine.encode(prompt), observer=observer, grammar=grammar), on_text=on_text,
                           trace_path=trace_path)
 
@@ -193,6 +198,27 @@ class Engine:
                     if (learner := ref()) is not None:
                         learner.reprice(self.plan.cost.layer_read_bytes)
             return MemoryChange(limit_bytes, len(held), len(chosen), freed, mem, time.perf_counter() - t0)
+
+    def squeeze(self) -> int:
+        """Drops every resident layer now (the run's floor), the plan's limit kept: what memory
+        pressure asks before the limit behind it can be read (lever.pipelines.memory_watch).
+        The bytes freed."""
+        t = self.target
+        if t is None:
+            return 0
+        with self._memory_lock:
+            freed = t.resident.resize(())
+            self.plan = self.plan.with_resident(frozenset(), self.plan.memory.limit_bytes)
+            return freed
+
+    def watch_memory(self) -> MemoryWatch | None:
+        """A MemoryWatch over this process's memory cgroup moving this engine's budget (not
+        started), or None where it does not apply: [memory] follow off, resident layers not
+        filling a limit, or no cgroup with a limit file."""
+        cgroup = Cgroup.of_process()
+        if not self.plan.memory.follow or self.plan.fill is None or cgroup is None:
+            return None
+        return MemoryWatch(cgroup, self.set_memory, self.squeeze, own_limit_bytes=self.plan.memory.limit_bytes)
 
     def batcher(self, wait_s: float | None = None) -> Batcher:
         """A Batcher over this engine's target: generations run with it (Request.batcher), each in

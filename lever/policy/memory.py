@@ -51,6 +51,12 @@ class MemoryConfig:
     available now (what [flash] dram_budget = "fill" fills: AUTO_FILL_SHARE of it). A
     configuration whose plan exceeds it is refused with the figures."""
 
+    follow: bool = True
+    """Follow the memory the system grants while the run goes: under a memory cgroup (a phone's
+    OS, `memcap`), with [flash] dram_budget = "fill", the resident layers shrink at once when its
+    limit falls or it is under pressure, and are read back when it rises, never past `limit`
+    (lever.pipelines.memory_watch)."""
+
     def __attrs_post_init__(self):
         self.limit_bytes  # noqa: B018  (parses it, so a bad value fails when the config loads)
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lever.backends.flash import FlashConfig, FlashStore
+from lever.backends.flash.config import respread, spread
 from lever.errors import LeverError
 
 # -- config
@@ -35,3 +38,17 @@ def test_missing_layer_is_an_error(tmp_path):
     w.close()
     with pytest.raises(LeverError, match="no tensors for layer 1"):
         FlashStore(path, FlashConfig(mode="mmap"))
+
+
+@given(n=st.integers(1, 200), data=st.data())
+@settings(max_examples=300, deadline=None)
+def test_respread_changes_as_few_layers_as_a_new_count_needs(n, data):
+    held = frozenset(data.draw(st.sets(st.integers(0, n - 1))))
+    k = data.draw(st.integers(0, n))
+    got = respread(n, held, k)
+    assert len(got) == k and got <= frozenset(range(n))
+    assert got <= held if k <= len(held) else held <= got  # a shrink reads nothing, a grow drops nothing
+    if k == len(held):
+        assert got == held
+    if not held:  # from nothing, as a run started there: spread evenly
+        assert got == frozenset(spread(n, k)) if k else got == frozenset()

@@ -1,0 +1,172 @@
+"""MemoryWatch: the memory the system grants, watched while a run goes, moving the engine's budget.
+
+Above the Engine (lever.pipelines.engine), whose `set_memory` it calls from a thread of its own;
+`lever run`, lever.api and `lever serve` start one when [memory] follow holds and the resident
+layers fill a limit ([flash] dram_budget = "fill"). A phone's OS reclaims memory as other apps
+open and kills the largest process that cannot give it back; a memory cgroup is how Linux (and
+Android's lmkd) says so, in two ways this watches:
+
+- its limit (cgroup v2 `memory.max`, v1 `memory.limit_in_bytes`), read every `poll_s`: a new
+  one is the budget from then on, the least of it and the run's own [memory] limit;
+- pressure: cgroup v1 refuses a limit below what the group holds and reclaims instead, so the
+  new limit cannot be read until it is met; what can be seen at once is the reclaim's pressure
+  (`memory.pressure_level`, critical, through an eventfd). Then the engine drops every resident
+  layer (its floor) at once, which lets the lower limit take, and fills it again as soon as it
+  reads it. Under v2 a lower limit takes at once (the kernel reclaims or kills while writing it),
+  and the next poll reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from lever.errors import LeverError
+
+POLL_S = 0.05  # a low-memory killer's grace is seconds (memcap's: 2 s); a read of one small file is microseconds
+QUIET_S = 2.0  # after a squeeze with no new limit seen: pressure from elsewhere, so fill the old limit again
+
+
+@attrs.frozen
+class Cgroup:
+    """A memory cgroup's files: its limit, and (v1) its pressure level."""
+
+    path: Path
+    version: int  # 1 or 2
+
+    @classmethod
+    def of_process(cls, proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Cgroup | None:
+        """This process's memory cgroup, or None when it has none with a limit file."""
+        try:
+            lines = Path(proc_cgroup).read_text().splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            _, controllers, rel = line.split(":", 2)
+            if "memory" in controllers.split(","):  # v1's memory hierarchy wins: its limit is the one enforced
+                d = Path(root, "memory", rel.lstrip("/"))
+                if (d / "memory.limit_in_bytes").exists():
+                    return cls(d, 1)
+        for line in lines:
+            if line.startswith("0::"):
+                d = Path(root, line[3:].lstrip("/"))
+                if (d / "memory.max").exists():
+                    return cls(d, 2)
+        return None
+
+    def limit_bytes(self) -> int | None:
+        """The group's limit now; None: unlimited."""
+        name = "memory.max" if self.version == 2 else "memory.limit_in_bytes"
+        text = (self.path / name).read_text().strip()
+        if text == "max":
+            return None
+        n = int(text)
+        return None if n >= 1 << 62 else n  # v1 says "unlimited" as a page-rounded LONG_MAX
+
+    def pressure_fd(self) -> int | None:
+        """An eventfd signalled at each critical-pressure event (v1), or None where there is none."""
+        if self.version != 1:
+            return None
+        try:
+            efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            level = os.open(self.path / "memory.pressure_level", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                (self.path / "cgroup.event_control").write_text(f"{efd} {level} critical")
+            finally:
+                os.close(level)
+            return efd
+        except (OSError, AttributeError):  # not permitted, or no eventfd here: the limit's poll alone
+            return None
+
+
+@attrs.define(eq=False)
+class MemoryWatch:
+    """Calls `set_memory(bytes)` with the budget the system grants, and `squeeze()` at pressure,
+    from a thread of its own until `stop` (or the end of its `with`)."""
+
+    cgroup: Cgroup
+    set_memory: Callable[[int], object]  # Engine.set_memory
+    squeeze: Callable[[], object]  # drop to the floor at once (Engine.squeeze)
+    own_limit_bytes: int | None = None  # the run's [memory] limit: never more than it
+    poll_s: float = POLL_S
+    events: list[tuple[float, str, int]] = attrs.field(factory=list)  # (monotonic s, what, bytes): for the figures
+    error: LeverError | None = None  # a budget below the floor, last seen
+    _stop: threading.Event = attrs.field(factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _fd: int | None = None
+
+    def budget_bytes(self, limit: int | None) -> int | None:
+        if limit is None:
+            return self.own_limit_bytes
+        return limit if self.own_limit_bytes is None else min(limit, self.own_limit_bytes)
+
+    def start(self) -> MemoryWatch:
+        self._fd = self.cgroup.pressure_fd()
+        self._thread = threading.Thread(target=self._run, name="lever-memory-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> MemoryWatch:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        seen = self._limit()
+        squeezed_at = None
+        while not self._stop.is_set():
+            if self._pressed():
+                if squeezed_at is None:
+                    self.squeeze()
+                    self.events.append((time.monotonic(), "squeeze", 0))
+                squeezed_at = time.monotonic()
+            limit = self._limit()
+            quiet = squeezed_at is not None and time.monotonic() - squeezed_at > QUIET_S
+            if limit != seen or quiet:
+                seen, squeezed_at = limit, None
+                self._apply(limit)
+
+    def _pressed(self) -> bool:
+        """Waits up to poll_s for a critical-pressure event; whether one came."""
+        if self._fd is None:
+            return self._stop.wait(self.poll_s) and False
+        ready, _, _ = select.select([self._fd], [], [], self.poll_s)
+        if not ready:
+            return False
+        try:
+            os.eventfd_read(self._fd)
+        except BlockingIOError:
+            return False
+        return True
+
+    def _limit(self) -> int | None:
+        try:
+            return self.cgroup.limit_bytes()
+        except (OSError, ValueError):
+            return None
+
+    def _apply(self, limit: int | None) -> None:
+        budget = self.budget_bytes(limit)
+        if budget is None:
+            return
+        self.events.append((time.monotonic(), "limit", budget))
+        try:
+            self.set_memory(budget)
+            self.error = None
+        except LeverError as e:  # below the floor: the engine stops its passes with this line
+            self.error = e
