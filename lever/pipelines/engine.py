@@ -77,8 +77,12 @@ def _run_kind(cfg: Config, name: str, prompt: str, *, on_text=None, trace_path=N
             contextlib.ExitStack() as stack:
         if (watch := engine.watch_memory()) is not None:
             stack.enter_context(watch)
-        return engine.run(Request(engine.encode(prompt), observer=observer, grammar=grammar), on_text=on_text,
-                          trace_path=trace_path)
+        res = engine.run(Request(engine.encode(prompt), observer=observer, grammar=grammar), on_text=on_text,
+                         trace_path=trace_path)
+        if watch is None:
+            return res
+        t0 = res.timing.started_s
+        return attrs.evolve(res, memory_events=tuple((t - t0, what, n) for t, what, n in watch.events))
 
 
 @attrs.define
@@ -292,10 +296,13 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
         text = TextStream(engine.tok, on_text=(lambda piece, n, lps: on_text(piece)) if on_text else None,
                           eos_ids=plan.eos_ids)
     first: list[tuple[float, float]] = []  # (wall, CPU seconds) at the first token: decoding's start
+    emits: list[tuple[float, int]] = []  # (monotonic s, tokens) at each pass that emitted
+    started_s = time.monotonic()
 
     def on_tokens(ts):
         if not first:
             first.append((time.perf_counter(), _cpu_s()))
+        emits.append((time.monotonic() - started_s, len(ts)))
         if request.on_tokens is not None:
             request.on_tokens(ts)
 
@@ -326,7 +333,8 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
     if trace_path:
         tracer.write_chrome(trace_path)
     t_first, cpu_first = first[0] if first else (t1, cpu1)
-    timing = _timing(h, summary, n_passes=n_passes, t0=t0, t_first=t_first, t1=t1, cpu_s=cpu1 - cpu_first)
+    timing = attrs.evolve(_timing(h, summary, n_passes=n_passes, t0=t0, t_first=t_first, t1=t1, cpu_s=cpu1 - cpu_first),
+                          emits_s=tuple(emits), started_s=started_s)
     flash = _flash(target, shares=shares, dev_bytes=dev_bytes, n_passes=n_passes, gbps=summary.flash_gbps)
     memory = MemoryFigures(target.resident_bytes, target.head_bytes, target.window_bytes, _peak_rss_bytes(), mem,
                            fill=plan.fill)

@@ -36,6 +36,9 @@ class Timing:
     accept_s: float = 0.0  # Accept: the output head along the accepted path
     draft_hidden_share: float = 0.0  # share of drafting done while a verification pass was under way
     decode_cpu_s: float = 0.0  # CPU seconds the process spent decoding, every thread (an energy proxy)
+    # (seconds since the run began, tokens emitted then) at each pass that emitted: tok/s over time
+    emits_s: tuple[tuple[float, int], ...] = ()
+    started_s: float = 0.0  # time.monotonic() as the run began, so other clocks' events line up with emits_s
 
     @property
     def flash_busy_share(self) -> float:
@@ -97,6 +100,9 @@ class RunResult:
     baseline: RunResult | None = None  # [pipeline] baseline run on the same prompt, when configured
     vocab: VocabFigures | None = None  # the draft's token table mapped to the target's; None: the same one, or no draft
     grammar: ConstraintStats | None = None  # the masks a grammar computed; None: free text
+    # a live memory budget's moves (lever.pipelines.memory_watch): (seconds since the run began,
+    # "limit" or "squeeze", the budget in bytes then)
+    memory_events: tuple[tuple[float, str, int], ...] = ()
 
     @property
     def tokens(self) -> list[int]:
@@ -172,6 +178,7 @@ class RunResult:
              "placement": self.placement, "channels": self.channels, "temperature": self.temperature,
              "vocab": attrs.asdict(self.vocab) if self.vocab is not None else None,
              "grammar": attrs.asdict(self.grammar) if self.grammar is not None else None,
+             "memory_events": [list(e) for e in self.memory_events],
              "decode_tps": self.decode_tps, "ms_per_token": self.ms_per_token, "prefill_tps": self.prefill_tps,
              "flash_mb_per_token": self.flash_mb_per_token, "cpu_ms_per_token": self.cpu_ms_per_token}
         if self.baseline is not None:

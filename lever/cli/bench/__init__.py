@@ -1,4 +1,4 @@
-"""`lever bench {model,flash,pipelines,sources,chat,fuzz,cap,serve,fim,clients}`: benchmarks printed as ratios
+"""`lever bench {model,flash,pipelines,sources,chat,fuzz,cap,serve,fim,clients,live}`: benchmarks printed as ratios
 measured side by side.
 
 Speed goals live here, never in timed unit tests: each bench measures the baseline in the same
@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import functools
 
-from lever.cli.bench import cap, chat, clients, fim, flash, fuzz, model, pipelines, serve, sources
+from lever.cli.bench import cap, chat, clients, fim, flash, fuzz, live, model, pipelines, serve, sources
 from lever.cli.common import usage_error
 
-BENCHES = (model, flash, pipelines, sources, chat, fuzz, cap, serve, fim, clients)
+BENCHES = (model, flash, pipelines, sources, chat, fuzz, cap, serve, fim, clients, live)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ import os
 import resource
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -127,3 +128,89 @@ def run_capped(cmd: list[str], cap_bytes: int, *, evict_paths=(), timeout_s: flo
         wall = time.perf_counter() - t0
         read = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock - before) * BLOCK_BYTES
         return Capped(proc.returncode, out, err, group.peak_bytes, read, wall, timed_out)
+
+
+@attrs.frozen
+class Scheduled:
+    """What one child did under a cap that moved (`run_scheduled`)."""
+
+    returncode: int | None  # None: stopped by the bench after its time (`stop_after_s`), alive till then
+    stdout: str
+    stderr: str
+    chunks: tuple[tuple[float, str], ...]  # (monotonic s, text) as its stdout came
+    samples: tuple[tuple[float, int, int], ...]  # (monotonic s, bytes the group held, its limit then)
+    changes: tuple[tuple[float, int, float | None], ...]  # (monotonic s asked, new cap, s it took; None: never)
+    killed_by_cap: bool  # held more than a lowered cap for the grace: killed, as a low-memory killer does
+    peak_bytes: int
+    started_s: float  # monotonic, as it was spawned
+    wall_s: float
+
+
+def _held(group: Path) -> int:
+    for name in ("memory.current", "memory.usage_in_bytes"):
+        if (group / name).exists():
+            return int((group / name).read_text())
+    return -1
+
+
+def _write_limit(path: Path, n: int) -> bool:
+    """Whether the kernel took it (v1 refuses a limit below what the group holds: EBUSY)."""
+    try:
+        path.write_text(str(n))
+        return True
+    except OSError:
+        return False
+
+
+def run_scheduled(cmd: list[str], cap_bytes: int, *, schedule: list[tuple[float, int]], grace_s: float = 2.0,
+                  evict_paths=(), stop_after_s: float | None = None, sample_s: float = 0.1) -> Scheduled:
+    """Run `cmd` in a fresh memory cgroup of `cap_bytes` whose cap moves to each (seconds after
+    the start, bytes) of `schedule`, as ../shared/tools/memcap --then does: a cap the kernel
+    cannot meet yet is retried, and a child still over it after `grace_s` is killed. Its stdout
+    is timed as it comes, the group's usage sampled every `sample_s`; `stop_after_s`: stopped
+    then (SIGTERM, then SIGKILL), alive or not being what is measured."""
+    parent, limit_file, _ = _controller()
+    with memory_group(cap_bytes) as group:
+        for p in evict_paths:
+            evict(p)
+        limit = group.path / limit_file
+        t0 = time.monotonic()
+        proc = subprocess.Popen(group.joined(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True, bufsize=1)
+        chunks: list[tuple[float, str]] = []
+        err: list[str] = []
+        readers = [threading.Thread(target=lambda: [chunks.append((time.monotonic(), c)) for c in
+                                                    iter(lambda: proc.stdout.read(1), "")], daemon=True),
+                   threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)]
+        for r in readers:
+            r.start()
+        pending, changes, samples, killed, stopped = sorted(schedule), [], [], False, False
+        wanted, since = None, 0.0  # a lower cap not met yet, and since when
+        cap = cap_bytes
+        while proc.poll() is None:
+            now = time.monotonic()
+            if pending and now - t0 >= pending[0][0]:
+                _, cap = pending.pop(0)
+                wanted, since = cap, now
+                changes.append([now, cap, None])
+            if wanted is not None:
+                if _write_limit(limit, wanted):
+                    changes[-1][2], wanted = time.monotonic() - since, None
+                elif now - since > grace_s:
+                    proc.kill()
+                    killed, wanted = True, None
+            samples.append((now, _held(group.path), cap))
+            if stop_after_s is not None and now - t0 > stop_after_s and not stopped:
+                proc.terminate()
+                stopped = True
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
+                if proc.poll() is None:
+                    proc.kill()
+            time.sleep(sample_s)
+        proc.wait()
+        for r in readers:
+            r.join(10)
+        return Scheduled(None if stopped and not killed else proc.returncode, "".join(c for _, c in chunks),
+                         "".join(err), tuple(chunks), tuple(samples), tuple(tuple(c) for c in changes), killed,
+                         group.peak_bytes, t0, time.monotonic() - t0)
