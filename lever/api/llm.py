@@ -41,7 +41,9 @@ from lever.model.grammar_cache import GrammarCache
 from lever.model.stop import StopReason
 from lever.model.tool_calls import GENERIC, ToolFormat, detect, plan
 from lever.pipelines.engine import Engine
+from lever.pipelines.memory_watch import MemoryWatch
 from lever.pipelines.prefix_cache import PrefixCache
+from lever.pipelines.residency import MemoryChange
 from lever.pipelines.text import TextStream
 from lever.pipelines.watch import Watch
 from lever.policy.memory import MemoryPlan, mem_overrides
@@ -103,10 +105,14 @@ class LLM:
     watch: Watch | None = None  # sees every generation's cycles as they run (a live page: lever.pipelines.watch)
     structured: bool = True  # structured output planned for (lever.load's `grammars`); off, a grammar is refused
     lanes: Lanes = attrs.field(init=False)  # [pipeline] parallel generations at once (lever.api.lanes)
+    memory_watch: MemoryWatch | None = attrs.field(init=False)  # the cgroup's limit and pressure, followed
 
     def __attrs_post_init__(self):
         n = self.engine.plan.parallel
         self.lanes = Lanes(n, self.engine.batcher() if n > 1 else None)
+        self.memory_watch = self.engine.watch_memory()  # [memory] follow, with resident layers filling a limit
+        if self.memory_watch is not None:
+            self.memory_watch.start()
         self.grammars = GrammarCache(self.engine.tok)  # its compiler's child starts with the first grammar
         self.renderer = ChatRenderer(self.engine.tok, self.engine.n_ctx, self.engine.n_ctx_source,  # child: lazily
                                      reasoning=self.config.model.reasoning)
@@ -145,6 +151,14 @@ class LLM:
     def n_ctx_source(self) -> str:
         """Which limit sets the context ([model] n_ctx, or the target's own)."""
         return self.engine.n_ctx_source
+
+    def set_memory(self, limit_bytes: int) -> MemoryChange:
+        """The DRAM this pipeline may hold from now on, while generations run or not (what a
+        phone's app does when the OS asks it to trim, or grants memory back): its resident layers
+        are dropped at once or read back in the background to the most a plan within the limit
+        holds. Below the run's floor (every layer streamed) a LeverError names the limit and the
+        floor, and running generations stop with it at their next layer."""
+        return self.engine.set_memory(limit_bytes)
 
     def memory_plan(self) -> MemoryPlan:
         """The memory plan of the largest call (a prompt filling the context): what a server
@@ -308,6 +322,8 @@ class LLM:
         return chunks()
 
     def close(self) -> None:
+        if self.memory_watch is not None:
+            self.memory_watch.stop()
         self.grammars.close()  # a compile under way (a server's request thread) fails at once
         self.renderer.close()  # so does a render
         with self.lanes.all():  # no generation is running

@@ -216,13 +216,13 @@ class Engine:
             return freed
 
     def watch_memory(self) -> MemoryWatch | None:
-        """A MemoryWatch over this process's memory cgroup moving this engine's budget (not
-        started), or None where it does not apply: [memory] follow off, resident layers not
-        filling a limit, or no cgroup with a limit file."""
-        cgroup = Cgroup.of_process()
-        if not self.plan.memory.follow or self.plan.fill is None or cgroup is None:
+        """A MemoryWatch over this process's memory cgroup (where it has one) and the scripts'
+        signals, moving this engine's budget (not started); None where it does not apply:
+        [memory] follow off, or resident layers not filling a limit."""
+        if not self.plan.memory.follow or self.plan.fill is None:
             return None
-        return MemoryWatch(cgroup, self.set_memory, self.squeeze, own_limit_bytes=self.plan.memory.limit_bytes)
+        return MemoryWatch(Cgroup.of_process(), self.set_memory, self.squeeze,
+                           own_limit_bytes=self.plan.memory.limit_bytes)
 
     def batcher(self, wait_s: float | None = None) -> Batcher:
         """A Batcher over this engine's target: generations run with it (Request.batcher), each in

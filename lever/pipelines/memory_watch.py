@@ -14,12 +14,17 @@ Android's lmkd) says so, in two ways this watches:
   layer (its floor) at once, which lets the lower limit take, and fills it again as soon as it
   reads it. Under v2 a lower limit takes at once (the kernel reclaims or kills while writing it),
   and the next poll reads it.
+
+Scripts have two signals, handled by the same thread (the handlers only note them): SIGUSR1
+squeezes, as pressure does; SIGUSR2 fills again to what the group and the run's limit grant now.
+Without a cgroup a watch serves the signals alone.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -90,24 +95,32 @@ class MemoryWatch:
     """Calls `set_memory(bytes)` with the budget the system grants, and `squeeze()` at pressure,
     from a thread of its own until `stop` (or the end of its `with`)."""
 
-    cgroup: Cgroup
+    cgroup: Cgroup | None  # None: signals alone
     set_memory: Callable[[int], object]  # Engine.set_memory
     squeeze: Callable[[], object]  # drop to the floor at once (Engine.squeeze)
     own_limit_bytes: int | None = None  # the run's [memory] limit: never more than it
+    reserved_bytes: int = 0  # what the process holds beside the run's plan (a server's requests, kept conversations)
     poll_s: float = POLL_S
     events: list[tuple[float, str, int]] = attrs.field(factory=list)  # (monotonic s, what, bytes): for the figures
     error: LeverError | None = None  # a budget below the floor, last seen
     _stop: threading.Event = attrs.field(factory=threading.Event)
     _thread: threading.Thread | None = None
     _fd: int | None = None
+    _signalled: list[int] = attrs.field(factory=list)  # signals noted by the handlers, taken by the thread
+    _handlers: dict = attrs.field(factory=dict)  # the handlers ours replaced, restored at stop
 
     def budget_bytes(self, limit: int | None) -> int | None:
+        if limit is not None:
+            limit -= self.reserved_bytes
         if limit is None:
             return self.own_limit_bytes
         return limit if self.own_limit_bytes is None else min(limit, self.own_limit_bytes)
 
     def start(self) -> MemoryWatch:
-        self._fd = self.cgroup.pressure_fd()
+        self._fd = self.cgroup.pressure_fd() if self.cgroup is not None else None
+        if threading.current_thread() is threading.main_thread():  # only there may handlers be set
+            for sig in (signal.SIGUSR1, signal.SIGUSR2):
+                self._handlers[sig] = signal.signal(sig, lambda n, frame: self._signalled.append(n))
         self._thread = threading.Thread(target=self._run, name="lever-memory-watch", daemon=True)
         self._thread.start()
         return self
@@ -119,6 +132,10 @@ class MemoryWatch:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in self._handlers.items():
+                signal.signal(sig, old)
+            self._handlers.clear()
 
     def __enter__(self) -> MemoryWatch:
         return self.start()
@@ -130,14 +147,16 @@ class MemoryWatch:
         seen = self._limit()
         squeezed_at = None
         while not self._stop.is_set():
-            if self._pressed():
+            signalled = self._signalled[:]
+            del self._signalled[: len(signalled)]
+            if self._pressed() or signal.SIGUSR1 in signalled:
                 if squeezed_at is None:
                     self.squeeze()
                     self.events.append((time.monotonic(), "squeeze", 0))
                 squeezed_at = time.monotonic()
             limit = self._limit()
             quiet = squeezed_at is not None and time.monotonic() - squeezed_at > QUIET_S
-            if limit != seen or quiet:
+            if limit != seen or quiet or signal.SIGUSR2 in signalled:
                 seen, squeezed_at = limit, None
                 self._apply(limit)
 
@@ -155,6 +174,8 @@ class MemoryWatch:
         return True
 
     def _limit(self) -> int | None:
+        if self.cgroup is None:
+            return None
         try:
             return self.cgroup.limit_bytes()
         except (OSError, ValueError):

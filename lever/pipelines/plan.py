@@ -140,9 +140,17 @@ class RunPlan:
                                   lambda r: self.memory_plan(self.n_ctx - 1, process_bytes, resident=r),
                                   choose=lambda k: respread(self.spec.n_layer, held, k))
         except LeverError as e:
-            floor = self.memory_plan(self.n_ctx - 1, process_bytes, resident=frozenset()).total_bytes + late
+            floor = self.live_bounds(process_bytes)[0]
             raise LeverError(f"memory: a cap of {limit_bytes >> 20} MiB is below this run's floor of {floor >> 20} "
                              f"MiB (every layer streamed): {str(e).split(': ', 2)[-1]}") from None
+
+    def live_bounds(self, process_bytes: int) -> tuple[int, int]:
+        """The least limit `refill` takes (every layer streamed) and the least that holds every
+        layer resident, in bytes."""
+        late = max(e.buffer_bytes for e in layer_extents(self.target_file))
+        every = frozenset(range(self.spec.n_layer))
+        return tuple(self.memory_plan(self.n_ctx - 1, process_bytes, resident=r).total_bytes + late
+                     for r in (frozenset(), every))
 
     def with_resident(self, resident: frozenset[int], limit_bytes: int) -> RunPlan:
         """This plan with other resident layers, held within `limit_bytes` ([memory] limit),

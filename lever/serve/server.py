@@ -46,7 +46,7 @@ from lever.errors import LeverError
 from lever.model.stop import StopReason
 from lever.pipelines.prefix_cache import PrefixCache, shared
 from lever.pipelines.watch import LIVE_BYTES, Watch
-from lever.serve import MAX_CONNECTIONS, TIMEOUT_S, anthropic, llama, ollama, responses
+from lever.serve import MAX_CONNECTIONS, TIMEOUT_S, admin, anthropic, llama, ollama, responses
 from lever.serve.admission import Admission, Slots, Turns
 from lever.serve.dialect import OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect, overflow, public, refusal
 from lever.serve.guard import Access, Guard
@@ -340,19 +340,23 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
     slots = Slots(llm.parallel, llm.n_ctx, llm.engine.plan.kind.speculates)
     s = Server(llm, model_id, admission, Preparer(llm, timeout_s), sessions, settings, slots, turns=Turns(llm.parallel),
                metrics=Metrics() if metrics else None, page=live)
-    return Guard(_starlette(s, live), access,
+    if llm.memory_watch is not None:  # the cgroup's limit is the whole server's: the run's budget is what it leaves
+        llm.memory_watch.reserved_bytes = admin.reserved_bytes(s)
+    return Guard(_starlette(s, live, keyed=bool(access.api_keys)), access,
                  max_requests=max(max_connections // 2, 1) if len(access.api_keys) > 1 else None)
 
 
-def _starlette(s: Server, live: Page | None) -> Starlette:
-    """The routes: OpenAI's, llama-server's, Anthropic's, Ollama's, the page's."""
+def _starlette(s: Server, live: Page | None, *, keyed: bool = False) -> Starlette:
+    """The routes: OpenAI's, llama-server's, Anthropic's, Ollama's, the page's, the admin's
+    (lever.serve.admin: behind the API keys, `keyed`)."""
     routes = [Route("/health", s.health), Route("/v1/health", s.health), Route("/v1/models", s.models),
               Route("/models", s.models), Route("/tokenize", s.tokens, methods=["POST"]),
               Route("/detokenize", s.tokens, methods=["POST"]), Route("/metrics", s.prometheus)]
     dialects = {**GENERATIONS, **llama.GENERATIONS, **ollama.GENERATIONS, **anthropic.GENERATIONS,
                 **responses.GENERATIONS}
     routes += [Route(path, s.generation(d), methods=["POST"]) for path, d in dialects.items()]
-    routes += [*llama.routes(s), *ollama.routes(s), *anthropic.routes(s), *responses.routes(s)]
+    routes += [*llama.routes(s), *ollama.routes(s), *anthropic.routes(s), *responses.routes(s),
+               *admin.routes(s, keyed=keyed)]
     if live is not None:
         routes += [Route("/", live.file), Route("/page/{name}", live.file), Route("/live", live.events),
                    *[Route(path, _web_ui_file) for path in WEB_UI_FILES]]
