@@ -215,13 +215,25 @@ class Engine:
             self.plan = self.plan.with_resident(frozenset(), self.plan.memory.limit_bytes)
             return freed
 
+    def stop_at_floor(self) -> None:
+        """Memory pressure went on with every layer dropped: the cap behind it (which cgroup v1
+        does not show until it is met) is below this run's floor. The passes stop with one line
+        at their next layer, rather than the process be killed."""
+        t = self.target
+        if t is None:
+            return
+        floor = self.plan.live_bounds(self.process_bytes)[0]
+        t.resident.stopped = LeverError(
+            f"memory: the memory cgroup's cap fell below this run's floor of {floor >> 20} MiB (every layer "
+            f"streamed): pressure went on with every layer dropped, so it stops rather than be killed")
+
     def watch_memory(self) -> MemoryWatch | None:
         """A MemoryWatch over this process's memory cgroup (where it has one) and the scripts'
         signals, moving this engine's budget (not started); None where it does not apply:
         [memory] follow off, or resident layers not filling a limit."""
         if not self.plan.memory.follow or self.plan.fill is None:
             return None
-        return MemoryWatch(Cgroup.of_process(), self.set_memory, self.squeeze,
+        return MemoryWatch(Cgroup.of_process(), self.set_memory, self.squeeze, self.stop_at_floor,
                            own_limit_bytes=self.plan.memory.limit_bytes)
 
     def batcher(self, wait_s: float | None = None) -> Batcher:

@@ -12,8 +12,9 @@ Android's lmkd) says so, in two ways this watches:
   new limit cannot be read until it is met; what can be seen at once is the reclaim's pressure
   (`memory.pressure_level`, critical, through an eventfd). Then the engine drops every resident
   layer (its floor) at once, which lets the lower limit take, and fills it again as soon as it
-  reads it. Under v2 a lower limit takes at once (the kernel reclaims or kills while writing it),
-  and the next poll reads it.
+  reads it. Pressure that goes on a second after that is a cap below the floor: the engine stops
+  its passes with one line rather than wait to be killed. Under v2 a lower limit takes at once
+  (the kernel reclaims or kills while writing it), and the next poll reads it.
 
 Scripts have two signals, handled by the same thread (the handlers only note them): SIGUSR1
 squeezes, as pressure does; SIGUSR2 fills again to what the group and the run's limit grant now.
@@ -36,6 +37,9 @@ from lever.errors import LeverError
 
 POLL_S = 0.05  # a low-memory killer's grace is seconds (memcap's: 2 s); a read of one small file is microseconds
 QUIET_S = 2.0  # after a squeeze with no new limit seen: pressure from elsewhere, so fill the old limit again
+# pressure still coming this long after a squeeze freed what it could: the cap is below the floor (a squeeze
+# frees in milliseconds, and memcap or a kernel retries a refused cap every 50 ms)
+FLOOR_S = 1.0
 
 
 @attrs.frozen
@@ -98,6 +102,7 @@ class MemoryWatch:
     cgroup: Cgroup | None  # None: signals alone
     set_memory: Callable[[int], object]  # Engine.set_memory
     squeeze: Callable[[], object]  # drop to the floor at once (Engine.squeeze)
+    at_floor: Callable[[], object] = lambda: None  # pressure goes on at the floor: stop (Engine.stop_at_floor)
     own_limit_bytes: int | None = None  # the run's [memory] limit: never more than it
     reserved_bytes: int = 0  # what the process holds beside the run's plan (a server's requests, kept conversations)
     poll_s: float = POLL_S
@@ -145,15 +150,21 @@ class MemoryWatch:
 
     def _run(self) -> None:
         seen = self._limit()
-        squeezed_at = None
+        squeezed_at, first_s = None, 0.0  # the last pressure after a squeeze, and the first
         while not self._stop.is_set():
             signalled = self._signalled[:]
             del self._signalled[: len(signalled)]
             if self._pressed() or signal.SIGUSR1 in signalled:
+                now = time.monotonic()
                 if squeezed_at is None:
                     self.squeeze()
-                    self.events.append((time.monotonic(), "squeeze", 0))
-                squeezed_at = time.monotonic()
+                    self.events.append((now, "squeeze", 0))
+                    squeezed_at = first_s = now
+                elif now - first_s > FLOOR_S and signal.SIGUSR1 not in signalled:
+                    self.at_floor()
+                    self.events.append((now, "floor", 0))
+                    first_s = float("inf")  # said once for this squeeze
+                squeezed_at = now
             limit = self._limit()
             quiet = squeezed_at is not None and time.monotonic() - squeezed_at > QUIET_S
             if limit != seen or quiet or signal.SIGUSR2 in signalled:

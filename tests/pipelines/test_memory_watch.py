@@ -5,6 +5,7 @@ kernel's own cgroups are tests/cli/test_live_memory.py's."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -105,3 +106,31 @@ def test_pressure_squeezes_at_once_then_the_limit_read_fills_again(tmp_path, mon
         assert until(lambda: seen.squeezes == 2)
         assert until(lambda: seen.limits == [1536 << 20, 1536 << 20])
     assert seen.squeezes == 2 and [what for _, what, _ in w.events] == ["squeeze", "limit", "squeeze", "limit"]
+
+
+def test_pressure_that_goes_on_after_the_squeeze_stops_at_the_floor_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory_watch, "FLOOR_S", 0.3)
+    monkeypatch.setattr(memory_watch, "QUIET_S", 60.0)
+    (tmp_path / "memory.limit_in_bytes").write_text(str(3 << 30))
+    cg, seen, floors = Pressed(tmp_path, 1), Seen(), []
+    with MemoryWatch(cg, seen.set_memory, seen.squeeze, lambda: floors.append(1)) as w:
+        fd = cg.pressure_fd()
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # a cap below the floor: the kernel retries, pressure every 50 ms
+            os.eventfd_write(fd, 1)
+            time.sleep(0.05)
+        assert until(lambda: floors == [1])
+    assert seen.squeezes == 1 and floors == [1] and seen.limits == []
+    assert [what for _, what, _ in w.events] == ["squeeze", "floor"]
+
+
+def test_the_scripts_signals_squeeze_and_fill_again(tmp_path):
+    (tmp_path / "memory.max").write_text(str(2 << 30))
+    seen = Seen()
+    with MemoryWatch(Cgroup(tmp_path, 2), seen.set_memory, seen.squeeze, own_limit_bytes=1 << 30) as w:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert until(lambda: seen.squeezes == 1)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert until(lambda: seen.limits == [1 << 30])
+    assert [what for _, what, _ in w.events] == ["squeeze", "limit"]
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the handlers it replaced are back

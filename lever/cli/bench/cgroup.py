@@ -146,14 +146,14 @@ class Scheduled:
     wall_s: float
 
 
-def _held(group: Path) -> int:
+def held_bytes(group: Path) -> int:
     for name in ("memory.current", "memory.usage_in_bytes"):
         if (group / name).exists():
             return int((group / name).read_text())
     return -1
 
 
-def _write_limit(path: Path, n: int) -> bool:
+def write_limit(path: Path, n: int) -> bool:
     """Whether the kernel took it (v1 refuses a limit below what the group holds: EBUSY)."""
     try:
         path.write_text(str(n))
@@ -194,12 +194,12 @@ def run_scheduled(cmd: list[str], cap_bytes: int, *, schedule: list[tuple[float,
                 wanted, since = cap, now
                 changes.append([now, cap, None])
             if wanted is not None:
-                if _write_limit(limit, wanted):
+                if write_limit(limit, wanted):
                     changes[-1][2], wanted = time.monotonic() - since, None
                 elif now - since > grace_s:
                     proc.kill()
                     killed, wanted = True, None
-            samples.append((now, _held(group.path), cap))
+            samples.append((now, held_bytes(group.path), cap))
             if stop_after_s is not None and now - t0 > stop_after_s and not stopped:
                 proc.terminate()
                 stopped = True

@@ -1,0 +1,106 @@
+"""A live memory budget under the kernel's own memory cgroup (issue 50): `lever run` on a deep target
+made from the shipped pair, its cap lowered and raised while it generates, as a phone's OS does
+(and ../shared/tools/memcap --then): never killed, the same text as the run no change touched,
+within each cap in time; below its floor, one line and a non-zero exit rather than a kill.
+
+The moves are made on what the run prints (its first generated text), not on a clock, so a loaded
+machine makes them later, never wrongly; the grace a lowered cap waits before it kills is longer
+than memcap's (2 s) for the same reason, and how long each took is asserted far under it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from lever.cli.bench.cgroup import _controller, held_bytes, memory_group, write_limit
+from lever.shipped import shipped
+from tests.cli.test_bench_cap import needs_cgroup
+from tests.deep_target import write_deep_target
+
+MIB = 1 << 20
+PROMPT = "def read_config(path):\n"
+GRACE_S = 10.0  # a lowered cap not met by then kills, as a low-memory killer does
+HIGH = 768 * MIB  # holds every layer of the deep target resident
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """The shipped target 24 times as deep (144 blocks, ~170 MB: layers worth dropping)."""
+    d = tmp_path_factory.mktemp("live")
+    return write_deep_target(shipped("models", "stdlib-target-q4_0.gguf"), d / "deep24.gguf", 24)
+
+
+def lever_cmd(deep, *extra: str) -> list[str]:
+    draft = shipped("models", "stdlib-draft-q8_0.gguf")
+    return [sys.executable, "-m", "lever", "run", "-m", str(deep), "-md", str(draft), "-p", PROMPT,
+            "-n", "160", "--mem", str(HIGH), "--ctx-size", "512", *extra]
+
+
+def drive(cmd: list[str], moves: list[tuple[int, int]]) -> dict:
+    """Runs `cmd` in a memory cgroup of HIGH; when its stdout has passed `chars` characters, its
+    cap becomes `cap` (retried until the kernel takes it, killed after GRACE_S). What it printed,
+    how it ended, how long each move took, and the group's usage over time."""
+    _, limit_file, _ = _controller()
+    with memory_group(HIGH) as group:
+        proc = subprocess.Popen(group.joined(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL)
+        out: list[str] = []
+        reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+        reader.start()
+        took, samples, killed, pending = [], [], False, list(moves)
+        while proc.poll() is None:
+            if pending and len(out) >= pending[0][0]:
+                _, cap = pending.pop(0)
+                t0 = time.monotonic()
+                while not write_limit(group.path / limit_file, cap) and time.monotonic() - t0 < GRACE_S:
+                    time.sleep(0.02)
+                took.append(time.monotonic() - t0)
+                if took[-1] >= GRACE_S:
+                    proc.kill()
+                    killed = True
+            samples.append((len(took), held_bytes(group.path)))
+            time.sleep(0.02)
+        reader.join(30)
+        return {"rc": proc.returncode, "out": "".join(out), "err": proc.stderr.read(), "took": took,
+                "samples": samples, "killed": killed}
+
+
+@pytest.fixture(scope="module")
+def reference(deep):
+    """The run no change touches: its text, and its plan (every layer resident under HIGH)."""
+    plan = json.loads(subprocess.run(lever_cmd(deep, "--json"), capture_output=True, text=True, check=True,
+                                     timeout=600).stdout)["memory"]["plan"]
+    return drive(lever_cmd(deep), []), plan
+
+
+@needs_cgroup
+def test_a_cap_lowered_then_raised_mid_generation_leaves_the_text_and_the_run_alive(deep, reference):
+    ref, plan = reference
+    assert ref["rc"] == 0 and len(ref["out"]) > len(PROMPT) + 200, ref["err"][-400:]
+    total, layers = sum(plan.values()), plan["resident_layer_bytes"]
+    low = total - layers // 2  # about half the layers must go
+    got = drive(lever_cmd(deep), [(len(PROMPT) + 1, low), (len(PROMPT) + 60, HIGH)])
+    assert not got["killed"] and got["rc"] == 0, got["err"][-400:]
+    assert got["out"] == ref["out"]  # lossless: the same text as the run no change touched
+    assert len(got["took"]) == 2 and got["took"][0] < GRACE_S / 2  # the lowered cap was met, well within the grace
+    under_low = [h for phase, h in got["samples"] if phase == 1]
+    after = [h for phase, h in got["samples"] if phase == 2]
+    assert under_low and max(under_low) <= low
+    # raised again, it read layers back: it came to hold a good part of them again
+    assert after and max(after) - under_low[-1] > layers // 4
+
+
+@needs_cgroup
+def test_a_cap_below_the_floor_stops_the_run_with_one_line_not_a_kill(deep, reference):
+    _, plan = reference
+    floor_less = sum(plan.values()) - plan["resident_layer_bytes"] - 96 * MIB
+    got = drive(lever_cmd(deep), [(len(PROMPT) + 1, floor_less)])
+    assert not got["killed"] and got["rc"] == 1, got["err"][-400:]
+    last = got["err"].strip().splitlines()[-1]
+    assert "below this run's floor of" in last  # cgroup v1 shows no cap it has not met: the floor is what it names
+    assert got["took"][0] < GRACE_S / 2  # it gave the memory back by stopping, well within the grace
