@@ -63,8 +63,8 @@ def test_readme_python_block_runs(code, capsys):
     assert capsys.readouterr().out.strip()  # each block prints what it made
 
 
-def test_readme_has_the_api_and_the_composition_blocks():
-    assert len(PYTHON) == 2 and "lever.load" in PYTHON[0] and "compose(" in PYTHON[1]
+def test_readme_has_the_api_the_memory_and_the_composition_blocks():
+    assert len(PYTHON) == 3 and "lever.load" in PYTHON[0] and "set_memory" in PYTHON[1] and "compose(" in PYTHON[2]
 
 
 def test_readme_pipeline_picture_is_the_graph_compose_builds():

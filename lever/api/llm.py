@@ -100,22 +100,22 @@ class LLM:
     engine: Engine
     chat_template_text: str | None = None
     _template: ChatTemplate | None = None
-    grammars: GrammarCache = attrs.field(init=False)  # compiled grammars, bounded by bytes (lever.model.grammar_cache)
-    renderer: ChatRenderer = attrs.field(init=False)  # every chat's template runs in its child (lever.api.render)
+    # compiled grammars, bounded by bytes (lever.model.grammar_cache); its compiler's child starts with the first
+    grammars: GrammarCache = attrs.field(init=False, default=attrs.Factory(lambda s: GrammarCache(s.engine.tok),
+                                                                           takes_self=True))
+    # every chat's template runs in its child (lever.api.render), started lazily
+    renderer: ChatRenderer = attrs.field(init=False, default=attrs.Factory(
+        lambda s: ChatRenderer(s.engine.tok, s.engine.n_ctx, s.engine.n_ctx_source,
+                               reasoning=s.config.model.reasoning), takes_self=True))
     watch: Watch | None = None  # sees every generation's cycles as they run (a live page: lever.pipelines.watch)
     structured: bool = True  # structured output planned for (lever.load's `grammars`); off, a grammar is refused
-    lanes: Lanes = attrs.field(init=False)  # [pipeline] parallel generations at once (lever.api.lanes)
-    memory_watch: MemoryWatch | None = attrs.field(init=False)  # the cgroup's limit and pressure, followed
-
-    def __attrs_post_init__(self):
-        n = self.engine.plan.parallel
-        self.lanes = Lanes(n, self.engine.batcher() if n > 1 else None)
-        self.memory_watch = self.engine.watch_memory()  # [memory] follow, with resident layers filling a limit
-        if self.memory_watch is not None:
-            self.memory_watch.start()
-        self.grammars = GrammarCache(self.engine.tok)  # its compiler's child starts with the first grammar
-        self.renderer = ChatRenderer(self.engine.tok, self.engine.n_ctx, self.engine.n_ctx_source,  # child: lazily
-                                     reasoning=self.config.model.reasoning)
+    # [pipeline] parallel generations at once (lever.api.lanes)
+    lanes: Lanes = attrs.field(init=False, default=attrs.Factory(
+        lambda s: Lanes(s.engine.plan.parallel, s.engine.batcher() if s.engine.plan.parallel > 1 else None),
+        takes_self=True))
+    # the cgroup's limit and pressure, followed ([memory] follow, with resident layers filling a limit)
+    memory_watch: MemoryWatch | None = attrs.field(init=False, default=attrs.Factory(
+        lambda s: w.start() if (w := s.engine.watch_memory()) is not None else None, takes_self=True))
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import attrs
@@ -201,7 +202,8 @@ class Engine:
                 for ref in list(self._learners):
                     if (learner := ref()) is not None:
                         learner.reprice(self.plan.cost.layer_read_bytes)
-            return MemoryChange(limit_bytes, len(held), len(chosen), freed, mem, time.perf_counter() - t0)
+            return MemoryChange(limit_bytes, len(held), len(chosen), freed, mem, time.perf_counter() - t0,
+                                *self.plan.live_bounds(self.process_bytes))
 
     def squeeze(self) -> int:
         """Drops every resident layer now (the run's floor), the plan's limit kept: what memory
@@ -299,6 +301,24 @@ def _qnn_figures(runner) -> str:
             f"{100 * pad.kv_waste:.0f}% of KV rows, {ses.created} sessions compiled, {ses.loaded} loaded from cache")
 
 
+@attrs.define
+class _Emissions:
+    """A run's emitted tokens as they come, passed on: when decoding began (wall and CPU seconds
+    at the first token) and each pass's tokens by the time they came (tok/s over time)."""
+
+    forward: Callable | None  # the request's own on_tokens
+    started_s: float = attrs.field(factory=time.monotonic)
+    first: tuple[float, float] | None = None
+    emits: list[tuple[float, int]] = attrs.field(factory=list)  # (s since started_s, tokens)
+
+    def __call__(self, ts) -> None:
+        if self.first is None:
+            self.first = (time.perf_counter(), _cpu_s())
+        self.emits.append((time.monotonic() - self.started_s, len(ts)))
+        if self.forward is not None:
+            self.forward(ts)
+
+
 def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_path, on_kv) -> RunResult:
     """Composes the request's graph, runs it, and measures what the stages cannot: the clocks
     (prefill ends at the first emitted token), the device's bytes, peak RSS."""
@@ -307,17 +327,7 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
     if text is None:
         text = TextStream(engine.tok, on_text=(lambda piece, n, lps: on_text(piece)) if on_text else None,
                           eos_ids=plan.eos_ids)
-    first: list[tuple[float, float]] = []  # (wall, CPU seconds) at the first token: decoding's start
-    emits: list[tuple[float, int]] = []  # (monotonic s, tokens) at each pass that emitted
-    started_s = time.monotonic()
-
-    def on_tokens(ts):
-        if not first:
-            first.append((time.perf_counter(), _cpu_s()))
-        emits.append((time.monotonic() - started_s, len(ts)))
-        if request.on_tokens is not None:
-            request.on_tokens(ts)
-
+    on_tokens = _Emissions(request.on_tokens)
     watch = request.watch
     tracer = Tracer(keep_spans=bool(trace_path), on_span=watch.span if watch is not None else None)  # the run's own
     if watch is not None:
@@ -344,9 +354,9 @@ def _run(engine: Engine, request: Request, mem: MemoryPlan, *, on_text, trace_pa
     summary = tracer.summary()
     if trace_path:
         tracer.write_chrome(trace_path)
-    t_first, cpu_first = first[0] if first else (t1, cpu1)
+    t_first, cpu_first = on_tokens.first or (t1, cpu1)
     timing = attrs.evolve(_timing(h, summary, n_passes=n_passes, t0=t0, t_first=t_first, t1=t1, cpu_s=cpu1 - cpu_first),
-                          emits_s=tuple(emits), started_s=started_s)
+                          emits_s=tuple(on_tokens.emits), started_s=on_tokens.started_s)
     flash = _flash(target, shares=shares, dev_bytes=dev_bytes, n_passes=n_passes, gbps=summary.flash_gbps)
     memory = MemoryFigures(target.resident_bytes, target.head_bytes, target.window_bytes, _peak_rss_bytes(), mem,
                            fill=plan.fill)

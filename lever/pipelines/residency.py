@@ -39,6 +39,8 @@ class MemoryChange:
     dropped_bytes: int  # freed at once
     plan: MemoryPlan  # the run's plan within the limit
     seconds: float  # to re-plan and drop
+    floor_bytes: int  # the least a budget may be: every layer streamed (RunPlan.live_bounds)
+    whole_bytes: int  # the least that keeps every layer resident
 
 
 @attrs.define(eq=False)

@@ -211,6 +211,7 @@ def run_scheduled(cmd: list[str], cap_bytes: int, *, schedule: list[tuple[float,
         proc.wait()
         for r in readers:
             r.join(10)
-        return Scheduled(None if stopped and not killed else proc.returncode, "".join(c for _, c in chunks),
-                         "".join(err), tuple(chunks), tuple(samples), tuple(tuple(c) for c in changes), killed,
-                         group.peak_bytes, t0, time.monotonic() - t0)
+        return Scheduled(returncode=None if stopped and not killed else proc.returncode,
+                         stdout="".join(c for _, c in chunks), stderr="".join(err), chunks=tuple(chunks),
+                         samples=tuple(samples), changes=tuple(tuple(c) for c in changes), killed_by_cap=killed,
+                         peak_bytes=group.peak_bytes, started_s=t0, wall_s=time.monotonic() - t0)
