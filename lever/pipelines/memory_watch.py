@@ -10,14 +10,16 @@ Android's lmkd) says so, in two ways this watches:
   one is the budget from then on, the least of it and the run's own [memory] limit;
 - pressure: cgroup v1 refuses a limit below what the group holds and reclaims instead, so the
   new limit cannot be read until it is met; what can be seen at once is the reclaim's pressure
-  (`memory.pressure_level`, critical, through an eventfd). Then the engine drops every resident
-  layer (its floor) at once, which lets the lower limit take, and fills it again as soon as it
+  (`memory.pressure_level`, critical, through an eventfd). Once it has gone on a quarter second
+  (a brief burst is the kernel reclaiming page cache at the run's own limit), the engine drops
+  every resident layer (its floor) at once, which lets the lower limit take, and fills it again as soon as it
   reads it. Pressure that goes on a second after that is a cap below the floor: the engine stops
   its passes with one line rather than wait to be killed. Under v2 a lower limit takes at once
   (the kernel reclaims or kills while writing it), and the next poll reads it.
 
 Scripts have two signals, handled by the same thread (the handlers only note them): SIGUSR1
-squeezes, as pressure does; SIGUSR2 fills again to what the group and the run's limit grant now.
+squeezes, as pressure does, and the run stays there; SIGUSR2 fills again to what the group and the
+run's limit grant now.
 Without a cgroup a watch serves the signals alone.
 """
 
@@ -37,8 +39,13 @@ from lever.errors import LeverError
 
 POLL_S = 0.05  # a low-memory killer's grace is seconds (memcap's: 2 s); a read of one small file is microseconds
 QUIET_S = 2.0  # after a squeeze with no new limit seen: pressure from elsewhere, so fill the old limit again
+# Critical pressure also comes, briefly, when the group reaches the run's own limit and the kernel reclaims
+# page cache; a lower cap refused comes back at every retry (memcap's: 50 ms). So pressure squeezes once it
+# has gone on PERSIST_S (gaps under GAP_S), which leaves most of a low-memory killer's grace (2 s).
+PERSIST_S = 0.25
+GAP_S = 0.25
 # pressure still coming this long after a squeeze freed what it could: the cap is below the floor (a squeeze
-# frees in milliseconds, and memcap or a kernel retries a refused cap every 50 ms)
+# frees in milliseconds)
 FLOOR_S = 1.0
 
 
@@ -150,25 +157,28 @@ class MemoryWatch:
 
     def _run(self) -> None:
         seen = self._limit()
-        squeezed_at, first_s = None, 0.0  # the last pressure after a squeeze, and the first
+        burst = squeezed = None  # when the pressure under way began; when the squeeze came
+        last, by_signal, floor_said = 0.0, False, False
         while not self._stop.is_set():
             signalled = self._signalled[:]
             del self._signalled[: len(signalled)]
-            if self._pressed() or signal.SIGUSR1 in signalled:
-                now = time.monotonic()
-                if squeezed_at is None:
-                    self.squeeze()
-                    self.events.append((now, "squeeze", 0))
-                    squeezed_at = first_s = now
-                elif now - first_s > FLOOR_S and signal.SIGUSR1 not in signalled:
-                    self.at_floor()
-                    self.events.append((now, "floor", 0))
-                    first_s = float("inf")  # said once for this squeeze
-                squeezed_at = now
+            pressed, now = self._pressed(), time.monotonic()
+            if pressed:
+                burst, last = now if burst is None or now - last > GAP_S else burst, now
+            elif burst is not None and now - last > GAP_S:
+                burst = None  # it passed: the kernel found what it wanted (page cache, at the run's own limit)
+            if squeezed is None and (signal.SIGUSR1 in signalled or (burst is not None and last - burst >= PERSIST_S)):
+                self.squeeze()
+                self.events.append((now, "squeeze", 0))
+                squeezed, by_signal, floor_said = now, burst is None or signal.SIGUSR1 in signalled, False
+            elif squeezed is not None and burst is not None and last - squeezed >= FLOOR_S and not floor_said:
+                self.at_floor()  # nothing left to give and the kernel still asks: a cap below the floor
+                self.events.append((now, "floor", 0))
+                floor_said = True
             limit = self._limit()
-            quiet = squeezed_at is not None and time.monotonic() - squeezed_at > QUIET_S
+            quiet = squeezed is not None and not by_signal and burst is None and now - max(last, squeezed) > QUIET_S
             if limit != seen or quiet or signal.SIGUSR2 in signalled:
-                seen, squeezed_at = limit, None
+                seen, squeezed = limit, None
                 self._apply(limit)
 
     def _pressed(self) -> bool:

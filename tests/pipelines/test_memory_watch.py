@@ -89,7 +89,15 @@ class Pressed(Cgroup):
         return self.__dict__.setdefault("_fd", os.eventfd(0, os.EFD_NONBLOCK))
 
 
-def test_pressure_squeezes_at_once_then_the_limit_read_fills_again(tmp_path, monkeypatch):
+def press(fd: int, seconds: float) -> None:
+    """Pressure as a refused cap makes it: an event at each of the kernel's retries (memcap's 50 ms)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        os.eventfd_write(fd, 1)
+        time.sleep(0.05)
+
+
+def test_pressure_that_goes_on_squeezes_then_the_limit_read_fills_again(tmp_path, monkeypatch):
     monkeypatch.setattr(memory_watch, "QUIET_S", 0.3)
     limit = tmp_path / "memory.limit_in_bytes"
     limit.write_text(str(3 << 30))
@@ -97,12 +105,15 @@ def test_pressure_squeezes_at_once_then_the_limit_read_fills_again(tmp_path, mon
     seen = Seen()
     with MemoryWatch(cg, seen.set_memory, seen.squeeze) as w:
         fd = cg.pressure_fd()
-        for _ in range(5):  # a burst of events: one squeeze
+        for _ in range(5):  # a burst at once: the kernel reclaiming page cache at the run's own limit
             os.eventfd_write(fd, 1)
+        time.sleep(0.6)
+        assert seen.squeezes == 0
+        press(fd, 0.5)  # pressure that goes on: a lower cap refused at every retry
         assert until(lambda: seen.squeezes == 1)
         limit.write_text(str(1536 << 20))  # v1: the lower limit takes once the group is under it
         assert until(lambda: seen.limits == [1536 << 20])
-        os.eventfd_write(fd, 1)  # pressure with no new limit behind it: squeezed, then the same budget again
+        press(fd, 0.5)  # pressure with no new limit behind it: squeezed, then the same budget again
         assert until(lambda: seen.squeezes == 2)
         assert until(lambda: seen.limits == [1536 << 20, 1536 << 20])
     assert seen.squeezes == 2 and [what for _, what, _ in w.events] == ["squeeze", "limit", "squeeze", "limit"]
@@ -114,11 +125,7 @@ def test_pressure_that_goes_on_after_the_squeeze_stops_at_the_floor_once(tmp_pat
     (tmp_path / "memory.limit_in_bytes").write_text(str(3 << 30))
     cg, seen, floors = Pressed(tmp_path, 1), Seen(), []
     with MemoryWatch(cg, seen.set_memory, seen.squeeze, lambda: floors.append(1)) as w:
-        fd = cg.pressure_fd()
-        deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline:  # a cap below the floor: the kernel retries, pressure every 50 ms
-            os.eventfd_write(fd, 1)
-            time.sleep(0.05)
+        press(cg.pressure_fd(), 1.5)  # a cap below the floor: refused at every retry, after the squeeze too
         assert until(lambda: floors == [1])
     assert seen.squeezes == 1 and floors == [1] and seen.limits == []
     assert [what for _, what, _ in w.events] == ["squeeze", "floor"]
@@ -130,6 +137,8 @@ def test_the_scripts_signals_squeeze_and_fill_again(tmp_path):
     with MemoryWatch(Cgroup(tmp_path, 2), seen.set_memory, seen.squeeze, own_limit_bytes=1 << 30) as w:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert until(lambda: seen.squeezes == 1)
+        time.sleep(memory_watch.QUIET_S + 0.5)
+        assert seen.limits == []  # a script's squeeze holds until it says otherwise
         os.kill(os.getpid(), signal.SIGUSR2)
         assert until(lambda: seen.limits == [1 << 30])
     assert [what for _, what, _ in w.events] == ["squeeze", "limit"]

@@ -68,8 +68,9 @@ def lever_cmd(*, config: str | None, sets, prompt: str, n: int, mem: int) -> lis
     return cmd
 
 
-def emitted(row: str, run: Scheduled, tok) -> list[tuple[float, int]]:
-    """(seconds since the row's start, tokens so far) as they came."""
+def emitted(row: str, run: Scheduled, tok, prompt: str = "") -> list[tuple[float, int]]:
+    """(seconds since the row's start, tokens generated so far) as they came (llama-speculative
+    prints the prompt first: not counted)."""
     if row.startswith(LEVER):
         if run.returncode != 0:
             return []
@@ -80,13 +81,18 @@ def emitted(row: str, run: Scheduled, tok) -> list[tuple[float, int]]:
             out.append((t0 + e, n))
         return out
     out, text, last = [], "", -1.0
+
+    def count() -> int:
+        gen = text[len(prompt):] if text.startswith(prompt) else "" if prompt.startswith(text) else text
+        return len(tok.encode(gen, add_bos=False)) if gen else 0
+
     for t, c in run.chunks:  # llama.cpp streams its text: count its tokens every half second
         text += c
         if t - last >= 0.5:
-            out.append((t - run.started_s, len(tok.encode(text, add_bos=False))))
+            out.append((t - run.started_s, count()))
             last = t
     if text:
-        out.append((run.chunks[-1][0] - run.started_s, len(tok.encode(text, add_bos=False))))
+        out.append((run.chunks[-1][0] - run.started_s, count()))
     return out
 
 
@@ -105,8 +111,8 @@ def phases(schedule: list[tuple[float, int]], start: int, end_s: float) -> list[
     return [(a, marks[i + 1][0] if i + 1 < len(marks) else end_s, cap) for i, (a, cap) in enumerate(marks)]
 
 
-def row_figures(row: str, run: Scheduled, tok, *, schedule, start: int) -> dict:
-    series = emitted(row, run, tok)
+def row_figures(row: str, run: Scheduled, tok, *, schedule, start: int, prompt: str = "") -> dict:
+    series = emitted(row, run, tok, prompt)
     end = series[-1][0] if series else run.wall_s
     ph = []
     for a, b, cap in phases(schedule, start, end):
@@ -250,7 +256,8 @@ def main(args) -> int:
         say(f"{name}: running")
         run = run_scheduled(cmd, fixed or c["start"], schedule=[] if fixed else c["schedule"], grace_s=args.grace,
                             evict_paths=[p for p in (target, args.model_draft) if p], stop_after_s=stop)
-        rows[name] = row_figures(name, run, tok, schedule=[] if fixed else c["schedule"], start=fixed or c["start"])
+        rows[name] = row_figures(name, run, tok, schedule=[] if fixed else c["schedule"], start=fixed or c["start"],
+                                 prompt=prompt)
     return _report(rows, c, meta, args, say)
 
 
