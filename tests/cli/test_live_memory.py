@@ -15,12 +15,14 @@ import sys
 import threading
 import time
 
+import httpx
 import pytest
 
 from lever.cli.bench.cgroup import _controller, held_bytes, memory_group, write_limit
 from lever.shipped import shipped
 from tests.cli.test_bench_cap import needs_cgroup
 from tests.deep_target import write_deep_target
+from tests.serve.live import start_server, stop
 
 MIB = 1 << 20
 PROMPT = "def read_config(path):\n"
@@ -109,3 +111,60 @@ def test_a_cap_below_the_floor_stops_the_run_with_one_line_not_a_kill(deep, refe
     last = got["err"].strip().splitlines()[-1]
     assert "below this run's floor of" in last  # cgroup v1 shows no cap it has not met: the floor is what it names
     assert got["took"][0] < GRACE_S / 2  # it gave the memory back by stopping, well within the grace
+
+
+@pytest.fixture(scope="module")
+def deeper(tmp_path_factory):
+    """The shipped target 128 times as deep (768 blocks, ~650 MB): a server's plan counts its own
+    parts and its process's mapped libraries, which the cgroup may not charge it, so its floor is
+    above what it holds unless its layers are many."""
+    d = tmp_path_factory.mktemp("live")
+    return write_deep_target(shipped("models", "stdlib-target-q4_0.gguf"), d / "deep128.gguf", 128)
+
+
+@needs_cgroup
+def test_a_server_under_the_same_moves_answers_every_streamed_request_as_alone(deeper):
+    key = {"Authorization": "Bearer live-test"}
+    body = {"prompt": PROMPT, "n_predict": 32, "temperature": 0, "cache_prompt": False}
+    _, limit_file, _ = _controller()
+    high = 1536 * MIB  # the server's own parts beside the run: every layer resident still
+    with memory_group(high) as group:
+        proc, url = start_server("-m", str(deeper), "-md", str(shipped("models", "stdlib-draft-q8_0.gguf")),
+                                 "--mem", str(high), "--ctx-size", "512", "--api-key", "live-test", "--no-page",
+                                 "--cache-ram", "16", headers=key, wrap=group.joined, template=None)
+        try:
+            want = httpx.post(url + "/completion", json=body, headers=key, timeout=300).json()["content"]
+            # the least its plan may hold (every layer streamed, its requests' and conversations' parts kept),
+            # with room for a few layers: below what it holds now, so layers must go
+            floor = httpx.get(url + "/admin/memory", headers=key, timeout=60).json()["floor_bytes"]
+            low = floor + 16 * MIB
+            assert low < held_bytes(group.path) - 16 * MIB
+            chunks, answers, took = [], [], []
+
+            def client():  # streams one request after another while the cap moves
+                for _ in range(3):
+                    text, status = "", None
+                    with httpx.stream("POST", url + "/completion", json=body | {"stream": True}, headers=key,
+                                      timeout=300) as r:
+                        status = r.status_code
+                        for line in r.iter_lines():
+                            if line.startswith("data: "):
+                                text += json.loads(line[6:]).get("content", "")
+                                chunks.append(1)
+                    answers.append((status, text))
+
+            t = threading.Thread(target=client)
+            t.start()
+            for at, cap in ((1, low), (24, high)):
+                while len(chunks) < at and t.is_alive():
+                    time.sleep(0.01)
+                t0 = time.monotonic()
+                while not write_limit(group.path / limit_file, cap) and time.monotonic() - t0 < GRACE_S:
+                    time.sleep(0.02)
+                took.append(time.monotonic() - t0)
+                assert took[-1] < GRACE_S / 2, f"the server did not make room for {cap >> 20} MiB in time"
+            t.join(600)
+            assert proc.poll() is None  # alive
+            assert answers == [(200, want)] * 3  # no request lost, none failed, each as alone
+        finally:
+            stop(proc)
