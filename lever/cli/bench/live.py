@@ -139,7 +139,8 @@ def _print(rows: dict, ref_tokens, out) -> None:
         out(f"{name}: {state}, {r['n_tokens']} tokens{same}, peak {r['peak_bytes'] >> 20} MiB")
         for p in r["phases"]:
             s = f"{p['settled_tps']:.2f} tok/s" if p["settled_tps"] is not None else "no tokens"
-            vs = f" ({p['vs_started_there']:.2f}x the run started at this cap)" if p.get("vs_started_there") else ""
+            vs = (f" ({p['vs_started_there']:.2f}x the run started at this cap, over tokens "
+                  f"{p['tokens'][0]}-{p['tokens'][1]})") if p.get("vs_started_there") else ""
             out(f"  {p['from_s']:6.1f}-{p['to_s']:6.1f} s at {p['cap_bytes'] >> 20} MiB: settled {s}{vs}; "
                 f"cap met after {p['met_after_s'] if p['met_after_s'] is not None else 'never'} s, "
                 f"held at most {p['held_max_bytes'] >> 20} MiB")
@@ -261,14 +262,35 @@ def main(args) -> int:
     return _report(rows, c, meta, args, say)
 
 
+def same_tokens_s(series: list[tuple[float, int]], a: int, b: int) -> float | None:
+    """Seconds a run took from its a-th token to its b-th (from its emissions), None if it never got there."""
+    ta = next((t for t, n in series if n >= a), None) if a else 0.0
+    tb = next((t for t, n in series if n >= b), None)
+    return tb - ta if ta is not None and tb is not None and tb > ta else None
+
+
+def compare(live: dict, started: dict[int, dict]) -> None:
+    """Each settled phase of the live run against the run started at its cap, over the same tokens
+    (a text's acceptance changes along it: the same stretch of text is the fair comparison)."""
+    for p in live["phases"]:
+        ref = started.get(p["cap_bytes"])
+        a0 = p["from_s"] + (1 - SETTLED) * (p["to_s"] - p["from_s"])
+        # from its first token at the earliest: the prefill before it is not the cap's to speed up
+        a = max((n for t, n in live["series"] if t <= a0), default=live["series"][0][1] if live["series"] else 0)
+        b = max((n for t, n in live["series"] if t <= p["to_s"]), default=0)
+        if ref is None or b <= a:
+            continue
+        theirs, ours = same_tokens_s(ref["series"], a, b), same_tokens_s(live["series"], a, b)
+        if theirs and ours:
+            p.update(tokens=[a, b], vs_started_there=theirs / ours)
+
+
 def _report(rows: dict, c: dict, meta: dict, args, say) -> int:
     ref = rows.get(f"{LEVER}@{c['start'] >> 20}M")
     ref_tokens = ref["tokens"] if ref else None
-    started = {r["phases"][0]["cap_bytes"]: r["decode_tps"] for n, r in rows.items() if "@" in n and r["decode_tps"]}
-    for r in rows.values():
-        for p in r["phases"]:
-            if r["row"] == LEVER and p["settled_tps"] and started.get(p["cap_bytes"]):
-                p["vs_started_there"] = p["settled_tps"] / started[p["cap_bytes"]]
+    started = {r["phases"][0]["cap_bytes"]: r for n, r in rows.items() if "@" in n and r["series"]}
+    if LEVER in rows:
+        compare(rows[LEVER], started)
     _print(rows, ref_tokens, say)
     if args.json:
         write_json(args.json, {"meta": meta, "rows": rows})
