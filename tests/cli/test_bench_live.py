@@ -1,0 +1,41 @@
+"""`lever bench live`: its schedule, its rates over time, and each phase against the run started at
+its cap over the same tokens; the runs themselves are tests/cli/test_live_memory.py's mechanism."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lever.cli.bench.live import compare, parse_schedule, phases, rate, same_tokens_s
+from lever.errors import LeverError
+
+MIB = 1 << 20
+
+
+def test_the_schedule_is_sorted_and_a_bad_change_is_one_line_naming_it():
+    assert parse_schedule(["60=3G", "20=1536M"]) == [(20.0, 1536 * MIB), (60.0, 3 << 30)]
+    for bad in ("20", "x=1G", "20=lots", "-1=1G", "20=1M"):
+        with pytest.raises(LeverError, match=f"--then: {bad!r}"):
+            parse_schedule([bad])
+
+
+def test_phases_cover_the_run_and_rates_count_what_came_inside():
+    assert phases([(20.0, 1), (60.0, 2)], 3, 100.0) == [(0.0, 20.0, 3), (20.0, 60.0, 1), (60.0, 100.0, 2)]
+    series = [(float(t), t) for t in range(1, 101)]  # a token a second
+    assert rate(series, 10.0, 20.0) == pytest.approx(1.0) and rate(series, 200.0, 300.0) is None
+
+
+def test_a_phase_is_compared_over_the_same_tokens_whatever_the_speeds():
+    rng = random.Random(3)
+    for _ in range(50):
+        k = rng.uniform(0.5, 2.0)  # the live run is k times the reference's speed
+        ref = [(10.0 + i / 2.0, i) for i in range(1, 301)]  # 2 tok/s after 10 s of prefill
+        start = rng.uniform(0.0, 30.0)
+        live_series = [(start + i / (2.0 * k), i) for i in range(1, 301)]
+        live = {"series": live_series, "phases": [{"from_s": start + 20.0, "to_s": start + 60.0, "cap_bytes": 1}]}
+        compare(live, {1: {"series": ref}})
+        p = live["phases"][0]
+        assert p["vs_started_there"] == pytest.approx(k, rel=0.05)
+        a, b = p["tokens"]
+        assert same_tokens_s(ref, a, b) == pytest.approx((b - a) / 2.0, abs=0.6)
