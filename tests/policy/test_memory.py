@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -210,20 +211,25 @@ def test_long_run_does_not_grow(tiny_model):
     cache is allocated for the whole context up front) and the peak within the plan."""
     path = tiny_model("llama", "F32", n_layer=2, n_ctx=4096)
     n = 3000
-    proc = subprocess.Popen([sys.executable, "-m", "lever", "run", "--json",
-                             "-c", str(ROOT / "examples" / "flash-ar.toml"),
-                             "-p", "the", "-n", str(n), "--set", f'model.target="{path}"', "--set", "model.n_ctx=4096"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ps, samples = psutil.Process(proc.pid), []
-    while proc.poll() is None:
-        try:
-            samples.append((time.monotonic(), ps.memory_info().rss))
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.02)
-    out, err = proc.communicate()
-    assert proc.returncode == 0, err
-    r = json.loads(out)
+    # its output to files, not pipes read only at the end: a result of 3,000 passes is over a pipe's
+    # 64 KiB, and the run would wait on a full pipe while this waits on the run
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "lever", "run", "--json",
+                                 "-c", str(ROOT / "examples" / "flash-ar.toml"), "-p", "the", "-n", str(n),
+                                 "--set", f'model.target="{path}"', "--set", "model.n_ctx=4096"],
+                                stdout=out, stderr=err, text=True)
+        ps, samples = psutil.Process(proc.pid), []
+        while proc.poll() is None:
+            try:
+                samples.append((time.monotonic(), ps.memory_info().rss))
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
+        proc.wait()
+        out.seek(0)
+        err.seek(0)
+        assert proc.returncode == 0, err.read()
+        r = json.loads(out.read())
     assert len(r["tokens"]) == n and r["memory"]["peak_rss_bytes"] <= r["memory"]["rss_bound_bytes"]
     # Decoding, without the start (imports, prefill) and the end (the result and its text): RSS
     # over the last stretch against the first, each a median of samples so one spike is not growth.
