@@ -6,7 +6,8 @@ Shared by run, serve, chat and the benches, below them and above the config and 
 (lever.pipelines.pairing). Without -c, `-m` runs examples/model.toml (Lever's trees, layers kept
 resident as far as the machine's memory allows, or --mem); with no draft, or one that cannot
 propose for the target, the free sources draft and one line says so. With -c, -m and -md
-replace the config's paths. --set always comes after, and wins.
+replace the config's paths. --set always comes after, and wins. A model is a path, else a
+model of $LEVER_MODELS by the name or the path `lever list` shows (`-m qwen2.5-coder-1.5b`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from lever.cli.common import input_text_file, n_ctx
 from lever.errors import LeverError, regular_file
+from lever.hub.pull import find_model
 from lever.pipelines.pairing import free_sets, pair
 from lever.shipped import shipped
 
@@ -36,17 +38,22 @@ def check_models(args) -> None:
     if args.config is not None:
         input_text_file(args.config, "-c", "config file")
     if args.model is not None:
-        _gguf(args.model, "-m")
+        args.model = _gguf(args.model, "-m")
     if args.model_draft:
-        _gguf(args.model_draft, "-md")
+        args.model_draft = _gguf(args.model_draft, "-md")
     if args.model is None and args.config is None and args.model_draft:
         raise LeverError("-md: a draft needs its target: give -m TARGET.gguf too (or -c CONFIG)")
 
 
-def _gguf(path: str, flag: str) -> None:
+def _gguf(path: str, flag: str) -> str:
+    """The model file a flag names: a path, else a model of $LEVER_MODELS by its name or its
+    path there (as `lever list` shows them), as ollama's and mlx-lm's users name theirs."""
     try:
         regular_file(path, "model")
+        return path
     except LeverError as e:
+        if (found := find_model(path)) is not None:
+            return str(found)
         raise LeverError(f"{flag} {e} (lever pull NAME fetches a model; lever list shows those here)") from None
 
 

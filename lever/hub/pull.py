@@ -17,7 +17,7 @@ from lever.errors import LeverError
 from lever.hub import hf, pypi
 from lever.hub.catalogue import ENTRIES, PAIRS, Chunks, Entry, lookup
 from lever.hub.download import Digest, Transfer, fetch
-from lever.hub.store import Held, Progress, file_digest, held, inside, models_dir, partial_path, quiet
+from lever.hub.store import MODEL_SUFFIX, Held, Progress, file_digest, held, inside, models_dir, partial_path, quiet
 
 
 @attrs.frozen
@@ -135,4 +135,21 @@ def name_of(h: Held) -> str:
     return by_file.get(h.relative.removesuffix(".part"), h.relative.removesuffix(".part"))
 
 
-__all__ = ["Held", "Known", "Pulled", "catalogue_state", "held", "name_of", "pull", "pull_entry", "pull_hub"]
+def find_model(name: str, root: Path | None = None) -> Path | None:
+    """What `-m NAME` means when NAME is no file here: a file of the folder by its path there
+    (`lever list`'s path column, OWNER/REPO/FILE for a hub file), else a pulled catalogue model
+    by its name (`lever list`'s name column); None when neither holds it."""
+    root = models_dir() if root is None else Path(root)
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:  # a link the folder holds may lead out; a name may not
+        return None
+    if (path := root / rel).suffix == MODEL_SUFFIX and path.is_file():
+        return path
+    entries = lookup(name)
+    if len(entries) == 1 and (path := root / entries[0].filename).is_file():
+        return path
+    return None
+
+
+__all__ = ["Held", "Known", "Pulled", "catalogue_state", "find_model", "held", "name_of", "pull", "pull_entry",
+           "pull_hub"]

@@ -113,7 +113,7 @@ class MemoryWatch:
     own_limit_bytes: int | None = None  # the run's [memory] limit: never more than it
     reserved_bytes: int = 0  # what the process holds beside the run's plan (a server's requests, kept conversations)
     poll_s: float = POLL_S
-    events: list[tuple[float, str, int]] = attrs.field(factory=list)  # (monotonic s, what, bytes): for the figures
+    events: list[tuple[float, str, int]] = attrs.field(factory=list)  # (monotonic s, what, bytes or layers): figures
     error: LeverError | None = None  # a budget below the floor, last seen
     _stop: threading.Event = attrs.field(factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -208,7 +208,9 @@ class MemoryWatch:
             return
         self.events.append((time.monotonic(), "limit", budget))
         try:
-            self.set_memory(budget)
+            change = self.set_memory(budget)
             self.error = None
+            if (layers := getattr(change, "layers_after", None)) is not None:
+                self.events.append((time.monotonic(), "resident_layers", layers))
         except LeverError as e:  # below the floor: the engine stops its passes with this line
             self.error = e

@@ -88,3 +88,13 @@ def test_model_flags_errors_are_one_line(tmp_path):
     assert_one_line_error(run_cli("run", "-md", str(SHIPPED_DRAFT)), "-md", "needs its target")
     assert_one_line_error(run_cli("run", "-m", str(SHIPPED_TARGET), "--ctx-size", "0"), "--ctx-size")
     assert_one_line_error(run_cli("serve", "--alias", ""), "--alias")
+
+
+def test_a_model_of_the_folder_runs_by_its_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEVER_MODELS", str(tmp_path))
+    (tmp_path / "t.gguf").symlink_to(SHIPPED_TARGET)
+    args = parsed("-m", "t.gguf", "-md", str(SHIPPED_DRAFT))
+    check_models(args)
+    assert args.model == str(tmp_path / "t.gguf") and args.model_draft == str(SHIPPED_DRAFT)
+    with pytest.raises(LeverError, match="-m t2.gguf: no such model .*lever list"):
+        check_models(parsed("-m", "t2.gguf"))

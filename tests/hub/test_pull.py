@@ -11,7 +11,7 @@ import pytest
 
 from lever.errors import LeverError
 from lever.hub.catalogue import ENTRIES, PAIRS, Entry, Url
-from lever.hub.pull import catalogue_state, name_of, pull, pull_entry
+from lever.hub.pull import catalogue_state, find_model, name_of, pull, pull_entry
 from lever.hub.store import held, models_dir
 
 
@@ -69,3 +69,17 @@ def test_the_catalogue_state_follows_the_folder(tmp_path):
     assert {k.name: k.state for k in catalogue_state(tmp_path)}[small.name] == "pulled"
     assert [name_of(h) for h in held(tmp_path)] == ["qwen2.5-coder-1.5b", small.name, small.name]
     assert draft in {e.name for e in ENTRIES}
+
+
+def test_a_model_is_found_by_its_name_or_its_path_in_the_folder(tmp_path):
+    small = next(e for e in ENTRIES if e.name == "stories260k")
+    assert find_model(small.name, tmp_path) is None  # not pulled: nothing to run
+    (tmp_path / small.filename).write_bytes(b"GGUF")
+    hub = tmp_path / "owner" / "repo" / "m.gguf"
+    hub.parent.mkdir(parents=True)
+    hub.write_bytes(b"GGUF")
+    (tmp_path / "notes.txt").write_bytes(b"x")
+    assert find_model(small.name, tmp_path) == find_model(small.filename, tmp_path) == tmp_path / small.filename
+    assert find_model("owner/repo/m.gguf", tmp_path) == hub
+    for bad in ("notes.txt", "../" + small.filename, "/etc/passwd", "owner", "stories"):
+        assert find_model(bad, tmp_path) is None, bad

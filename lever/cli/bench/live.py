@@ -126,6 +126,8 @@ def row_figures(row: str, run: Scheduled, tok, *, schedule, start: int, prompt: 
             "killed_by_cap": run.killed_by_cap, "returncode": run.returncode, "stopped": run.returncode is None,
             "tokens": d.get("tokens"), "decode_tps": d.get("decode_tps"), "n_tokens": series[-1][1] if series else 0,
             "series": series, "phases": ph, "memory_events": d.get("memory_events", []),
+            # each pass's nodes, predicted and measured seconds, learned scales; the plan and reads
+            "cycles": d.get("tree", {}).get("cycles", []), "memory": d.get("memory"), "flash": d.get("flash"),
             "samples": [(t - run.started_s, h, c) for t, h, c in run.samples], "peak_bytes": run.peak_bytes,
             "why": "" if run.returncode in (0, None) else (run.stderr.strip().splitlines() or [""])[-1][:300]}
 
