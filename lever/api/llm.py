@@ -89,7 +89,8 @@ def load(config: str | os.PathLike | None = None, *, overrides: Sequence[str] = 
     if config is None and "kind" not in settings:  # no file: speculative with a draft, else Flash-AR
         sets.insert(0, 'pipeline.kind="speculative"' if settings.get("draft") else 'pipeline.kind="flash-ar"')
     cfg = load_config(config, [*sets, *overrides])
-    return LLM(cfg, Engine.open(cfg, grammars=grammars), chat_template, structured=grammars)  # in the plan, or off
+    # structured output in the plan, or off; the memory the system grants followed from before the layers load
+    return LLM(cfg, Engine.open(cfg, grammars=grammars, follow=True), chat_template, structured=grammars)
 
 
 @attrs.define
@@ -113,13 +114,16 @@ class LLM:
     lanes: Lanes = attrs.field(init=False, default=attrs.Factory(
         lambda s: Lanes(s.engine.plan.parallel, s.engine.batcher() if s.engine.plan.parallel > 1 else None),
         takes_self=True))
-    # the cgroup's limit and pressure, followed ([memory] follow, with resident layers filling a limit)
-    memory_watch: MemoryWatch | None = attrs.field(init=False, default=attrs.Factory(
-        lambda s: w.start() if (w := s.engine.watch_memory()) is not None else None, takes_self=True))
 
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tok
+
+    @property
+    def memory_watch(self) -> MemoryWatch | None:
+        """The cgroup's limit and pressure, followed ([memory] follow, with resident layers
+        filling a limit) from before the layers loaded (Engine.open)."""
+        return self.engine.memory_watch
 
     @property
     def parallel(self) -> int:

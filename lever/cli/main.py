@@ -22,6 +22,7 @@ import importlib
 import io
 import os
 import signal
+import stat
 import sys
 import traceback
 
@@ -110,9 +111,15 @@ def _main(argv: list[str] | None) -> int:
     signals.arm()
     try:
         with native.default_threads(args.threads):
-            return args.func(args)
+            code = args.func(args)
+        # flushed while armed: a reader that holds the output back no longer holds the exit, where
+        # a signal would find no handler and the code would say 0 over a cut result
+        sys.stdout.flush()
+        return code
     except KeyboardInterrupt as e:
         _release(e)
+        if _is_pipe(sys.stdout):  # what it had left to print waits in the buffer: the exit's flush
+            _quiet_stdout()  # would block on a reader that stopped reading, past the signal that stops it
         return _interrupted(getattr(e, "signum", signals.pending() or signal.SIGINT))
     except BrokenPipeError as e:
         _release(e)
@@ -174,6 +181,14 @@ def _is_open(stream) -> bool:
         os.fstat(fd)
         return True
     except OSError:
+        return False
+
+
+def _is_pipe(stream) -> bool:
+    try:
+        mode = os.fstat(stream.fileno()).st_mode
+        return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+    except (OSError, ValueError, AttributeError):  # a caller's StringIO, or closed
         return False
 
 

@@ -11,7 +11,6 @@ compute, and peak RSS against the memory plan (lever.pipelines.result). `run_pip
 
 from __future__ import annotations
 
-import contextlib
 import resource
 import sys
 import threading
@@ -74,13 +73,10 @@ def compiled(cfg: Config, constrain: dict) -> Grammar:
 def _run_kind(cfg: Config, name: str, prompt: str, *, on_text=None, trace_path=None, observer=None,
               grammar: Grammar | None = None) -> RunResult:
     with Engine.open(cfg, name, prompt=prompt, grammars=grammar or False,
-                     tok=grammar.tok if grammar is not None else None) as engine, \
-            contextlib.ExitStack() as stack:
-        if (watch := engine.watch_memory()) is not None:
-            stack.enter_context(watch)
+                     tok=grammar.tok if grammar is not None else None, follow=True) as engine:
         res = engine.run(Request(engine.encode(prompt), observer=observer, grammar=grammar), on_text=on_text,
                          trace_path=trace_path)
-        if watch is None:
+        if (watch := engine.memory_watch) is None:
             return res
         t0 = res.timing.started_s
         return attrs.evolve(res, memory_events=tuple((t - t0, what, n) for t, what, n in watch.events))
@@ -98,16 +94,20 @@ class Engine:
     # the process before loading (interpreter, libraries, tokenizer): a plan made after loading
     # must not count the loaded weights twice, once as their parts and once in the process's RSS
     process_bytes: int | None = None
+    memory_watch: MemoryWatch | None = None  # the system's grant followed (Engine.open's `follow`)
     _learners: list[weakref.ref] = attrs.field(factory=list)  # generations' tree pricing (set_memory reprices)
     _memory_lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     @classmethod
     def open(cls, cfg: Config, name: str | None = None, *, prompt: str | None = None,
-             grammars: bool | Grammar = False, tok: Tokenizer | None = None) -> Engine:
+             grammars: bool | Grammar = False, tok: Tokenizer | None = None, follow: bool = False) -> Engine:
         """The plan first (headers and tokenizer, nothing loaded), then the memory plan for
         `prompt` (or for a tree pass when none is known yet) is checked, then the models load.
         `grammars`: structured output may run, or this grammar will (its part of the plan:
-        RunPlan.resolve); `tok`: the target's tokenizer, when the caller has it already."""
+        RunPlan.resolve); `tok`: the target's tokenizer, when the caller has it already.
+        `follow`: the memory the system grants is followed from before the resident layers
+        load (`memory_watch`, stopped by `close`): a cap that falls while they are read takes
+        effect at the next layer, where the kernel would kill a load that went on to its plan."""
         plan = RunPlan.resolve(cfg, name, grammars=grammars, tok=tok)
         for line in plan.warnings:
             print(f"lever: warning: {line}", file=sys.stderr)
@@ -121,10 +121,18 @@ class Engine:
             # kernels (which release the GIL), and the first token waits for both
             draft = pool.submit(Model, file=plan.draft_file) if plan.drafts else None
             try:
+                # resident layers: read (not mapped) and packed, so the file may change under a long run without
+                # harm; they grow in the background, under the watch, while the draft loads
                 engine.target = FlashTarget.open(plan.target_file.path, plan.flash, file=plan.target_file,
-                                                 resident=plan.resident)
-                # resident: read (not mapped) and packed, so its file may change under a long run without harm
+                                                 resident=frozenset())
+                engine.memory_watch = engine.watch_memory() if follow else None
+                if engine.memory_watch is not None:
+                    engine.memory_watch.start()
+                engine.target.resident.resize(plan.resident)
                 engine.draft = draft.result() if draft is not None else None
+                engine.target.resident.wait_grown()
+                if (e := engine.target.resident.grow_error) is not None:
+                    raise e
             except BaseException:
                 if draft is not None:
                     draft.cancel()
@@ -262,6 +270,9 @@ class Engine:
         return KVState(KVCache(p.spec, p.n_ctx + p.tree.max_nodes), draft, 0)
 
     def close(self) -> None:
+        if self.memory_watch is not None:
+            self.memory_watch.stop()
+            self.memory_watch = None
         if self.target is not None:
             self.target.close()
             self.target = None

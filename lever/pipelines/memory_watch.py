@@ -157,6 +157,10 @@ class MemoryWatch:
 
     def _run(self) -> None:
         seen = self._limit()
+        budget = self.budget_bytes(seen)
+        if seen is not None and self.own_limit_bytes is not None and budget is not None \
+                and budget < self.own_limit_bytes:
+            self._apply(seen)  # a cap below the run's plan already (the layers load after the start): followed now
         burst = squeezed = None  # when the pressure under way began; when the squeeze came
         last, by_signal, floor_said = 0.0, False, False
         while not self._stop.is_set():

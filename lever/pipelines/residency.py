@@ -58,6 +58,7 @@ class Residency:
     late_bytes: int = 0
     grown: int = 0  # layers read back and packed by grow
     dropped: int = 0
+    grow_error: Exception | None = None  # the last read back that failed
     stopped: LeverError | None = None  # a cap below the run's floor: every pass stops with it, at its next layer
 
     def __attrs_post_init__(self) -> None:
@@ -127,11 +128,14 @@ class Residency:
         return freed
 
     def wait_grown(self, timeout_s: float | None = None) -> bool:
-        """Waits for a grow under way (tests, and a run that wants its layers back before it goes on)."""
-        t = self._grower
-        if t is not None:
-            t.join(timeout_s)
-            return not t.is_alive()
+        """Waits for the grow under way and any that superseded it (Engine.open's load, tests);
+        whether none is left."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while (t := self._grower) is not None and t.is_alive():
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            t.join(left)
         return True
 
     def _grow(self, layers: list[int], epoch: int) -> None:
@@ -140,7 +144,8 @@ class Residency:
                 return
             try:
                 weights = self.load(i)
-            except Exception:  # noqa: BLE001 - a failed read back leaves the layer streamed, as planned before
+            except Exception as e:  # noqa: BLE001 - a failed read back leaves the layer streamed, as planned before
+                self.grow_error = e  # (a load's: Engine.open raises it)
                 return
             with self._lock:
                 if self._epoch != epoch:

@@ -43,12 +43,12 @@ def lever_cmd(deep, *extra: str) -> list[str]:
             "-n", "160", "--mem", str(HIGH), "--ctx-size", "512", *extra]
 
 
-def drive(cmd: list[str], moves: list[tuple[int, int]], grace_s: float = GRACE_S) -> dict:
-    """Runs `cmd` in a memory cgroup of HIGH; when its stdout has passed `chars` characters, its
+def drive(cmd: list[str], moves: list[tuple[int, int]], grace_s: float = GRACE_S, start: int = HIGH) -> dict:
+    """Runs `cmd` in a memory cgroup of `start`; when its stdout has passed `chars` characters, its
     cap becomes `cap` (retried until the kernel takes it, killed after GRACE_S). What it printed,
     how it ended, how long each move took, and the group's usage over time."""
     _, limit_file, _ = _controller()
-    with memory_group(HIGH) as group:
+    with memory_group(start) as group:
         proc = subprocess.Popen(group.joined(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 stdin=subprocess.DEVNULL)
         out: list[str] = []
@@ -100,6 +100,21 @@ def test_a_cap_lowered_then_raised_mid_generation_leaves_the_text_and_the_run_al
     assert under_low and max(under_low) <= low
     # raised again, it read layers back: it came to hold a good part of them again
     assert after and max(after) - under_low[-1] > layers // 4
+
+
+@needs_cgroup
+def test_a_cap_below_the_plan_from_the_start_is_followed_before_the_layers_load(deep, reference):
+    # `--mem HIGH` in a group that grants less: the layers the plan would load do not fit, and a
+    # load that went on to its plan is killed by the kernel (anonymous memory cannot be reclaimed)
+    ref, held, plan = reference
+    low = held - plan["resident_layer_bytes"] // 4
+    assert drive(lever_cmd(deep, "--set", "memory.follow=false"), [], start=low)["rc"] == -9  # the cap is real
+    got = drive(lever_cmd(deep, "--json"), [], start=low)
+    assert got["rc"] == 0, got["err"][-400:]
+    res = json.loads(got["out"])
+    assert PROMPT + res["text"] + "\n" == ref["out"]  # lossless
+    assert max(h for _, h in got["samples"]) <= low
+    assert res["memory_events"][0][1] == "limit" and res["memory_events"][0][2] <= low
 
 
 @needs_cgroup

@@ -5,9 +5,13 @@ C tool killed by SIGPIPE ends (it used to print "error: : Broken pipe")."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tests.conftest import ROOT
 
@@ -60,3 +64,26 @@ def test_what_a_native_library_prints_goes_to_stderr_and_stdout_stays_one_json_o
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)  # one object, nothing else
     assert len(out["tokens"]) == 4 and "native library noise" in proc.stderr
+
+
+def test_a_term_while_the_result_waits_on_a_full_pipe_ends_the_run_at_once():
+    # a reader that stops reading (a pipe of one page, never read): the run blocks writing its
+    # JSON; one TERM must end it with 143, not leave the interpreter's last flush blocked again
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    cmd = [sys.executable, "-m", "lever", "run", "--json", "-n", "24", "--set", 'pipeline.baseline=""']
+    proc = subprocess.Popen(cmd, stdout=w, stderr=subprocess.PIPE, cwd=ROOT, stdin=subprocess.DEVNULL)
+    os.close(w)
+    try:
+        deadline = time.monotonic() + 240
+        while "pipe_write" not in Path(f"/proc/{proc.pid}/wchan").read_text():  # blocked on the pipe
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never blocked on its pipe"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        assert rc == 128 + signal.SIGTERM, (rc, proc.stderr.read().decode())
+        assert "interrupted (SIGTERM)" in proc.stderr.read().decode()
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(r)

@@ -12,9 +12,11 @@ import pytest
 
 from lever.config import load_config
 from lever.errors import LeverError
+from lever.model.grammar import Grammar
 from lever.pipelines.compose import Request
 from lever.pipelines.engine import Engine
 from lever.shipped import shipped
+from tests.model.schemas import schemas
 
 PROMPTS = ["def read_config(path):\n", "import os\n\n\ndef walk(root):\n", "class Stack:\n    def push(self, x):\n",
            "for line in open(path):\n", "def merge(a, b):\n    out = []\n"]
@@ -57,6 +59,28 @@ def test_layers_dropped_and_read_back_mid_pass_leave_every_generation_as_it_was_
     # the cases did what they are about: passes read layers dropped after they were planned, and
     # layers came back while passes ran
     assert residency.late_reads > late0 and residency.grown > grown0
+
+
+def test_a_generation_under_a_grammar_gives_the_same_text_while_layers_move(engine):
+    # the grammar masks at Accept, above the layers: a move must change nothing it sees (generated
+    # schemas, greedy and seeded sampling, moves at random layers mid-pass)
+    rng, n_layer, residency = random.Random(51), engine.plan.spec.n_layer, engine.target.resident
+    late0, alone = residency.late_reads, {}
+    for case, schema in enumerate(schemas(51, 6)):
+        gen = engine.plan.generate if case % 2 else attrs.evolve(engine.plan.generate, temperature=0.8, seed=case)
+        grammar = Grammar.json_schema(engine.tok, schema)
+        request = Request(tuple(engine.encode("Reply in JSON.\n" + rng.choice(PROMPTS))), generate=gen, grammar=grammar)
+        want = _alone(engine, request, alone)
+
+        def chaos(layer, tree, x):
+            if rng.random() < 0.2:
+                residency.resize(rng.sample(range(n_layer), rng.randint(0, n_layer)))
+
+        got = engine.run(attrs.evolve(request, observer=chaos)).tokens
+        assert residency.wait_grown(60)
+        assert got == want, f"case {case} ({'sampled' if gen.temperature else 'greedy'}): {schema}"
+        assert grammar.fresh_matcher().consume_tokens([t for t in got if t not in engine.plan.eos_ids])  # it held
+    assert residency.late_reads > late0
 
 
 def test_a_new_budget_plans_within_it_and_holds_what_it_planned(engine):

@@ -162,18 +162,51 @@ def write_limit(path: Path, n: int) -> bool:
         return False
 
 
+@attrs.define
+class CapMover:
+    """A group's cap moved along a schedule as ../shared/tools/memcap --then moves it: each
+    (seconds after `t0`, bytes) in turn; a cap the kernel cannot meet yet (v1 refuses a limit
+    below what the group holds) is retried, and a process still over it after `grace_s` killed."""
+
+    group: Group
+    limit: Path
+    cap: int  # the cap now
+    pending: list[tuple[float, int]]  # the changes to come
+    grace_s: float
+    t0: float  # monotonic: the schedule's zero
+    changes: list[list] = attrs.field(factory=list)  # [monotonic s asked, new cap, s it took; None: not yet]
+    samples: list[tuple[float, int, int]] = attrs.field(factory=list)  # (monotonic s, held, cap)
+    killed: bool = False
+    _wanted: int | None = None  # a lower cap not met yet
+    _since: float = 0.0
+
+    def tick(self, proc: subprocess.Popen) -> None:
+        """One look: the next change if its time came, a wanted cap written again (or the
+        process killed past the grace), the group's usage sampled."""
+        now = time.monotonic()
+        if self.pending and now - self.t0 >= self.pending[0][0]:
+            _, self.cap = self.pending.pop(0)
+            self._wanted, self._since = self.cap, now
+            self.changes.append([now, self.cap, None])
+        if self._wanted is not None:
+            if write_limit(self.limit, self._wanted):
+                self.changes[-1][2], self._wanted = time.monotonic() - self._since, None
+            elif now - self._since > self.grace_s:
+                proc.kill()
+                self.killed, self._wanted = True, None
+        self.samples.append((now, held_bytes(self.group.path), self.cap))
+
+
 def run_scheduled(cmd: list[str], cap_bytes: int, *, schedule: list[tuple[float, int]], grace_s: float = 2.0,
                   evict_paths=(), stop_after_s: float | None = None, sample_s: float = 0.1) -> Scheduled:
     """Run `cmd` in a fresh memory cgroup of `cap_bytes` whose cap moves to each (seconds after
-    the start, bytes) of `schedule`, as ../shared/tools/memcap --then does: a cap the kernel
-    cannot meet yet is retried, and a child still over it after `grace_s` is killed. Its stdout
-    is timed as it comes, the group's usage sampled every `sample_s`; `stop_after_s`: stopped
-    then (SIGTERM, then SIGKILL), alive or not being what is measured."""
-    parent, limit_file, _ = _controller()
+    the start, bytes) of `schedule` (CapMover). Its stdout is timed as it comes, the group's
+    usage sampled every `sample_s`; `stop_after_s`: stopped then (SIGTERM, then SIGKILL), alive
+    or not being what is measured."""
+    _, limit_file, _ = _controller()
     with memory_group(cap_bytes) as group:
         for p in evict_paths:
             evict(p)
-        limit = group.path / limit_file
         t0 = time.monotonic()
         proc = subprocess.Popen(group.joined(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, text=True, bufsize=1)
@@ -184,34 +217,27 @@ def run_scheduled(cmd: list[str], cap_bytes: int, *, schedule: list[tuple[float,
                    threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)]
         for r in readers:
             r.start()
-        pending, changes, samples, killed, stopped = sorted(schedule), [], [], False, False
-        wanted, since = None, 0.0  # a lower cap not met yet, and since when
-        cap = cap_bytes
+        mover, stopped = CapMover(group, group.path / limit_file, cap_bytes, sorted(schedule), grace_s, t0), False
         while proc.poll() is None:
-            now = time.monotonic()
-            if pending and now - t0 >= pending[0][0]:
-                _, cap = pending.pop(0)
-                wanted, since = cap, now
-                changes.append([now, cap, None])
-            if wanted is not None:
-                if write_limit(limit, wanted):
-                    changes[-1][2], wanted = time.monotonic() - since, None
-                elif now - since > grace_s:
-                    proc.kill()
-                    killed, wanted = True, None
-            samples.append((now, held_bytes(group.path), cap))
-            if stop_after_s is not None and now - t0 > stop_after_s and not stopped:
-                proc.terminate()
+            mover.tick(proc)
+            if stop_after_s is not None and time.monotonic() - t0 > stop_after_s and not stopped:
+                stop_process(proc)
                 stopped = True
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(10)
-                if proc.poll() is None:
-                    proc.kill()
             time.sleep(sample_s)
         proc.wait()
         for r in readers:
             r.join(10)
-        return Scheduled(returncode=None if stopped and not killed else proc.returncode,
+        return Scheduled(returncode=None if stopped and not mover.killed else proc.returncode,
                          stdout="".join(c for _, c in chunks), stderr="".join(err), chunks=tuple(chunks),
-                         samples=tuple(samples), changes=tuple(tuple(c) for c in changes), killed_by_cap=killed,
-                         peak_bytes=group.peak_bytes, started_s=t0, wall_s=time.monotonic() - t0)
+                         samples=tuple(mover.samples), changes=tuple(tuple(c) for c in mover.changes),
+                         killed_by_cap=mover.killed, peak_bytes=group.peak_bytes, started_s=t0,
+                         wall_s=time.monotonic() - t0)
+
+
+def stop_process(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not gone within `wait_s`."""
+    proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(wait_s)
+    if proc.poll() is None:
+        proc.kill()

@@ -33,15 +33,17 @@ from pathlib import Path
 from lever.backends.flash.config import parse_bytes
 from lever.cli.bench.cgroup import Scheduled, run_scheduled
 from lever.cli.bench.fim import sample_requests
+from lever.cli.bench.live_serve import Served, request_figures, serve_moved
 from lever.cli.bench.llama_cpp import completion_cmd, find_pair, speculative_cmd
 from lever.cli.common import add_common, add_set, bench_tokens, check_sets, cpu_model, int_in, output_file
 from lever.cli.models import add_models, bench_config, check_models
 from lever.errors import LeverError
 from lever.outputs import write_json
 
-LEVER, COMPLETION, SPEC = "lever", "llama-completion", "llama-spec"
+LEVER, COMPLETION, SPEC, SERVE = "lever", "llama-completion", "llama-spec", "lever-serve"
 WINDOW_S = 10.0  # tok/s over time: tokens in the last WINDOW_S seconds
 SETTLED = 0.6  # a phase's settled rate: its last 60%
+SERVE_PROMPTS = 3  # the server's client asks these in turn, each several times across the phases
 N_CTX = 1024  # every process's context (llama.cpp's default and repacking do not fit a phone's cap)
 
 
@@ -111,8 +113,8 @@ def phases(schedule: list[tuple[float, int]], start: int, end_s: float) -> list[
     return [(a, marks[i + 1][0] if i + 1 < len(marks) else end_s, cap) for i, (a, cap) in enumerate(marks)]
 
 
-def row_figures(row: str, run: Scheduled, tok, *, schedule, start: int, prompt: str = "") -> dict:
-    series = emitted(row, run, tok, prompt)
+def row_figures(row: str, run: Scheduled | Served, tok, *, schedule, start: int, prompt: str = "") -> dict:
+    series = list(run.series) if isinstance(run, Served) else emitted(row, run, tok, prompt)
     end = series[-1][0] if series else run.wall_s
     ph = []
     for a, b, cap in phases(schedule, start, end):
@@ -121,7 +123,7 @@ def row_figures(row: str, run: Scheduled, tok, *, schedule, start: int, prompt: 
         held = [h for t, h, c in run.samples if a + (taken[2] or 0 if taken else 0) <= t - run.started_s < b]
         ph.append({"from_s": a, "to_s": b, "cap_bytes": cap, "settled_tps": settled,
                    "met_after_s": taken[2] if taken else 0.0, "held_max_bytes": max(held, default=0)})
-    d = json.loads(run.stdout) if row.startswith(LEVER) and run.returncode == 0 else {}
+    d = json.loads(run.stdout) if isinstance(run, Scheduled) and row.startswith(LEVER) and run.returncode == 0 else {}
     return {"row": row, "alive": not run.killed_by_cap and run.returncode in (0, None),
             "killed_by_cap": run.killed_by_cap, "returncode": run.returncode, "stopped": run.returncode is None,
             "tokens": d.get("tokens"), "decode_tps": d.get("decode_tps"), "n_tokens": series[-1][1] if series else 0,
@@ -129,7 +131,8 @@ def row_figures(row: str, run: Scheduled, tok, *, schedule, start: int, prompt: 
             # each pass's nodes, predicted and measured seconds, learned scales; the plan and reads
             "cycles": d.get("tree", {}).get("cycles", []), "memory": d.get("memory"), "flash": d.get("flash"),
             "samples": [(t - run.started_s, h, c) for t, h, c in run.samples], "peak_bytes": run.peak_bytes,
-            "why": "" if run.returncode in (0, None) else (run.stderr.strip().splitlines() or [""])[-1][:300]}
+            "why": "" if run.returncode in (0, None) else (run.stderr.strip().splitlines() or [""])[-1][:300],
+            **(request_figures(run) if isinstance(run, Served) else {})}
 
 
 def _print(rows: dict, ref_tokens, out) -> None:
@@ -146,6 +149,11 @@ def _print(rows: dict, ref_tokens, out) -> None:
             out(f"  {p['from_s']:6.1f}-{p['to_s']:6.1f} s at {p['cap_bytes'] >> 20} MiB: settled {s}{vs}; "
                 f"cap met after {p['met_after_s'] if p['met_after_s'] is not None else 'never'} s, "
                 f"held at most {p['held_max_bytes'] >> 20} MiB")
+        if "requests" in r:
+            same = "each equal to its prompt's answer with the cap still" if not r["differ"] else \
+                f"{len(r['differ'])} DIFFER from their prompt's answer with the cap still"
+            out(f"  {r['requests']} streamed requests: status {r['status']}, {r['lost']} lost, "
+                f"{r['server_errors']} 5xx; {same}")
 
 
 def plot(rows: dict, path: Path, schedule, start: int) -> None:
@@ -189,7 +197,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--prompt-lines", type=int_in(1, 200), default=20, help="lines of code before the cursor")
     b.add_argument("--tail", type=float, default=60.0, help="llama.cpp's rows stop this long after the last change")
     b.add_argument("--spec-k", type=int_in(1, 64), default=8, help="llama-speculative's draft length")
-    b.add_argument("--rows", default=None, help="only these rows (lever, lever@CAP..., llama-completion, llama-spec)")
+    b.add_argument("--rows", default=None,
+                   help="only these rows (lever, lever@CAP..., lever-serve, llama-completion, llama-spec)")
     b.add_argument("--llama-cpp", default=None, metavar="DIR", help="llama.cpp's bin directory")
     b.add_argument("--json", type=Path, default=None, help="write every figure and series to this file")
     b.add_argument("--plot", type=Path, default=None, help="draw tok/s and memory over time (matplotlib)")
@@ -213,7 +222,7 @@ def check_args(args) -> dict:
     output_file(args.plot, "--plot")
     check_sets(args)
     caps = sorted({start, *(c for _, c in schedule)}, key=lambda c: (c != start, c))
-    names = [LEVER, *(f"{LEVER}@{c >> 20}M" for c in caps), COMPLETION, SPEC]
+    names = [LEVER, *(f"{LEVER}@{c >> 20}M" for c in caps), SERVE, COMPLETION, SPEC]
     wanted = [r.strip() for r in args.rows.split(",")] if args.rows else names
     if unknown := [r for r in wanted if r not in names]:
         raise LeverError(f"--rows: {unknown[0]!r} is no row; the rows: {', '.join(names)}")
@@ -229,9 +238,12 @@ def main(args) -> int:
     if target is None:
         raise LeverError("bench live: give -m TARGET.gguf (llama.cpp's rows run the same file)")
     tok = Tokenizer.from_gguf(target)
-    prompt = sample_requests(1, seed=args.seed, root=Path(sysconfig.get_paths()["stdlib"]),
-                             prefix_lines=args.prompt_lines, suffix_lines=1, hole_lines=1,
-                             count=lambda t: len(tok.encode(t, add_bos=False)))[0].prefix
+    # the first is every run's prompt; the server's client asks all of them in turn
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prompts = [r.prefix for r in sample_requests(SERVE_PROMPTS, seed=args.seed, root=stdlib,
+                                                 prefix_lines=args.prompt_lines, suffix_lines=1, hole_lines=1,
+                                                 count=lambda t: len(tok.encode(t, add_bos=False)))]
+    prompt = prompts[0]
     pair = find_pair(args.llama_cpp) if {COMPLETION, SPEC} & set(c["rows"]) else None
     last = c["schedule"][-1][0]
     say = lambda *a: print(*a, flush=True)  # noqa: E731
@@ -245,6 +257,13 @@ def main(args) -> int:
     rows = {}
     for name in c["rows"]:
         fixed = None if "@" not in name else next(x for x in c["caps"] if f"{x >> 20}M" == name.split("@")[1])
+        if name == SERVE:
+            say(f"{name}: running, a client streaming {len(prompts)} prompts in turn")
+            served = serve_moved(config=config, sets=sets, prompts=prompts, start=c["start"], schedule=c["schedule"],
+                                 grace_s=args.grace, tail_s=args.tail, n_ctx=N_CTX,
+                                 evict_paths=[p for p in (target, args.model_draft) if p])
+            rows[name] = row_figures(name, served, tok, schedule=c["schedule"], start=c["start"])
+            continue
         if name.startswith(LEVER):
             cmd = lever_cmd(config=config, sets=sets, prompt=prompt, n=args.n_gen, mem=fixed or c["start"])
             stop = 4 * 3600.0
