@@ -41,7 +41,6 @@ from lever.model.grammar_cache import GrammarCache
 from lever.model.stop import StopReason
 from lever.model.tool_calls import GENERIC, ToolFormat, detect, plan
 from lever.pipelines.engine import Engine
-from lever.pipelines.memory_watch import MemoryWatch
 from lever.pipelines.prefix_cache import PrefixCache
 from lever.pipelines.residency import MemoryChange
 from lever.pipelines.text import TextStream
@@ -118,12 +117,6 @@ class LLM:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tok
-
-    @property
-    def memory_watch(self) -> MemoryWatch | None:
-        """The cgroup's limit and pressure, followed ([memory] follow, with resident layers
-        filling a limit) from before the layers loaded (Engine.open)."""
-        return self.engine.memory_watch
 
     @property
     def parallel(self) -> int:
@@ -326,8 +319,6 @@ class LLM:
         return chunks()
 
     def close(self) -> None:
-        if self.memory_watch is not None:
-            self.memory_watch.stop()
         self.grammars.close()  # a compile under way (a server's request thread) fails at once
         self.renderer.close()  # so does a render
         with self.lanes.all():  # no generation is running

@@ -128,6 +128,14 @@ class MemoryWatch:
             return self.own_limit_bytes
         return limit if self.own_limit_bytes is None else min(limit, self.own_limit_bytes)
 
+    def reserve(self, n_bytes: int) -> None:
+        """What the process holds beside the run from now on: the budget applied again where
+        the cgroup's limit is what bounds it (elsewhere the run's own limit, or an app's, stands)."""
+        self.reserved_bytes = n_bytes
+        limit = self._limit()
+        if limit is not None and self.own_limit_bytes is not None and limit - n_bytes < self.own_limit_bytes:
+            self._signalled.append(signal.SIGUSR2)  # as a script's "fill to what is granted now"
+
     def start(self) -> MemoryWatch:
         self._fd = self.cgroup.pressure_fd() if self.cgroup is not None else None
         if threading.current_thread() is threading.main_thread():  # only there may handlers be set

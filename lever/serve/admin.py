@@ -49,7 +49,7 @@ def reserved_bytes(server) -> int:
 def state(server) -> dict:
     engine = server.llm.engine
     plan, resident = engine.plan, engine.target.resident
-    watch = server.llm.memory_watch
+    watch = server.llm.engine.memory_watch
     run, reserved = plan.memory.limit_bytes, reserved_bytes(server)
     floor, whole = plan.live_bounds(engine.process_bytes)
     return {"limit_bytes": run + reserved if run is not None else None, "run_limit_bytes": run,

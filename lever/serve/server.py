@@ -340,8 +340,8 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
     slots = Slots(llm.parallel, llm.n_ctx, llm.engine.plan.kind.speculates)
     s = Server(llm, model_id, admission, Preparer(llm, timeout_s), sessions, settings, slots, turns=Turns(llm.parallel),
                metrics=Metrics() if metrics else None, page=live)
-    if llm.memory_watch is not None:  # the cgroup's limit is the whole server's: the run's budget is what it leaves
-        llm.memory_watch.reserved_bytes = admin.reserved_bytes(s)
+    if (watch := llm.engine.memory_watch) is not None:  # the cgroup's limit is the whole server's: the run's is
+        watch.reserve(admin.reserved_bytes(s))  # what it leaves
     return Guard(_starlette(s, live, keyed=bool(access.api_keys)), access,
                  max_requests=max(max_connections // 2, 1) if len(access.api_keys) > 1 else None)
 
