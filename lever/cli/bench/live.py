@@ -153,7 +153,7 @@ def _print(rows: dict, ref_tokens, out) -> None:
             same = "each equal to its prompt's answer with the cap still" if not r["differ"] else \
                 f"{len(r['differ'])} DIFFER from their prompt's answer with the cap still"
             out(f"  {r['requests']} streamed requests: status {r['status']}, {r['lost']} lost, "
-                f"{r['server_errors']} 5xx; {same}")
+                f"{r['server_errors']} 5xx, {r['stream_errors']} ended by an error event; {same}")
 
 
 def plot(rows: dict, path: Path, schedule, start: int) -> None:

@@ -22,6 +22,7 @@ from lever.cli.bench.serve import KEY, Live
 
 N_PREDICT = 32  # tokens a request asks for: several requests in each phase of the deep target
 STREAM_TIMEOUT_S = 900.0  # one request's whole stream, on a target streamed at ~1 token/s
+LOST, STREAM_ERROR = -1, 0  # a request's "status": the connection went; an error event ended its stream
 
 
 @attrs.frozen
@@ -38,7 +39,7 @@ class Served:
     started_s: float  # the schedule's zero (monotonic): the server's first answer
     wall_s: float
     series: tuple[tuple[float, int], ...]  # (s since the zero, tokens streamed so far) over every request
-    answers: tuple[tuple[int, int, str], ...]  # (prompt index, HTTP status or -1 for a lost request, text)
+    answers: tuple[tuple[int, int, str], ...]  # (prompt index, HTTP status, LOST or STREAM_ERROR; text or why)
     still: tuple[str, ...]  # each prompt's answer once the cap was still (the last change `tail_s` behind)
 
 
@@ -54,6 +55,8 @@ def stream_one(url: str, prompt: str, on_tokens) -> tuple[int, str]:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 chunk = json.loads(line[6:])
+                if "error" in chunk:  # failed mid-stream: the status was sent before, the error event says it
+                    return STREAM_ERROR, str(chunk["error"].get("message", chunk["error"]))[:300]
                 text += chunk.get("content", "")
                 on_tokens(len(chunk.get("tokens", ())))
         return r.status_code, text
@@ -87,7 +90,7 @@ def serve_moved(*, config: str | None, sets: list[str], prompts: list[str], star
                 try:
                     answers.append((i % len(prompts), *stream_one(live.url, prompts[i % len(prompts)], counted)))
                 except httpx.HTTPError as e:  # the connection went: a lost request
-                    answers.append((i % len(prompts), -1, f"{type(e).__name__}: {e}"))
+                    answers.append((i % len(prompts), LOST, f"{type(e).__name__}: {e}"))
                 i += 1
             for p in prompts:  # the cap still since `tail_s`: what each prompt gets untouched by a move
                 try:
@@ -113,6 +116,7 @@ def request_figures(served: Served) -> dict:
     status = Counter(str(s) for _, s, _ in served.answers)
     differ = [i for i, (p, s, text) in enumerate(served.answers)
               if s == 200 and (p >= len(served.still) or text != served.still[p])]
-    return {"requests": len(served.answers), "status": dict(status), "lost": status.get("-1", 0),
+    return {"requests": len(served.answers), "status": dict(status), "lost": status.get(str(LOST), 0),
+            "stream_errors": status.get(str(STREAM_ERROR), 0),
             "server_errors": sum(v for k, v in status.items() if k.startswith("5")), "differ": differ,
             "answers": [list(a) for a in served.answers], "still": list(served.still)}
