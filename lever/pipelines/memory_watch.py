@@ -111,7 +111,8 @@ class MemoryWatch:
     squeeze: Callable[[], object]  # drop to the floor at once (Engine.squeeze)
     at_floor: Callable[[], object] = lambda: None  # pressure goes on at the floor: stop (Engine.stop_at_floor)
     own_limit_bytes: int | None = None  # the run's [memory] limit: never more than it
-    reserved_bytes: int = 0  # what the process holds beside the run's plan (a server's requests, kept conversations)
+    # a limit -> the run's budget: a server's leaves its own parts (lever.serve.admin.share); None: the limit
+    share: Callable[[int], int] | None = None
     poll_s: float = POLL_S
     events: list[tuple[float, str, int]] = attrs.field(factory=list)  # (monotonic s, what, bytes or layers): figures
     error: LeverError | None = None  # a budget below the floor, last seen
@@ -122,19 +123,19 @@ class MemoryWatch:
     _handlers: dict = attrs.field(factory=dict)  # the handlers ours replaced, restored at stop
 
     def budget_bytes(self, limit: int | None) -> int | None:
-        if limit is not None:
-            limit -= self.reserved_bytes
+        if limit is not None and self.share is not None:
+            limit = self.share(limit)
         if limit is None:
             return self.own_limit_bytes
         return limit if self.own_limit_bytes is None else min(limit, self.own_limit_bytes)
 
-    def reserve(self, n_bytes: int) -> None:
-        """What the process holds beside the run from now on: the budget applied again where
-        the cgroup's limit is what bounds it (elsewhere the run's own limit, or an app's, stands)."""
-        self.reserved_bytes = n_bytes
-        limit = self._limit()
-        if limit is not None and self.own_limit_bytes is not None and limit - n_bytes < self.own_limit_bytes:
-            self._signalled.append(signal.SIGUSR2)  # as a script's "fill to what is granted now"
+    def refill(self) -> None:
+        """The budget applied again from the limit now (as SIGUSR2 asks): a share that changed."""
+        self._signalled.append(signal.SIGUSR2)
+
+    def limit_bytes(self) -> int | None:
+        """The cgroup's limit now; None without one."""
+        return self._limit()
 
     def start(self) -> MemoryWatch:
         self._fd = self.cgroup.pressure_fd() if self.cgroup is not None else None

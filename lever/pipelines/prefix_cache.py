@@ -73,8 +73,9 @@ class PrefixCache:
     its share: `capacity_bytes` split evenly into `shares` (a server's API keys), so no client's
     conversations push out another's, and none can tell from its own hits what another does."""
 
-    capacity_bytes: int
+    capacity_bytes: int  # now: a falling memory cap lowers it (resize)
     shares: int = 1
+    planned_bytes: int = attrs.field(default=attrs.Factory(lambda s: s.capacity_bytes, takes_self=True))
     entries: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # (client, n) -> KVSnapshot
     used_bytes: int = 0
     hits: int = 0
@@ -85,6 +86,17 @@ class PrefixCache:
     @property
     def share_bytes(self) -> int:
         return self.capacity_bytes // max(self.shares, 1)
+
+    def resize(self, capacity_bytes: int) -> None:
+        """Holds at most `capacity_bytes` (never past the planned capacity) from now on: each
+        client's oldest entries leave until its bytes fit its new share (a memory cap that fell)."""
+        with self._lock:
+            self.capacity_bytes = max(0, min(capacity_bytes, self.planned_bytes))
+            for client in [c for c, n in self._by_client.items() if n > self.share_bytes]:
+                while self._by_client[client] > self.share_bytes:
+                    old = self.entries.pop(next(k for k in self.entries if k[0] == client))
+                    self.used_bytes -= old.nbytes
+                    self._by_client[client] -= old.nbytes
 
     def take(self, client: object, ids: Sequence[int], at_least: int = 0) -> KVSnapshot | None:
         """The entry of `client` sharing the longest prefix with `ids`, if longer than both

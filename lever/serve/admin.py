@@ -3,10 +3,11 @@
 Beside lever.serve.server's routes, for what manages the device (a phone's app shell that hears
 the OS ask for memory, a home box's supervisor): GET gives the budget and what is held; POST
 {"limit_bytes": N} makes N the whole server's budget from now on (lever.api.LLM.set_memory, the
-server's own parts kept: requests, kept conversations, the live page). Generations go on while it
-moves; below the run's floor the answer is 409 naming the limit and the floor, and the running
-generations stop with that line. Behind the server's API keys: a server started without one has
-no admin (403), since its routes answer any local process or, through the guard's checks, page.
+server's own parts kept: requests and the live page; the kept conversations shrink once the run
+is at its floor: `split`). Generations go on while it moves; below the floor the answer is 409
+naming the limit and the floor, and the running generations stop with that line. Behind the
+server's API keys: a server started without one has no admin (403), since its routes answer any
+local process or, through the guard's checks, page.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def routes(server, *, keyed: bool) -> list[Route]:
             if refusal is not None:
                 return refusal
             try:
-                await anyio.to_thread.run_sync(server.llm.set_memory, limit - reserved_bytes(server))
+                await anyio.to_thread.run_sync(server.llm.set_memory, share(server, limit))
             except LeverError as e:
                 return _error(str(e), 409, "invalid_request_error", "limit_bytes")
         return JSONResponse(state(server))
@@ -42,8 +43,31 @@ def routes(server, *, keyed: bool) -> list[Route]:
 
 
 def reserved_bytes(server) -> int:
-    """What the server holds beside its run's plan (Server.memory_plan's other parts)."""
+    """What the server holds beside its run's plan now (Server.memory_plan's other parts)."""
     return sum(v for k, v in server.memory_plan().items() if k != "run")
+
+
+def split(server, limit: int) -> tuple[int, int]:
+    """A whole server's limit as (the run's budget, the kept conversations' bytes): its requests
+    and live page first, then the run down to its floor (every layer streamed), the kept
+    conversations what that leaves, up to their planned bytes. A falling cap empties them before
+    the run must stop (a dropped conversation costs one prefill later; a run below its floor, every
+    request); the run's layers are what it drops first, by its own plan, above that."""
+    parts, engine = server.memory_plan(), server.llm.engine
+    fixed = parts["requests"] + parts["live page"]
+    floor = engine.plan.live_bounds(engine.process_bytes)[0]
+    cache = server.sessions[0].cache
+    kept = max(0, min(cache.planned_bytes if cache is not None else 0, limit - fixed - floor))
+    return limit - fixed - kept, kept
+
+
+def share(server, limit: int) -> int:
+    """The run's budget within a whole server's `limit` (split), the kept conversations resized to
+    their part (MemoryWatch.share, and a POST here)."""
+    run, kept = split(server, limit)
+    if (cache := server.sessions[0].cache) is not None:
+        cache.resize(kept)
+    return run
 
 
 def state(server) -> dict:
@@ -52,8 +76,12 @@ def state(server) -> dict:
     watch = server.llm.engine.memory_watch
     run, reserved = plan.memory.limit_bytes, reserved_bytes(server)
     floor, whole = plan.live_bounds(engine.process_bytes)
+    parts, cache = server.memory_plan(), server.sessions[0].cache
+    fixed, kept = parts["requests"] + parts["live page"], cache.planned_bytes if cache is not None else 0
+    # the least the server runs in (every layer streamed, no conversation kept), the least that holds all
     return {"limit_bytes": run + reserved if run is not None else None, "run_limit_bytes": run,
-            "reserved_bytes": reserved, "floor_bytes": floor + reserved, "whole_bytes": whole + reserved,
+            "reserved_bytes": reserved, "kept_conversations_bytes": parts["kept conversations"],
+            "floor_bytes": floor + fixed, "whole_bytes": whole + fixed + kept,
             "resident_layers": len(resident), "n_layer": plan.spec.n_layer, "resident_bytes": resident.nbytes,
             "late_reads": resident.late_reads, "grown": resident.grown,
             "stopped": str(resident.stopped) if resident.stopped is not None else None,

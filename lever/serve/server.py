@@ -29,6 +29,7 @@ lever.serve.admission; /tokenize and /detokenize: lever.serve.tokens.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import uuid
@@ -341,7 +342,10 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
     s = Server(llm, model_id, admission, Preparer(llm, timeout_s), sessions, settings, slots, turns=Turns(llm.parallel),
                metrics=Metrics() if metrics else None, page=live)
     if (watch := llm.engine.memory_watch) is not None:  # the cgroup's limit is the whole server's: the run's is
-        watch.reserve(admin.reserved_bytes(s))  # what it leaves
+        watch.share = functools.partial(admin.share, s)  # what its own parts leave
+        own, limit = s.llm.engine.plan.memory.limit_bytes, watch.limit_bytes()
+        if limit is not None and own is not None and admin.split(s, limit)[0] < own:
+            watch.refill()  # a cgroup that grants less than --mem: followed now
     return Guard(_starlette(s, live, keyed=bool(access.api_keys)), access,
                  max_requests=max(max_connections // 2, 1) if len(access.api_keys) > 1 else None)
 

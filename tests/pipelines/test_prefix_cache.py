@@ -117,3 +117,24 @@ def test_the_same_prompt_again_is_kept_once():
     c.put("k", snap([7, 8, 9]))
     assert [s.ids for s in c.entries.values()] == [(*range(10), 5, 6), (7, 8, 9)]
     assert c.used_bytes == sum(s.nbytes for s in c.entries.values())
+
+
+def test_a_resize_keeps_each_clients_newest_within_its_new_share_and_never_passes_the_plan():
+    rng = np.random.default_rng(50)
+    one = snap(list(range(10))).nbytes
+    for _ in range(30):
+        c = PrefixCache(int(rng.integers(4, 12)) * one, shares=int(rng.integers(1, 4)))
+        for i in range(int(rng.integers(5, 30))):
+            c.put(f"k{rng.integers(0, 3)}", snap([i, *range(100, 109)]))
+        before = {k: s.ids[0] for k, s in c.entries.items()}
+        want = int(rng.integers(0, 2 * c.planned_bytes))
+        c.resize(want)
+        assert c.capacity_bytes == min(want, c.planned_bytes)
+        assert c.used_bytes == sum(s.nbytes for s in c.entries.values())
+        for client in {k[0] for k in before}:
+            mine = [k for k in before if k[0] == client]
+            kept = [k for k in c.entries if k[0] == client]
+            assert sum(c.entries[k].nbytes for k in kept) <= c.share_bytes
+            assert kept == mine[len(mine) - len(kept):]  # the newest stayed, in order
+            # none left that its share had room for
+            assert len(kept) == min(len(mine), c.share_bytes // one)

@@ -44,12 +44,16 @@ def test_the_budget_moves_while_generations_run_and_they_give_what_they_gave(ser
     runs = [threading.Thread(target=lambda: got.append(complete(server)["tokens"])) for _ in range(3)]
     for t in runs:
         t.start()
-    # down to the floor, between, and back, while they run
-    for limit in (floor, (floor + whole) // 2, whole, floor):
+    kept = before["kept_conversations_bytes"]
+    assert kept > 0  # its planned bytes: the first to go once the run is at its floor
+    # down to the floor, between, and back, while they run: the layers go first, then the kept
+    # conversations (a conversation dropped costs one prefill later), all of them at the floor
+    for limit in (floor, floor + kept // 2, (floor + kept + whole) // 2, whole, floor):
         r = admin(server, limit)
         assert r.status_code == 200, r.text
         s = r.json()
-        assert s["limit_bytes"] == limit and (s["resident_layers"] == 0) == (limit == floor)
+        assert s["limit_bytes"] == limit and s["kept_conversations_bytes"] == min(kept, limit - floor)
+        assert (s["resident_layers"] == 0) == (limit < floor + kept + (whole - floor - kept) // 4)
     for t in runs:
         t.join(300)
     assert got == [want] * 3
