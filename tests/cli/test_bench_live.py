@@ -39,3 +39,26 @@ def test_a_phase_is_compared_over_the_same_tokens_whatever_the_speeds():
         assert p["vs_started_there"] == pytest.approx(k, rel=0.05)
         a, b = p["tokens"]
         assert same_tokens_s(ref, a, b) == pytest.approx((b - a) / 2.0, abs=0.6)
+
+
+def test_a_served_request_counts_as_lost_failed_or_equal_by_what_it_got():
+    from lever.cli.bench.live_serve import LOST, STREAM_ERROR, Served, request_figures
+
+    rng = random.Random(5)
+    for _ in range(50):
+        still = tuple(f"answer {i}" for i in range(3))
+        answers, want = [], {"lost": 0, "stream_errors": 0, "server_errors": 0, "differ": []}
+        for k in range(rng.randint(0, 12)):
+            p = rng.randrange(3)
+            kind = rng.choice(["same", "same", "other", "lost", "error", "503"])
+            status, text = {"same": (200, still[p]), "other": (200, "something else"), "lost": (LOST, "gone"),
+                            "error": (STREAM_ERROR, "memory: ..."), "503": (503, "busy")}[kind]
+            answers.append((p, status, text))
+            want["lost"] += kind == "lost"
+            want["stream_errors"] += kind == "error"
+            want["server_errors"] += kind == "503"
+            want["differ"] += [k] if kind == "other" else []
+        served = Served(returncode=None, killed_by_cap=False, stderr="", samples=(), changes=(), peak_bytes=0,
+                        started_s=0.0, wall_s=1.0, series=(), answers=tuple(answers), still=still)
+        got = request_figures(served)
+        assert got["requests"] == len(answers) and {k: got[k] for k in want} == want
