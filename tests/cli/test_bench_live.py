@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lever.cli.bench.live import compare, parse_schedule, phases, rate, same_tokens_s
+from lever.cli.bench.live import compare, generated, parse_schedule, phases, rate, same_tokens_s
 from lever.errors import LeverError
 
 MIB = 1 << 20
@@ -62,3 +62,17 @@ def test_a_served_request_counts_as_lost_failed_or_equal_by_what_it_got():
                         started_s=0.0, wall_s=1.0, series=(), answers=tuple(answers), still=still)
         got = request_figures(served)
         assert got["requests"] == len(answers) and {k: got[k] for k in want} == want
+
+
+def test_a_tools_echo_of_the_prompt_is_not_counted_as_generated():
+    rng = random.Random(9)
+    for _ in range(200):
+        prompt = "".join(rng.choice("ab \n") for _ in range(rng.randint(1, 120)))
+        out = "".join(rng.choice("xyz\n") for _ in range(rng.randint(0, 80)))
+        lead = rng.choice(["", " ", "<s>", "\n"])
+        echoed = lead + prompt.lstrip() + out
+        for cut in range(0, len(echoed) + 1, 7):  # as it streams in
+            got = generated(echoed[:cut], prompt)
+            assert out.startswith(got) and (cut < len(echoed) or got == out), (prompt, lead, cut)
+        if prompt.strip():
+            assert generated(out, prompt) in (out, "")  # no echo: what it printed, all of it

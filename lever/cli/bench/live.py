@@ -85,7 +85,7 @@ def emitted(row: str, run: Scheduled, tok, prompt: str = "") -> list[tuple[float
     out, text, last = [], "", -1.0
 
     def count() -> int:
-        gen = text[len(prompt):] if text.startswith(prompt) else "" if prompt.startswith(text) else text
+        gen = generated(text, prompt)
         return len(tok.encode(gen, add_bos=False)) if gen else 0
 
     for t, c in run.chunks:  # llama.cpp streams its text: count its tokens every half second
@@ -96,6 +96,18 @@ def emitted(row: str, run: Scheduled, tok, prompt: str = "") -> list[tuple[float
     if text:
         out.append((run.chunks[-1][0] - run.started_s, count()))
     return out
+
+
+def generated(text: str, prompt: str) -> str:
+    """What a llama.cpp tool printed after its echo of the prompt (llama-speculative echoes it,
+    after a space or its BOS's text: counted as generated, it was a burst of 44 tokens at once)."""
+    p = prompt.lstrip()
+    if not p:
+        return text
+    at = text.find(p[:64], 0, 64 + min(len(p), 64))
+    if at >= 0:
+        return text[at + len(p):]  # "" while the echo is still coming
+    return "" if p.startswith(text.lstrip()) else text
 
 
 def rate(series: list[tuple[float, int]], a: float, b: float) -> float | None:
