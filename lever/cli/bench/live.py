@@ -98,16 +98,20 @@ def emitted(row: str, run: Scheduled, tok, prompt: str = "") -> list[tuple[float
     return out
 
 
+LEAD = 64  # characters a tool may print before its echo of the prompt
+
+
 def generated(text: str, prompt: str) -> str:
     """What a llama.cpp tool printed after its echo of the prompt (llama-speculative echoes it,
     after a space or its BOS's text: counted as generated, it was a burst of 44 tokens at once)."""
     p = prompt.lstrip()
     if not p:
         return text
-    at = text.find(p[:64], 0, 64 + min(len(p), 64))
+    at = text.find(p[:64], 0, LEAD + min(len(p), 64))
     if at >= 0:
         return text[at + len(p):]  # "" while the echo is still coming
-    return "" if p.startswith(text.lstrip()) else text
+    echoing = any(p.startswith(text[k:]) for k in range(min(LEAD, len(text)) + 1))
+    return "" if echoing else text
 
 
 def rate(series: list[tuple[float, int]], a: float, b: float) -> float | None:
