@@ -29,6 +29,7 @@ from lever.dataflow.compute import VERIFY, ComputeSlot
 from lever.dataflow.graph import Stage
 from lever.dataflow.messages import FreeBuffer, LayerMessage, PassLayers, PassTiming, TokenTree, Verified
 from lever.dataflow.trace import Tracer
+from lever.errors import LeverError
 from lever.gguf.spec import ModelSpec
 from lever.policy.predictor import Predictor
 
@@ -229,7 +230,9 @@ class PrunedVerify(Stage):
         try:
             for i in range(self.spec.n_layer):
                 if (stop := getattr(self.resident, "stopped", None)) is not None:
-                    raise stop  # a memory cap below the run's floor: stop before being killed for it
+                    # a memory cap below the run's floor: stop before being killed for it (a fresh error: the
+                    # stored one raised again would gather every failed run's frames in its traceback)
+                    raise LeverError(str(stop))
                 msg = None
                 if i not in streamed:
                     weights = self.resident.get(i)

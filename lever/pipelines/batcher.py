@@ -23,6 +23,7 @@ from lever.backends.cpu.layer import LayerWeights, load_layer
 from lever.backends.flash import FlashStore
 from lever.backends.flash.pool import StagingBuffer
 from lever.dataflow.messages import TokenTree, Verified
+from lever.errors import LeverError
 from lever.gguf.file import GGUFFile
 from lever.gguf.spec import ModelSpec
 from lever.policy.cost import Others
@@ -69,7 +70,7 @@ class StreamedLayers:
 
     def __getitem__(self, layer: int) -> LayerWeights:
         if (stop := getattr(self.resident, "stopped", None)) is not None:
-            raise stop  # a memory cap below the run's floor (lever.pipelines.residency)
+            raise LeverError(str(stop))  # a memory cap below the run's floor (a fresh error: see PrunedVerify)
         if layer not in self._ahead:  # a read begun stays the layer's, whatever the residency did since
             weights = self.resident.get(layer)
             if weights is not None:

@@ -200,7 +200,7 @@ class Engine:
             try:
                 chosen, mem = self.plan.refill(limit_bytes, held, self.process_bytes)
             except LeverError as e:
-                t.resident.stopped = e
+                t.resident.stopped = LeverError(str(e))  # without the frames of this call
                 t.resident.resize(())
                 raise
             t.resident.stopped = None

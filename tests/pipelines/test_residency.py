@@ -5,7 +5,9 @@ middle of passes (from PrunedVerify's per-layer observer), grows in the backgrou
 
 from __future__ import annotations
 
+import gc
 import random
+import types
 
 import attrs
 import pytest
@@ -105,6 +107,31 @@ def test_a_new_budget_plans_within_it_and_holds_what_it_planned(engine):
                                            resident=after | {min(set(range(engine.plan.spec.n_layer)) - after)})
             assert more.total_bytes + late > limit
         assert engine.run(Request(tuple(engine.encode(PROMPTS[0])))).tokens  # and it runs there
+
+
+def test_runs_refused_at_the_floor_hold_nothing_after_them(engine):
+    # a server at its floor refuses request after request: each failed run's frames (its caches,
+    # channels, arrays) must go with it, or the refusals themselves fill the memory that ran out
+    request = Request(tuple(engine.encode(PROMPTS[2])))
+    with pytest.raises(LeverError):
+        engine.set_memory(16 << 20)
+
+    def held() -> int:
+        gc.collect()
+        return sum(isinstance(o, types.TracebackType | types.FrameType) for o in gc.get_objects())
+
+    try:
+        for _ in range(3):
+            with pytest.raises(LeverError, match="below this run's floor"):
+                engine.run(request)
+        before = held()
+        for _ in range(12):
+            with pytest.raises(LeverError, match="below this run's floor"):
+                engine.run(request)
+        assert held() <= before + 2  # not a run's worth more per refusal
+    finally:
+        engine.set_memory(1 << 40)
+        assert engine.target.resident.wait_grown(60)
 
 
 def test_below_the_floor_a_running_generation_stops_with_one_line_naming_the_cap_and_the_floor(engine):
