@@ -128,7 +128,7 @@ class Engine:
                 engine.memory_watch = engine.watch_memory() if follow else None
                 if engine.memory_watch is not None:
                     engine.memory_watch.start()
-                engine.target.resident.resize(plan.resident)
+                engine.target.resident.resize(engine.plan.resident)  # the plan the watch made, if it moved it
                 engine.draft = draft.result() if draft is not None else None
                 engine.target.resident.wait_grown()
                 if (e := engine.target.resident.grow_error) is not None:

@@ -142,7 +142,14 @@ class MemoryWatch:
         if threading.current_thread() is threading.main_thread():  # only there may handlers be set
             for sig in (signal.SIGUSR1, signal.SIGUSR2):
                 self._handlers[sig] = signal.signal(sig, lambda n, frame: self._signalled.append(n))
-        self._thread = threading.Thread(target=self._run, name="lever-memory-watch", daemon=True)
+        seen = self._limit()
+        budget = self.budget_bytes(seen)
+        if seen is not None and self.own_limit_bytes is not None and budget is not None \
+                and budget < self.own_limit_bytes:
+            # a cap below the run's plan already: followed here, in the caller's thread, before what
+            # it loads next (a thread of its own came too late on a loaded machine: the load was killed)
+            self._apply(seen)
+        self._thread = threading.Thread(target=self._run, args=(seen,), name="lever-memory-watch", daemon=True)
         self._thread.start()
         return self
 
@@ -164,12 +171,7 @@ class MemoryWatch:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _run(self) -> None:
-        seen = self._limit()
-        budget = self.budget_bytes(seen)
-        if seen is not None and self.own_limit_bytes is not None and budget is not None \
-                and budget < self.own_limit_bytes:
-            self._apply(seen)  # a cap below the run's plan already (the layers load after the start): followed now
+    def _run(self, seen: int | None) -> None:
         burst = squeezed = None  # when the pressure under way began; when the squeeze came
         last, by_signal, floor_said = 0.0, False, False
         while not self._stop.is_set():
