@@ -89,10 +89,12 @@ class Pressed(Cgroup):
         return self.__dict__.setdefault("_fd", os.eventfd(0, os.EFD_NONBLOCK))
 
 
-def press(fd: int, seconds: float) -> None:
-    """Pressure as a refused cap makes it: an event at each of the kernel's retries (memcap's 50 ms)."""
+def press(fd: int, seconds: float, done=lambda: False) -> None:
+    """Pressure as a refused cap makes it: an event at each of the kernel's retries (memcap's 50 ms),
+    for `seconds` or until `done()` (a loaded machine may starve the watch for a while: the
+    pressure goes on until it acts, as a kernel's would)."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not done():
         os.eventfd_write(fd, 1)
         time.sleep(0.05)
 
@@ -109,12 +111,12 @@ def test_pressure_that_goes_on_squeezes_then_the_limit_read_fills_again(tmp_path
             os.eventfd_write(fd, 1)
         time.sleep(0.6)
         assert seen.squeezes == 0
-        press(fd, 0.5)  # pressure that goes on: a lower cap refused at every retry
+        press(fd, 30.0, lambda: seen.squeezes == 1)  # pressure that goes on: a lower cap refused at every retry
         assert until(lambda: seen.squeezes == 1)
         limit.write_text(str(1536 << 20))  # v1: the lower limit takes once the group is under it
         assert until(lambda: seen.limits == [1536 << 20])
-        press(fd, 0.5)  # pressure with no new limit behind it: squeezed, then the same budget again
-        assert until(lambda: seen.squeezes == 2)
+        press(fd, 30.0, lambda: seen.squeezes == 2)  # pressure with no new limit behind it: squeezed, then
+        assert until(lambda: seen.squeezes == 2)  # the same budget again
         assert until(lambda: seen.limits == [1536 << 20, 1536 << 20])
     assert seen.squeezes == 2 and [what for _, what, _ in w.events] == ["squeeze", "limit", "squeeze", "limit"]
 
@@ -125,7 +127,8 @@ def test_pressure_that_goes_on_after_the_squeeze_stops_at_the_floor_once(tmp_pat
     (tmp_path / "memory.limit_in_bytes").write_text(str(3 << 30))
     cg, seen, floors = Pressed(tmp_path, 1), Seen(), []
     with MemoryWatch(cg, seen.set_memory, seen.squeeze, lambda: floors.append(1)) as w:
-        press(cg.pressure_fd(), 1.5)  # a cap below the floor: refused at every retry, after the squeeze too
+        press(cg.pressure_fd(), 30.0, lambda: floors)  # a cap below the floor: refused at every retry, after
+        press(cg.pressure_fd(), 0.5)  # the squeeze too; and pressure on after the floor's stop says it once
         assert until(lambda: floors == [1])
     assert seen.squeezes == 1 and floors == [1] and seen.limits == []
     assert [what for _, what, _ in w.events] == ["squeeze", "floor"]
