@@ -16,6 +16,7 @@ The heavy imports (numpy, the kernels, the commands) happen after the handlers a
 from __future__ import annotations
 
 import argparse
+import fcntl
 import functools
 import gc
 import importlib
@@ -119,7 +120,7 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt as e:
         _release(e)
         if _is_pipe(sys.stdout):  # what it had left to print waits in the buffer: the exit's flush
-            _quiet_stdout()  # would block on a reader that stopped reading, past the signal that stops it
+            _flush_or_quiet_stdout()  # would block on a reader that stopped reading, past the signal
         return _interrupted(getattr(e, "signum", signals.pending() or signal.SIGINT))
     except BrokenPipeError as e:
         _release(e)
@@ -190,6 +191,27 @@ def _is_pipe(stream) -> bool:
         return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
     except (OSError, ValueError, AttributeError):  # a caller's StringIO, or closed
         return False
+
+
+def _flush_or_quiet_stdout() -> None:
+    """Give a reader that still reads what is left, without waiting on one that stopped: the
+    flush goes through a non-blocking descriptor, and what the pipe does not take at once is
+    dropped (stdout then points at /dev/null). An in-process caller's own prints go on after."""
+    try:
+        fd = sys.stdout.fileno()
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except (OSError, ValueError, AttributeError):
+        return
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+        try:
+            sys.stdout.flush()
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    except (BlockingIOError, BrokenPipeError):  # the pipe is full, or its reader gone
+        _quiet_stdout()
+    except (OSError, ValueError):
+        pass
 
 
 def _quiet_stdout() -> None:
