@@ -32,10 +32,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from lever.errors import LeverError
+
+if TYPE_CHECKING:
+    from lever.pipelines.residency import MemoryChange
 
 POLL_S = 0.05  # a low-memory killer's grace is seconds (memcap's: 2 s); a read of one small file is microseconds
 QUIET_S = 2.0  # after a squeeze with no new limit seen: pressure from elsewhere, so fill the old limit again
@@ -107,12 +111,14 @@ class MemoryWatch:
     from a thread of its own until `stop` (or the end of its `with`)."""
 
     cgroup: Cgroup | None  # None: signals alone
-    set_memory: Callable[[int], object]  # Engine.set_memory
+    set_memory: Callable[[int], MemoryChange | None]  # Engine.set_memory
     squeeze: Callable[[], object]  # drop to the floor at once (Engine.squeeze)
     at_floor: Callable[[], object] = lambda: None  # pressure goes on at the floor: stop (Engine.stop_at_floor)
     own_limit_bytes: int | None = None  # the run's [memory] limit: never more than it
-    # a limit -> the run's budget: a server's leaves its own parts (lever.serve.admin.share); None: the limit
-    share: Callable[[int], int] | None = None
+    # a limit -> the run's part of it, a pure function: a server's leaves its own parts (lever.serve.admin.split)
+    run_part: Callable[[int], int] | None = None
+    # told each limit before the run's part is applied: a server resizes its kept conversations to the rest
+    on_limit: Callable[[int], object] | None = None
     poll_s: float = POLL_S
     events: list[tuple[float, str, int]] = attrs.field(factory=list)  # (monotonic s, what, bytes or layers): figures
     error: LeverError | None = None  # a budget below the floor, last seen
@@ -123,35 +129,33 @@ class MemoryWatch:
     _handlers: dict = attrs.field(factory=dict)  # the handlers ours replaced, restored at stop
 
     def budget_bytes(self, limit: int | None) -> int | None:
-        if limit is not None and self.share is not None:
-            limit = self.share(limit)
+        """The run's budget under a cgroup `limit` (None: no limit seen), never past its own."""
+        if limit is not None and self.run_part is not None:
+            limit = self.run_part(limit)
         if limit is None:
             return self.own_limit_bytes
         return limit if self.own_limit_bytes is None else min(limit, self.own_limit_bytes)
-
-    def refill(self) -> None:
-        """The budget applied again from the limit now (as SIGUSR2 asks): a share that changed."""
-        self._signalled.append(signal.SIGUSR2)
-
-    def limit_bytes(self) -> int | None:
-        """The cgroup's limit now; None without one."""
-        return self._limit()
 
     def start(self) -> MemoryWatch:
         self._fd = self.cgroup.pressure_fd() if self.cgroup is not None else None
         if threading.current_thread() is threading.main_thread():  # only there may handlers be set
             for sig in (signal.SIGUSR1, signal.SIGUSR2):
                 self._handlers[sig] = signal.signal(sig, lambda n, frame: self._signalled.append(n))
-        seen = self._limit()
-        budget = self.budget_bytes(seen)
-        if seen is not None and self.own_limit_bytes is not None and budget is not None \
-                and budget < self.own_limit_bytes:
-            # a cap below the run's plan already: followed here, in the caller's thread, before what
-            # it loads next (a thread of its own came too late on a loaded machine: the load was killed)
-            self._apply(seen)
+        seen = self.follow_below_plan()
         self._thread = threading.Thread(target=self._run, args=(seen,), name="lever-memory-watch", daemon=True)
         self._thread.start()
         return self
+
+    def follow_below_plan(self) -> int | None:
+        """The cgroup's limit now, applied in the caller's thread if it grants less than the run's
+        plan, before what the caller does next (loads the layers; serves): the watch's own thread
+        came too late on a loaded machine, and the load was killed. Returns the limit seen."""
+        limit = self._limit()
+        budget = self.budget_bytes(limit)
+        if limit is not None and budget is not None and self.own_limit_bytes is not None \
+                and budget < self.own_limit_bytes:
+            self._apply(limit)
+        return limit
 
     def stop(self) -> None:
         self._stop.set()
@@ -222,10 +226,12 @@ class MemoryWatch:
         if budget is None:
             return
         self.events.append((time.monotonic(), "limit", budget))
+        if limit is not None and self.on_limit is not None:
+            self.on_limit(limit)
         try:
             change = self.set_memory(budget)
             self.error = None
-            if (layers := getattr(change, "layers_after", None)) is not None:
-                self.events.append((time.monotonic(), "resident_layers", layers))
+            if change is not None:
+                self.events.append((time.monotonic(), "resident_layers", change.layers_after))
         except LeverError as e:  # below the floor: the engine stops its passes with this line
             self.error = e

@@ -61,13 +61,23 @@ def split(server, limit: int) -> tuple[int, int]:
     return limit - fixed - kept, kept
 
 
-def share(server, limit: int) -> int:
-    """The run's budget within a whole server's `limit` (split), the kept conversations resized to
-    their part (MemoryWatch.share, and a POST here)."""
-    run, kept = split(server, limit)
+def run_part(server, limit: int) -> int:
+    """The run's budget within a whole server's `limit` (split; MemoryWatch.run_part)."""
+    return split(server, limit)[0]
+
+
+def keep_conversations(server, limit: int) -> None:
+    """The kept conversations resized to their part of a whole server's `limit` (split;
+    MemoryWatch.on_limit)."""
     if (cache := server.sessions[0].cache) is not None:
-        cache.resize(kept)
-    return run
+        cache.resize(split(server, limit)[1])
+
+
+def share(server, limit: int) -> int:
+    """A whole server's `limit` taken (a POST here): the kept conversations resized to their
+    part, the run's budget returned."""
+    keep_conversations(server, limit)
+    return run_part(server, limit)
 
 
 def state(server) -> dict:

@@ -342,10 +342,9 @@ def app(llm: LLM, *, model_id: str, queue: int = 8, access: Access | None = None
     s = Server(llm, model_id, admission, Preparer(llm, timeout_s), sessions, settings, slots, turns=Turns(llm.parallel),
                metrics=Metrics() if metrics else None, page=live)
     if (watch := llm.engine.memory_watch) is not None:  # the cgroup's limit is the whole server's: the run's is
-        watch.share = functools.partial(admin.share, s)  # what its own parts leave
-        own, limit = s.llm.engine.plan.memory.limit_bytes, watch.limit_bytes()
-        if limit is not None and own is not None and admin.split(s, limit)[0] < own:
-            watch.refill()  # a cgroup that grants less than --mem: followed now
+        watch.run_part = functools.partial(admin.run_part, s)  # what its own parts leave
+        watch.on_limit = functools.partial(admin.keep_conversations, s)
+        watch.follow_below_plan()  # a cgroup that grants less than --mem: followed now
     return Guard(_starlette(s, live, keyed=bool(access.api_keys)), access,
                  max_requests=max(max_connections // 2, 1) if len(access.api_keys) > 1 else None)
 
