@@ -76,3 +76,21 @@ def test_a_tools_echo_of_the_prompt_is_not_counted_as_generated():
             assert out.startswith(got) and (cut < len(echoed) or got == out), (prompt, lead, cut)
         if prompt.strip():
             assert generated(out, prompt) in (out, "")  # no echo: what it printed, all of it
+
+
+def test_the_printed_figures_are_rounded_and_a_cap_never_met_says_so():
+    from lever.cli.bench.live import _print
+
+    rng = random.Random(5)
+    for _ in range(50):
+        met = rng.choice([None, rng.uniform(0, 3)])
+        phase = {"settled_tps": rng.choice([None, rng.uniform(0, 5)]), "from_s": 0.0, "to_s": rng.uniform(1, 200),
+                 "cap_bytes": rng.randrange(1, 8) << 30, "met_after_s": met, "held_max_bytes": rng.randrange(1 << 32)}
+        row = {"killed_by_cap": False, "alive": True, "tokens": [1], "n_tokens": 1, "peak_bytes": 1 << 30,
+               "phases": [phase]}
+        lines: list[str] = []
+        _print({"lever": row}, [1], lines.append)
+        line = lines[1]
+        assert (f"cap met after {met:.2f} s," if met is not None else "cap never met,") in line, line
+        decimals = [w.rstrip(",;-").split(".")[-1] for w in line.replace("-", " ").split() if "." in w]
+        assert all(len(d) <= 2 for d in decimals), line

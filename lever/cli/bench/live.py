@@ -162,8 +162,9 @@ def _print(rows: dict, ref_tokens, out) -> None:
             s = f"{p['settled_tps']:.2f} tok/s" if p["settled_tps"] is not None else "no tokens"
             vs = (f" ({p['vs_started_there']:.2f}x the run started at this cap, over tokens "
                   f"{p['tokens'][0]}-{p['tokens'][1]})") if p.get("vs_started_there") else ""
+            met = f"met after {p['met_after_s']:.2f} s" if p["met_after_s"] is not None else "never met"
             out(f"  {p['from_s']:6.1f}-{p['to_s']:6.1f} s at {p['cap_bytes'] >> 20} MiB: settled {s}{vs}; "
-                f"cap met after {p['met_after_s'] if p['met_after_s'] is not None else 'never'} s, "
+                f"cap {met}, "
                 f"held at most {p['held_max_bytes'] >> 20} MiB")
         if "requests" in r:
             same = "each equal to its prompt's answer with the cap still" if not r["differ"] else \
