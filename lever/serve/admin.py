@@ -34,7 +34,7 @@ def routes(server, *, keyed: bool) -> list[Route]:
             if refusal is not None:
                 return refusal
             try:
-                await anyio.to_thread.run_sync(server.llm.set_memory, share(server, limit))
+                await anyio.to_thread.run_sync(server.llm.set_memory, keep_conversations(server, limit))
             except LeverError as e:
                 return _error(str(e), 409, "invalid_request_error", "limit_bytes")
         return JSONResponse(state(server))
@@ -66,18 +66,13 @@ def run_part(server, limit: int) -> int:
     return split(server, limit)[0]
 
 
-def keep_conversations(server, limit: int) -> None:
+def keep_conversations(server, limit: int) -> int:
     """The kept conversations resized to their part of a whole server's `limit` (split;
-    MemoryWatch.on_limit)."""
+    MemoryWatch.on_limit, and a POST here); the run's part returned."""
+    run, kept = split(server, limit)
     if (cache := server.sessions[0].cache) is not None:
-        cache.resize(split(server, limit)[1])
-
-
-def share(server, limit: int) -> int:
-    """A whole server's `limit` taken (a POST here): the kept conversations resized to their
-    part, the run's budget returned."""
-    keep_conversations(server, limit)
-    return run_part(server, limit)
+        cache.resize(kept)
+    return run
 
 
 def state(server) -> dict:
