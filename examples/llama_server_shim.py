@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lever.hub.store import models_dir
+
 MISSING = 77
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_FLAGS = ("--model", "--hf-repo", "--hf-file", "--model-draft")
@@ -73,11 +75,9 @@ def toml_str(text: str) -> str:
 
 
 def model_dirs() -> list[Path]:
-    """Where the local models are, found as tests/conftest.py finds them."""
-    shared = [Path(os.environ["LEVER_SHARED"])] if os.environ.get("LEVER_SHARED") else \
-        [above / "shared" for above in ROOT.parents if (above / "shared" / "models").is_dir()][:1]
-    qwen = Path(os.environ.get("LEVER_MODELS", Path.home() / ".cache" / "lever" / "models"))
-    return [s / "models" for s in shared] + [qwen]
+    """Where the local models are, found as tests/conftest.py finds them: the small ones shipped
+    with the tests, then $LEVER_MODELS (where `lever pull` puts the Qwen pair)."""
+    return [ROOT / "tests" / "data" / "models", models_dir()]
 
 
 def local(name: str, dirs: list[Path]) -> Path | None:

@@ -3,7 +3,7 @@
     python examples/structured_calls.py [CONFIG] [--spm]
 
 Through the Python API, a config's pair (the shipped pair by default; examples/lever.toml for
-the Qwen pair), or with --spm stories260K (a SentencePiece vocabulary, from ../shared/models)
+the Qwen pair), or with --spm stories260K (a SentencePiece vocabulary, shipped in tests/data/models)
 with a two-block copy of itself as its draft. For each prompt and schema it prints how many
 distinct texts five calls gave, how they ended (`valid`: the end token, JSON the schema
 accepts, checked with jsonschema; `length`: cut by max_tokens) and the text. Issue 44's
@@ -48,7 +48,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from tests.deep_target import write_shallow_copy  # the repository's test helper
 
-        stories = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K.gguf"
+        stories = Path(__file__).resolve().parents[1] / "tests" / "data" / "models" / "stories260K.gguf"
         draft = write_shallow_copy(stories, Path(tempfile.mkdtemp()) / "stories-2.gguf", 2)
         with lever.load(target=stories, draft=draft, n_ctx=256) as llm:
             five_calls(llm, ["Once upon a time", "Lily had a"])

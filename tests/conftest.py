@@ -1,5 +1,5 @@
-"""Shared fixtures: paths to the real models (../shared/models, or pulled into $LEVER_MODELS by
-lever.hub when absent), and tiny GGUFs made on demand."""
+"""Shared fixtures: paths to the real models (the small ones ship in tests/data; the Qwen pair is
+pulled into $LEVER_MODELS by lever.hub, or its tests skip saying why), and tiny GGUFs made on demand."""
 
 from __future__ import annotations
 
@@ -17,34 +17,28 @@ from tests.tiny_gguf import write_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
+DATA = ROOT / "tests" / "data"  # the small real models and corpora, shipped with their provenance (SOURCES.md)
+MODELS = DATA / "models"
+CORPORA = DATA / "corpora"
+STORIES = MODELS / "stories260K.gguf"
+LLAMA2 = MODELS / "llama-2-tiny-random.gguf"
+QWEN_DIR = models_dir()  # $LEVER_MODELS, else ~/.cache/lever/models: where `lever pull` puts models
+QWEN_TARGET = QWEN_DIR / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN_DRAFT = QWEN_DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+
 def find_shared() -> Path | None:
-    """The shared models and tools: $LEVER_SHARED, else a `shared/` beside the clone or beside
-    any folder above it (a clone nested one level deeper still finds them)."""
+    """The project's shared tools (llama.cpp's build, memcap), an optional extra no test needs:
+    $LEVER_SHARED, else a `shared/` beside the clone or beside any folder above it."""
     if os.environ.get("LEVER_SHARED"):
         return Path(os.environ["LEVER_SHARED"]).resolve()
     for above in ROOT.parents:
-        if (above / "shared" / "models").is_dir():
+        if (above / "shared" / "tools").is_dir():
             return above / "shared"
     return None
 
 
 SHARED = find_shared() or ROOT.parent / "shared"
-MODELS = SHARED / "models"
-QWEN_DIR = models_dir()  # $LEVER_MODELS, else ~/.cache/lever/models: where `lever pull` puts models
-QWEN_TARGET = QWEN_DIR / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-QWEN_DRAFT = QWEN_DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-SMALL = {"stories260K.gguf": "stories260k", "llama-2-tiny-random.gguf": "llama-2-tiny-random"}  # -> catalogue name
-
-
-def small_model(filename: str) -> Path:
-    """A small test model: ../shared/models' copy, else the one in $LEVER_MODELS (where the
-    session's start pulls it when the catalogue's source is reachable)."""
-    shared = MODELS / filename
-    return shared if shared.exists() else QWEN_DIR / filename
-
-
-STORIES = small_model("stories260K.gguf")
-LLAMA2 = small_model("llama-2-tiny-random.gguf")
 # llama.cpp as an independent reference: llama-cpp-python, finding libllama through
 # LLAMA_CPP_LIB_PATH, else through a build beside the project (where the developers keep one).
 LLAMA_CPP_LIB = ROOT.parent / "ref" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
@@ -68,12 +62,12 @@ def pull_model(name: str) -> str:
 
 
 def require(path: Path) -> Path:
-    """`path`, pulled first when the catalogue has it; else the test skips, saying why."""
-    name = "qwen2.5-coder" if path.parent == QWEN_DIR and "qwen" in path.name else SMALL.get(path.name)
-    why = pull_model(name) if name and not path.exists() else ""
+    """`path`, pulled first when it is the Qwen pair's; else the test skips, saying why."""
+    if not path.exists() and path.parent == QWEN_DIR and "qwen" in path.name:
+        if why := pull_model("qwen2.5-coder"):
+            pytest.skip(f"{path} absent (`lever pull qwen2.5-coder` failed: {why})")
     if not path.exists():
-        hint = f"`lever pull {name}` failed: {why}" if why else "needs ../shared/models"
-        pytest.skip(f"{path} absent ({hint})")
+        pytest.skip(f"{path} absent")
     return path
 
 
@@ -143,16 +137,8 @@ from tests.backends.flash.files import disk_dir, stories_aligned, stories_copy, 
 
 
 def pytest_sessionstart(session) -> None:
-    """The small models come from ../shared/models, else from $LEVER_MODELS, pulled there now
-    when absent. A run with neither would skip a tenth of the suite and pass: that green would
-    be a lie, so it stops here with one line saying what is missing and what to set."""
-    missing, why = [], ""
-    for path in (STORIES, LLAMA2):
-        failed = pull_model(SMALL[path.name]) if not path.exists() else ""
-        if not path.exists():
-            missing.append(path.name)
-            why = why or failed
-    if missing and os.environ.get("LEVER_ALLOW_NO_SHARED") != "1":
-        pytest.exit(f"{', '.join(missing)}: not in {MODELS} nor {QWEN_DIR}, and `lever pull` failed ({why}). Set "
-                    "LEVER_SHARED to the folder holding models/ (../shared beside the clone), or "
-                    "LEVER_ALLOW_NO_SHARED=1 to skip their tests", returncode=4)
+    """The shipped test data is part of the clone: a checkout without it (a sparse or LFS-less
+    one) would skip a tenth of the suite and pass, so it stops here with one line instead."""
+    missing = [p.name for p in (STORIES, LLAMA2) if not p.is_file()]
+    if missing:
+        pytest.exit(f"{', '.join(missing)}: not in {MODELS}; this checkout lacks the shipped test data", returncode=4)

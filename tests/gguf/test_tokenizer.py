@@ -24,10 +24,9 @@ from lever.errors import LeverError
 from lever.fuzz.inputs import ARR, F32, I32, STR, U32, RandomChooser, serialize
 from lever.fuzz.models import model_desc
 from lever.gguf.tokenizer import StreamDecoder, Tokenizer, byte_level_chars
-from tests.conftest import LLAMA2, MODELS, QWEN_DRAFT, SHARED, STORIES, require
+from tests.conftest import CORPORA, LLAMA2, MODELS, QWEN_DRAFT, STORIES, require
 
 TOK512 = MODELS / "tok512.bin"
-CORPORA = SHARED / "corpora"
 QWEN = QWEN_DRAFT
 
 AWKWARD = [
@@ -235,8 +234,7 @@ def test_qwen_ids_and_flags(qwen_tok):
 def _sample_texts() -> list[str]:
     texts = list(AWKWARD)
     for name in ("tinyshakespeare_input.txt", "tinystories_val_subset.txt"):
-        if (CORPORA / name).exists():
-            texts.append((CORPORA / name).read_text()[:20000])
+        texts.append((CORPORA / name).read_text()[:20000])
     texts.append(Path(gguf.__file__).read_text())
     return texts
 
@@ -353,11 +351,10 @@ def test_missing_file_is_a_lever_error(tmp_path):
 def corpus_samples(n_lines: int = 300, n_files: int = 25) -> dict[str, list[str]]:
     samples = {}
     for name in ("tinyshakespeare_input.txt", "tinystories_val_subset.txt"):
-        if (CORPORA / name).exists():
-            lines = (CORPORA / name).read_text().splitlines()
-            samples[f"{name} lines"] = lines[:n_lines]
-            samples[f"{name} 20-line blocks"] = ["\n".join(lines[i : i + 20])
-                                                 for i in range(0, min(len(lines), 20 * n_lines), 20)]
+        lines = (CORPORA / name).read_text().splitlines()
+        samples[f"{name} lines"] = lines[:n_lines]
+        samples[f"{name} 20-line blocks"] = ["\n".join(lines[i : i + 20])
+                                             for i in range(0, min(len(lines), 20 * n_lines), 20)]
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:n_files]
     samples["stdlib .py files"] = [Path(f).read_text(encoding="utf-8", errors="replace") for f in files]
     return samples

@@ -1,5 +1,5 @@
 """lever.hub.catalogue: one entry per name and file, digests that are digests, pairs of known
-names; and its figures agree with ../shared/models (SOURCES.md and the copies the tests use)."""
+names; and its figures agree with the shipped test data (tests/data/SOURCES.md and the copies there)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from lever.hub.catalogue import ENTRIES, PAIRS, Chunks, Url, lookup, names
 from lever.hub.store import file_digest
-from tests.conftest import MODELS
+from tests.conftest import DATA, MODELS
 
-SOURCES = MODELS / "SOURCES.md"
+SOURCES = DATA / "SOURCES.md"
 
 
 def test_names_and_files_are_unique_and_digests_are_sha256():
@@ -38,8 +38,6 @@ def test_chunk_names_are_those_the_packages_use():
 
 
 def shared_rows() -> dict[str, tuple[int, str]]:
-    if not SOURCES.exists():
-        pytest.skip(f"{SOURCES} absent: the provenance of the small models is not beside this clone")
     rows = re.findall(r"^\| `([^`]+)` \| (\d+) \| `([0-9a-f]{64})` \|", SOURCES.read_text(), re.M)
     return {f: (int(n), sha) for f, n, sha in rows}
 

@@ -19,7 +19,7 @@ from lever.backends.cpu.layer import layer_forward
 from lever.errors import LeverError
 from lever.gguf.tokenizer import Tokenizer
 from lever.model.transformer import Model
-from tests.conftest import SHARED
+from tests.conftest import CORPORA
 
 pytestmark = pytest.mark.skipif(not qnn.is_available(), reason=f"QNN HTP unavailable: {qnn.unavailable_reason()}")
 
@@ -31,7 +31,7 @@ KV_TOL = {"fp32": 2.0**-10, "fp16": 1e-2}  # K/V are float16 in the cache: 2^-10
 # Q8_0 weights: the CPU quantizes activations to Q8_0 blocks (~0.4% per element), the graph does not.
 QUANT_HIDDEN_TOL = 3e-2
 ARGMAX_AGREEMENT = 0.99
-CORPUS = SHARED / "corpora" / "tinystories_val_subset.txt"
+CORPUS = CORPORA / "tinystories_val_subset.txt"
 N_TEACHER = 300  # tokens of real text teacher-forced through stories260K
 CHUNK = 32  # tokens per forward call when teacher forcing (a causal mask within the chunk)
 PRECISIONS = ("fp32", "fp16")
