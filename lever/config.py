@@ -7,7 +7,8 @@ field per section, named as the [section], so adding a section is adding a field
 checked: an unknown or mistyped key or a bad value is one LeverError naming the file, section
 and key. `--set section.key=value` overrides are parsed as TOML values and checked the same
 way. Paths in a config ([model] target and draft, [profile] path, [predictor] artifact) are
-resolved once here, against the config's folder, so nothing downstream resolves them again.
+resolved once here, against the config's folder, so nothing downstream resolves them again;
+a model that names no file there may be one of $LEVER_MODELS by name, as `-m NAME` takes it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import attrs
 
 from lever.backends.flash import FlashConfig
 from lever.errors import LeverError, read_text
+from lever.hub.catalogue import lookup
+from lever.hub.pull import find_model
+from lever.hub.store import models_dir
 from lever.model.sampling import DRAWS, LIMITS, LogitBias, Range, SamplingParams
 from lever.policy.memory import MemoryConfig
 from lever.policy.placement import PlacementConfig, QnnConfig
@@ -269,8 +273,19 @@ def resolve_path(value: str, base: Path | None) -> str:
     return str(p)
 
 
-# Keys holding paths, resolved at load: (section, key).
+# Keys holding paths, resolved at load: (section, key). The models' may also name a model of
+# $LEVER_MODELS as `-m NAME` does (`lever list`'s name or path), where no such file is here.
 PATH_KEYS = (("model", "target"), ("model", "draft"), ("profile", "path"), ("predictor", "artifact"))
+MODEL_KEYS = (("model", "target"), ("model", "draft"))
+
+
+def _pulled(value: str) -> str | None:
+    """The model of $LEVER_MODELS a config's [model] key names, as `-m NAME` finds it; a catalogue
+    name not pulled yet is the file `lever pull` would make, so its error names that file."""
+    if (found := find_model(value)) is not None:
+        return str(found)
+    entries = lookup(value)
+    return str(models_dir() / entries[0].filename) if len(entries) == 1 else None
 
 
 def _check_type(where: str, value: Any, hint: Any) -> Any:
@@ -372,5 +387,8 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         value = getattr(sections[name], key)
         if value:  # a file's paths from its folder; a command line's from where it was typed
             where_from = None if (name, key) in overridden else base
-            sections[name] = attrs.evolve(sections[name], **{key: resolve_path(value, where_from)})
+            path = resolve_path(value, where_from)
+            if (name, key) in MODEL_KEYS and not os.path.exists(path):
+                path = _pulled(value) or path
+            sections[name] = attrs.evolve(sections[name], **{key: path})
     return Config(base, **sections)

@@ -74,6 +74,25 @@ def test_relative_model_paths_resolve_against_the_config(tmp_path):
     assert c.model.target == str(tmp_path / "m" / "t.gguf")
 
 
+def test_a_model_may_be_named_as_lever_list_names_it(tmp_path, monkeypatch):
+    """examples/lever.toml names its pair so: found in $LEVER_MODELS wherever that is; a file
+    beside the config still wins; a catalogue name not pulled is the file a pull would make."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "stories260K.gguf").write_bytes(b"GGUF")
+    (models / "owner" / "repo").mkdir(parents=True)
+    (models / "owner" / "repo" / "x.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("LEVER_MODELS", str(models))
+    c = load_config(write(tmp_path, '[model]\ntarget = "stories260k"\ndraft = "owner/repo/x.gguf"\n'))
+    assert (c.model.target, c.model.draft) == (str(models / "stories260K.gguf"), str(models / "owner/repo/x.gguf"))
+    (tmp_path / "stories260k").write_bytes(b"GGUF")
+    beside = load_config(write(tmp_path, '[model]\ntarget = "stories260k"\n')).model.target
+    assert beside == str(tmp_path / "stories260k")
+    not_pulled = load_config(write(tmp_path, '[model]\ndraft = "llama-2-tiny-random"\n')).model.draft
+    assert not_pulled == str(models / "llama-2-tiny-random.gguf")  # where `lever pull` puts it: the error names it
+    assert load_config(write(tmp_path, '[model]\ntarget = "no-such"\n')).model.target == str(tmp_path / "no-such")
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_examples_load_and_every_line_says_why(path):
     load_config(path)
