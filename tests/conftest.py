@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from lever.errors import LeverError
 from lever.hub.pull import pull
 from lever.hub.store import models_dir
+from tests.sizes import QUICK
 from tests.tiny_gguf import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,3 +145,29 @@ def pytest_sessionstart(session) -> None:
     missing = [p.name for p in (STORIES, LLAMA2) if not p.is_file()]
     if missing:
         pytest.exit(f"{', '.join(missing)}: not in {MODELS}; this checkout lacks the shipped test data", returncode=4)
+
+
+_STOPS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupted(signum, _frame) -> None:
+    """A run that is cut (`timeout`, CI's limit, a closed terminal) ends as Ctrl-C would: pytest
+    then prints what passed and failed so far. Once: a second signal while the summary is being
+    written is ignored."""
+    for s in _STOPS:
+        signal.signal(s, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def pytest_configure(config) -> None:
+    for s in _STOPS:
+        signal.signal(s, _interrupted)
+    # the contributor's quick check, `-m quick`, sizes its properties by the quick profile too
+    if config.getoption("markexpr", "") == "quick" and config.getoption("hypothesis_profile", None) is None:
+        settings.load_profile(QUICK)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session) -> None:
+    for s in _STOPS:  # the tests are over: a signal now would only cut the summary short
+        signal.signal(s, signal.SIG_IGN)

@@ -19,6 +19,7 @@ from lever.errors import LeverError
 from lever.gguf.render_child import DATA_LIMIT_BYTES
 from lever.shipped import shipped
 from tests.load import within
+from tests.sizes import cases
 
 GB = 1_000_000_000
 HOSTILE_TEMPLATES = [
@@ -140,7 +141,7 @@ def test_hostile_tools_through_the_qwen_pair_are_one_line(qwen, parameters, word
 TEXT = st.text(st.sampled_from("ab <>|/\n_:system user"), max_size=8)
 
 
-@settings(max_examples=80, derandomize=True, deadline=None, database=None,
+@settings(max_examples=cases(80), derandomize=True, deadline=None, database=None,
           phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())

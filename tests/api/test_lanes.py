@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lever.api.lanes import Lanes
+from tests.sizes import cases
 
 
 class _Session:  # what a lane holds of a session: its lock
@@ -16,7 +17,7 @@ class _Session:  # what a lane holds of a session: its lock
         self.lock = threading.Lock()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=cases(30), deadline=None)
 @given(n=st.integers(1, 4), sessions=st.lists(st.integers(-1, 3), min_size=1, max_size=10))
 def test_n_generations_at_once_never_more_and_one_per_session(n, sessions):
     """Calls arriving at once (-1: no session, else which one): never more than n run together,

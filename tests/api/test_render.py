@@ -12,6 +12,7 @@ from lever.api.render import ChatRenderer
 from lever.gguf.chat_template import ChatTemplate
 from lever.gguf.tokenizer import Tokenizer
 from lever.shipped import shipped
+from tests.sizes import cases
 
 EOT = "<|endoftext|>"  # the shipped models' BOS (their vocabulary adds one)
 PLAIN = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -33,7 +34,7 @@ def renderer(tok):
     r.close()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=cases(40), deadline=None)
 @given(content=st.lists(st.sampled_from([EOT, "x", " def", "\n"]), min_size=1, max_size=6).map("".join),
        writes_bos=st.booleans())
 def test_a_chat_starts_with_one_bos_whatever_the_template_or_the_message(renderer, tok, content, writes_bos):

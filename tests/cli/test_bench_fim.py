@@ -33,6 +33,7 @@ from lever.cli.bench.fim import (
 )
 from lever.cli.main import main
 from tests.cli.test_bench_cap import needs_cgroup
+from tests.sizes import cases
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 LLAMA, LLAMA_8 = row_names((3, 8))[1:3]
@@ -116,7 +117,7 @@ def test_requests_are_cut_from_the_standard_library_as_they_stand():
                               "temperature": 0.0, "return_tokens": True}
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=cases(50), deadline=None)
 @given(st.lists(st.floats(0.01, 100), min_size=1, max_size=12), st.floats(0.05, 20))
 def test_the_time_ratio_is_the_geometric_mean_within_its_band(walls, c):
     r = ratio_band([c * w for w in walls], walls)

@@ -17,6 +17,7 @@ from lever.cli import serve
 from lever.cli.main import main
 from lever.errors import LeverError
 from tests.serve.live import start_server, stderr_text, stop
+from tests.sizes import cases
 
 
 def args(*argv: str):
@@ -85,7 +86,7 @@ def test_key_file_lines_are_split_at_line_ends_only(tmp_path, capsys):
     assert serve.access(args("--api-key-file", str(f))).api_keys == ("key-a", "key-b")
 
 
-@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@settings(max_examples=cases(300), derandomize=True, deadline=None, database=None)
 @given(key=st.text(max_size=260))
 def test_a_key_is_accepted_exactly_when_it_is_1_to_256_printable_ascii(key):
     fits = 1 <= len(key) <= 256 and all("!" <= c <= "~" for c in key)

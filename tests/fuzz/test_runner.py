@@ -24,6 +24,7 @@ from lever.fuzz import runner as fuzz
 from lever.fuzz.inputs import Blob, RandomChooser, load_seeds, seed_from_desc, serialize
 from lever.fuzz.models import model_desc
 from lever.fuzz.runner import Outcome, Worker, check, check_bytes, make_input, read_corpus_file, run_fuzz
+from tests.sizes import cases
 from tests.tiny_gguf import write_tiny_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "fuzz_corpus"
@@ -69,7 +70,7 @@ def inputs(draw, seeds) -> Blob:
 
 
 def test_hypothesis_inputs_load_or_are_refused(seeds, tmp_path):
-    @settings(max_examples=300, derandomize=True, deadline=None, database=None,
+    @settings(max_examples=cases(300), derandomize=True, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(inputs(seeds))
     def run(blob):

@@ -16,6 +16,7 @@ from lever.errors import LeverError
 from lever.gguf.chat_template import CHATML, ChatTemplate, TemplateError, continues
 from lever.gguf.file import GGUFFile
 from lever.shipped import shipped
+from tests.sizes import cases
 
 USER = [{"role": "user", "content": "What is today?"}]
 # the shape of Qwen3's and DeepSeek-R1's ends: thinking unless told not to
@@ -98,7 +99,7 @@ def test_an_earlier_turns_reasoning_reaches_the_template():
         t.render([{"role": "assistant", "content": "a", "reasoning_content": ["x"]}])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=cases(60), deadline=None)
 @given(pieces=st.lists(st.sampled_from(["<|im_start|>", "<|im_end|>", "x", "\n", "system"]), max_size=8),
        where=st.sampled_from(["kwargs", "reasoning"]))
 def test_special_text_in_kwargs_or_reasoning_is_never_the_templates(pieces, where):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from lever.errors import LeverError
 from lever.hub.download import Digest, Transfer, fetch, locked_part
 from tests.hub.fake_hub import FakeHub
+from tests.sizes import cases
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def server():
         yield h
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=cases(40), deadline=None)
 @given(size=st.integers(1, 300_000), cuts=st.lists(st.floats(0.0, 1.0), max_size=6), seed=st.integers(0, 2**16),
        left=st.floats(0.0, 1.0))
 def test_any_drops_and_any_partial_start_end_in_the_exact_bytes_each_sent_once(server, size, cuts, seed, left):

@@ -26,9 +26,10 @@ from lever.model.tool_calls import plan
 from lever.nesting import INT_RANGE, MAX_NODES, JsonValueError, check_json, depth
 from lever.shipped import shipped
 from tests.load import within
+from tests.sizes import cases
 
 # no explain phase: it traces every line it replays, ten times the time a check takes
-SETTINGS = settings(max_examples=200, derandomize=True, deadline=None, database=None,
+SETTINGS = settings(max_examples=cases(200), derandomize=True, deadline=None, database=None,
                     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 SECONDS = 1.0  # a refusal's time bound (a check of the most values it visits takes 0.2 s)
@@ -169,7 +170,7 @@ def test_a_hostile_value_is_one_line_naming_the_argument_and_the_place(case):
         assert e.value.at == at and message.startswith(f"json_schema{at}: "), (message, at)
 
 
-@settings(SETTINGS, max_examples=100)
+@settings(SETTINGS, max_examples=cases(100))
 @given(hostile(max_depth=bounds.MAX_SCHEMA_DEPTH))
 def test_a_hostile_schema_is_a_grammar_error_before_any_compile(tok, case):
     """Through the doors a call goes through: the grammar cache (the LLM's), compile_args,
@@ -187,7 +188,7 @@ def test_a_hostile_schema_is_a_grammar_error_before_any_compile(tok, case):
     assert cache.compiled == 0  # refused before the compiler's child was asked
 
 
-@settings(SETTINGS, max_examples=100)
+@settings(SETTINGS, max_examples=cases(100))
 @given(hostile(max_depth=64), st.booleans())
 def test_hostile_tool_parameters_or_entries_are_one_line_naming_the_tool(tok, case, in_parameters):
     """In a function's parameters or beside them (the template writes the whole entry): one line
@@ -215,7 +216,7 @@ SCHEMAS = st.recursive(
     max_leaves=8)
 
 
-@settings(SETTINGS, max_examples=40)
+@settings(SETTINGS, max_examples=cases(40))
 @given(SCHEMAS, st.booleans())
 def test_json_schemas_still_compile_shared_parts_too(tok, schema, share):
     if share:  # one sub-schema object in two places: not a cycle

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from lever.errors import LeverError
 from lever.model.sampling import SamplingParams, distribution, penalize, sample
+from tests.sizes import cases
 
 
 def test_greedy_is_argmax_lowest_on_ties():
@@ -136,7 +137,7 @@ penalty_params = st.builds(
     logit_bias=st.lists(st.tuples(st.integers(0, V_SMALL - 1), biases), max_size=6))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=cases(300), deadline=None)
 @given(params=penalty_params, history=st.lists(st.integers(0, V_SMALL - 1), max_size=12),
        logits=st.lists(st.floats(-20, 20, allow_subnormal=False), min_size=V_SMALL, max_size=V_SMALL))
 def test_the_logits_are_shaped_as_llama_cpps_sampler_chain_shapes_them(params, history, logits):

@@ -22,6 +22,7 @@ from lever.model.tool_calls import BY_NAME, FORMATS, CallStream, ToolCall, check
 from lever.model.tools.lexing import WS, Pattern
 from lever.pipelines.text import TextStream
 from lever.shipped import shipped
+from tests.sizes import cases
 
 TEMPLATES = Path("/work/llama.cpp/src/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates")
 FAMILIES = {
@@ -114,7 +115,7 @@ def streamed(draw):
     return fmt, reply, text, calls, names, [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)])]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=cases(400), deadline=None)
 @given(streamed())
 def test_calls_come_back_as_written_and_any_streaming_is_the_reply_read_at_once(case):
     fmt, reply, text, calls, names, pieces = case

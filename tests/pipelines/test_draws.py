@@ -15,6 +15,7 @@ from lever.model.generate import generate
 from lever.model.transformer import Model
 from lever.pipelines.engine import run_pipeline
 from lever.shipped import shipped
+from tests.sizes import cases
 
 N = 32
 PROMPTS = ["def parse_args(argv):", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def push(self, x):"]
@@ -38,7 +39,7 @@ def config(overrides, knobs):
     return load_config(shipped("default.toml"), sets)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=cases(30), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(knobs=sampler, overrides=st.sampled_from(PIPELINES), prompt=st.sampled_from(PROMPTS))
 def test_every_pipeline_samples_what_autoregressive_decoding_samples(knobs, overrides, prompt):
     cfg = config(overrides, knobs)

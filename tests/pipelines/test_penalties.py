@@ -18,6 +18,7 @@ from lever.gguf.tokenizer import Tokenizer
 from lever.model.generate import generate
 from lever.model.transformer import Model
 from lever.pipelines.engine import run_pipeline
+from tests.sizes import cases
 
 PROMPT = "the theory in the thin"
 N = 24
@@ -61,7 +62,7 @@ def reference(models, cfg) -> list[int]:
     return generate(Model(target), tok.encode(PROMPT), N, cfg.generate.params(eos), eos_ids=eos).tokens
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=cases(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(gen=knobs, pipeline=st.sampled_from(PIPELINES))
 def test_greedy_under_a_bias_and_penalties_is_the_autoregressive_greedy_output(models, gen, pipeline):
     cfg = configured(models, *pipeline, **gen)
@@ -71,7 +72,7 @@ def test_greedy_under_a_bias_and_penalties_is_the_autoregressive_greedy_output(m
     assert not banned & set(want)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=cases(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(gen=knobs, pipeline=st.sampled_from(PIPELINES), seed=st.integers(0, 2**31),
        draws=st.sampled_from(["llama.cpp", "rejection"]))
 def test_seeded_sampling_under_a_bias_and_penalties_is_the_same_text_again(models, gen, pipeline, seed, draws):

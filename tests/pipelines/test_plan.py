@@ -16,6 +16,7 @@ from lever.pipelines.engine import Engine, run_pipeline
 from lever.pipelines.plan import RunPlan
 from lever.tree.config import MIN_SHARED_NODES, TreeExpandConfig
 from tests.conftest import ROOT
+from tests.sizes import cases
 
 DEFAULT = ROOT / "examples" / "default.toml"
 SOURCES = {"model": '["model"]', "free": '["prompt-lookup", "ngram"]', "both": '["model", "prompt-lookup"]'}
@@ -79,7 +80,7 @@ def test_the_layers_kept_in_dram_are_planned_once_a_run(kind, monkeypatch):
     assert res.memory.plan.resident_layer_bytes == res.memory.resident_layer_bytes > 0
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=cases(60), deadline=None)
 @given(max_nodes=st.integers(1, 256), max_depth=st.integers(1, 128), lookahead=st.integers(0, 64),
        parallel=st.integers(1, 16))
 def test_trees_sharing_a_pass_share_its_node_cap(max_nodes, max_depth, lookahead, parallel):

@@ -11,6 +11,7 @@ import lever
 from lever.pipelines.compose import KVState
 from lever.pipelines.prefix_cache import MIN_REUSE_TOKENS, KVSnapshot, PrefixCache, shared
 from lever.shipped import shipped
+from tests.sizes import cases
 
 A = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n"
 B = "class Stack:\n    def __init__(self):\n        self.items = []\n"
@@ -91,7 +92,7 @@ def test_a_clients_puts_never_push_out_anothers_entries():
 
     one = snap(list(range(10))).nbytes
 
-    @settings(max_examples=150, deadline=None)
+    @settings(max_examples=cases(150), deadline=None)
     @given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans(), st.integers(0, 40)), max_size=60))
     def check(ops):
         c = PrefixCache(3 * 3 * one, shares=3)  # three entries a client

@@ -13,6 +13,7 @@ from lever.dataflow.messages import Accepted, PassTiming, TokenTree
 from lever.dataflow.trace import Span
 from lever.pipelines.watch import MAX_NODES, Watch, cycle_event
 from lever.shipped import shipped
+from tests.sizes import cases
 
 
 def piece(t: int) -> str:
@@ -139,7 +140,7 @@ def test_each_clients_sequence_is_its_own():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    @settings(max_examples=100, deadline=None)
+    @settings(max_examples=cases(100), deadline=None)
     @given(st.lists(st.sampled_from(["a", "b", None]), max_size=200), st.integers(200, 4000))
     def check(pushes, max_bytes):
         w = Watch(lambda t: str(t), max_bytes=max_bytes)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from lever.policy.cost import ALONE, FlatCost, Others
 from lever.policy.growth import POLICIES, Candidate
 from lever.tree.config import TreeExpandConfig
+from tests.sizes import cases
 from tests.tree.test_builder import grow
 
 
@@ -75,7 +76,7 @@ def _pass_rates(cost: FlatCost, p_first: float, k: int) -> tuple[float, float, i
     return before, after, n, shared.n_nodes
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=cases(60), deadline=None)
 @given(read_s=st.floats(0.0, 0.2), compute_per_token_s=st.floats(0.002, 0.05), draft_step_s=st.floats(0.001, 0.05),
        p_first=st.floats(0.3, 0.95), k=st.integers(2, 8))
 def test_a_tree_in_a_pass_shared_with_trees_like_it_grows_no_bigger(read_s, compute_per_token_s, draft_step_s,

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from lever.api import Cancelled
 from lever.serve.admission import Admission, Slots, Turns
 from lever.serve.request import BadRequest
+from tests.sizes import cases
 
 
 def test_one_client_gets_half_the_places_and_another_still_gets_in():
@@ -75,7 +76,7 @@ def _round_robin(arrivals: list[str]) -> list[str]:
     return order
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=cases(25), deadline=None)
 @given(st.lists(st.sampled_from("abc"), min_size=1, max_size=12))
 def test_turns_go_round_the_clients_first_come_first_served_within_each(arrivals):
     """Requests queued behind a running one, in any order: their turns go round the clients
@@ -114,7 +115,7 @@ def test_a_waiting_turn_cancelled_leaves_and_the_next_goes_on():
         pass
 
 
-@settings(max_examples=20, deadline=None, database=None)
+@settings(max_examples=cases(20), deadline=None, database=None)
 @given(n=st.integers(1, 4), clients=st.lists(st.sampled_from("abc"), min_size=1, max_size=10))
 def test_n_turns_run_at_once_never_more(n, clients):
     """Generations of any clients arriving at once: never more than n hold a turn together, and
@@ -151,7 +152,7 @@ def test_a_generation_takes_the_free_slot_that_holds_most_of_its_prompt():
     assert slots.processing == 0
 
 
-@settings(max_examples=50, deadline=None, database=None)
+@settings(max_examples=cases(50), deadline=None, database=None)
 @given(n=st.integers(1, 8), runs=st.integers(0, 5))
 def test_slot_zero_shows_the_task_holding_its_turn_and_only_while_it_does(n, runs):
     slots = Slots(n, n_ctx=256)

@@ -21,6 +21,7 @@ from starlette.testclient import TestClient
 from lever.serve import guard
 from lever.serve.guard import Access, Guard
 from lever.serve.webui import WEB_UI_FILES
+from tests.sizes import cases
 
 
 async def echo(request: Request):
@@ -130,7 +131,7 @@ def presents(raw: bytes) -> bytes | None:
     return token.strip(b" \t") if scheme.lower() == b"bearer" and token else None
 
 
-@settings(max_examples=500, derandomize=True, deadline=None, database=None)
+@settings(max_examples=cases(500), derandomize=True, deadline=None, database=None)
 @given(raw=st.one_of(
     st.binary(max_size=40),
     st.builds(lambda scheme, pad, key, tail: scheme + b" " + pad + key.encode() + tail,
@@ -153,7 +154,7 @@ HEADER_BYTES = st.one_of(st.binary(max_size=30), st.sampled_from([
     b"application/json", b"Bearer k-one", b"\xff\xfe", b"\x00", b"[", b":", b"*"]))
 
 
-@settings(max_examples=500, derandomize=True, deadline=None, database=None)
+@settings(max_examples=cases(500), derandomize=True, deadline=None, database=None)
 @given(fields=st.dictionaries(st.sampled_from([b"host", b"origin", b"content-type", b"authorization"]),
                               HEADER_BYTES),
        method=st.sampled_from(["GET", "POST", "OPTIONS"]), keys=st.sampled_from([(), KEYS]))
@@ -165,7 +166,7 @@ def test_any_header_bytes_get_an_answer_or_a_json_refusal_never_an_error(fields,
         assert set(body["error"]) == {"message", "type", "param", "code"}, body
 
 
-@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@settings(max_examples=cases(300), derandomize=True, deadline=None, database=None)
 @given(keys=st.lists(ASCII_KEYS, min_size=1, max_size=6, unique=True), data=st.data())
 def test_every_key_is_compared_as_digests_of_one_length(keys, data):
     """Constant time over the keys: client_key compares the presented token with every key,
@@ -188,7 +189,7 @@ def test_every_key_is_compared_as_digests_of_one_length(keys, data):
     assert calls == [(32, 32)] * len(keys)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=cases(50), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["start", "end"])), max_size=40),
        st.integers(1, 4))
 def test_a_key_has_at_most_its_share_under_way_and_another_key_is_let_through(ops, share):

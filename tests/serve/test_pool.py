@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from lever.serve.pool import RequestPool
 from lever.serve.request import BadRequest
+from tests.sizes import cases
 
 
 def test_a_client_holds_at_most_its_share_and_another_still_finds_room():
@@ -34,7 +35,7 @@ def test_a_request_that_can_never_fit_is_413_not_busy():
     assert e.value.status == 413 and pool.used_bytes == 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=cases(200), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["add", "set", "release"]), st.integers(0, 400)),
                 max_size=80))
 def test_the_counts_add_up_and_never_pass_the_bounds(ops):

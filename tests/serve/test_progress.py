@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lever.serve.progress import Progress, with_fields
+from tests.sizes import cases
 
 
 class Inner:
@@ -28,7 +29,7 @@ class Inner:
         return Run()
 
 
-@settings(max_examples=60, deadline=None, database=None)
+@settings(max_examples=cases(60), deadline=None, database=None)
 @given(n_prompt=st.integers(1, 5000), n_cached=st.integers(0, 5000), n_out=st.integers(0, 300),
        cycles=st.integers(0, 3))
 def test_the_prefills_reports_and_the_timings_so_far(n_prompt, n_cached, n_out, cycles):

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.serve.live import start_server, stderr_text, stop
+from tests.sizes import cases
 
 MAX_HEAD = 16384  # h11's bound on a request's line and headers, as uvicorn configures it
 TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -144,7 +145,7 @@ def malformed_heads(draw) -> tuple[bytes, set[int], str]:
     return head(line, *headers), {400}, words
 
 
-@settings(max_examples=200, derandomize=True, deadline=None, database=None,
+@settings(max_examples=cases(200), derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=malformed_heads())
 def test_every_malformed_head_is_a_json_4xx_and_the_next_connection_is_served(server, case):

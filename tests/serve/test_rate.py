@@ -12,11 +12,12 @@ from lever.serve.pool import RequestPool
 from lever.serve.rate import BodyRate
 from lever.serve.request import BadRequest, read_body
 from tests.serve.test_request import _request
+from tests.sizes import cases
 
 RATE, BURST = 1000.0, 500  # bytes a second, bytes at once
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=cases(300), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 400), st.floats(0, 0.5)), max_size=60))
 def test_what_a_client_is_let_read_never_passes_its_burst_and_rate(arrivals):
     """Chunks of four clients arriving over time, each read once it is due: by any moment a client

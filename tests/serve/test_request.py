@@ -14,6 +14,7 @@ from lever.serve.pool import RequestPool
 from lever.serve.rate import BodyRate
 from lever.serve.request import CLOSING_POLL_S, MAX_BODY_BYTES, BadRequest, parse, read_body, sampling
 from tests.load import within
+from tests.sizes import cases
 
 
 def _request(headers: dict, chunks: list[bytes], delay_s: float = 0.0):
@@ -224,7 +225,7 @@ def test_parsing_never_takes_more_than_parse_bytes_says():
 
     fat = st.sampled_from([b"{}", b"[]", b'{"k":0}', b"1.5", b"123456789", b'"ab"', b'"\\ud83d\\ude00"', b"null"])
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=cases(150), deadline=None, suppress_health_check=list(HealthCheck))
     @given(_values(_leaves()), fat, st.integers(0, 20_000), st.booleans())
     def check(value, item, n, wide):
         body = json.dumps({"v": value, "pad": None}, ensure_ascii=not wide).encode()

@@ -17,6 +17,7 @@ from lever.policy.predictor import prune_by_scores
 from lever.stages.accept import accept_tree
 from lever.tree.builder import TreeBuilder
 from lever.tree.config import TreeExpandConfig
+from tests.sizes import cases
 
 VOCAB = 50
 
@@ -290,7 +291,7 @@ shaping = st.builds(
                                                                        st.just(False))), max_size=V_PEN - 1))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=cases(200), deadline=None)
 @given(params=shaping, prefix=st.lists(st.integers(0, V_PEN - 1), min_size=1, max_size=8),
        follow=st.integers(0, 6), n_branches=st.integers(0, 12), budget=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_greedy_under_a_bias_and_penalties_is_autoregressive_greedy(params, prefix, follow, n_branches, budget, seed):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from lever.backends.flash import FlashConfig, FlashStore
 from lever.backends.flash.config import respread, spread
 from lever.errors import LeverError
+from tests.sizes import cases
 
 # -- config
 
@@ -41,7 +42,7 @@ def test_missing_layer_is_an_error(tmp_path):
 
 
 @given(n=st.integers(1, 200), data=st.data())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=cases(300), deadline=None)
 def test_respread_changes_as_few_layers_as_a_new_count_needs(n, data):
     held = frozenset(data.draw(st.sets(st.integers(0, n - 1))))
     k = data.draw(st.integers(0, n))
