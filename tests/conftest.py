@@ -14,7 +14,7 @@ from hypothesis import settings
 from lever.errors import LeverError
 from lever.hub.pull import pull
 from lever.hub.store import models_dir
-from tests.sizes import QUICK
+from tests.sizes import QUICK as QUICK_PROFILE
 from tests.tiny_gguf import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,6 +147,47 @@ def pytest_sessionstart(session) -> None:
         pytest.exit(f"{', '.join(missing)}: not in {MODELS}; this checkout lacks the shipped test data", returncode=4)
 
 
+# The contributor's check (`python -m pytest -m quick`, about 3 minutes): every layer once, each
+# property at the quick profile's size. Folders are taken whole, but for the files named after them.
+QUICK = {
+    "tests/native": ("test_arm64_run.py", "test_arm64_build.py"),  # the kernels, scalar against SIMD
+    "tests/backends/cpu": (), "tests/gguf": ("test_vocab_map.py",), "tests/model": (),  # the model core
+    "tests/dataflow": (), "tests/policy": ("test_memory.py", "test_placement.py"), "tests/tree": (),
+    "tests/stages": (),
+    "tests/pipelines/test_compose.py": (), "tests/pipelines/test_draws.py": (),  # lossless on the shipped pair
+    "tests/backends/flash/test_faults.py": (), "tests/test_api.py": (), "tests/test_config.py": (),
+    "tests/serve/test_server.py": (), "tests/cli/test_run.py": (),  # the server's routes; the command
+    "tests/test_layers.py": (), "tests/test_data.py": (),
+}
+
+
+def _quick(path: str) -> bool:
+    return any((path == part or path.startswith(part + "/")) and path.rsplit("/", 1)[-1] not in but
+               for part, but in QUICK.items())
+
+
+# The files that take longest (serial seconds, docs/measurements.md 'Where the suite's time goes'),
+# given to the workers first: the last file a worker takes is then a short one, not a 150 s one
+# begun when the other worker is done.
+LONGEST = ("tests/test_readme.py", "tests/cli/test_live_memory.py", "tests/pipelines/test_structured.py",
+           "tests/native/test_arm64_run.py", "tests/pipelines/test_residency.py", "tests/serve/test_llama.py",
+           "tests/integration/test_qwen_pair.py", "tests/stages/test_accept.py", "tests/cli/test_bench_serve.py",
+           "tests/integration/test_flash_qwen.py", "tests/pipelines/test_compose.py", "tests/test_config.py",
+           "tests/backends/flash/test_device.py", "tests/pipelines/test_penalties.py", "tests/cli/test_bench_fim.py",
+           "tests/policy/test_memory.py", "tests/serve/test_server.py", "tests/serve/test_page.py",
+           "tests/serve/test_hostile.py", "tests/test_signals.py", "tests/gguf/test_vocab_map.py",
+           "tests/policy/test_placement.py", "tests/cli/test_main.py", "tests/cli/test_inputs.py",
+           "tests/pipelines/test_draws.py", "tests/cli/test_chat.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if _quick(item.location[0]):
+            item.add_marker(pytest.mark.quick)
+    rank = {f: i for i, f in enumerate(LONGEST)}
+    items.sort(key=lambda item: rank.get(item.location[0], len(rank)))  # stable: a file's own order stays
+
+
 _STOPS = (signal.SIGTERM, signal.SIGHUP)
 
 
@@ -164,7 +205,7 @@ def pytest_configure(config) -> None:
         signal.signal(s, _interrupted)
     # the contributor's quick check, `-m quick`, sizes its properties by the quick profile too
     if config.getoption("markexpr", "") == "quick" and config.getoption("hypothesis_profile", None) is None:
-        settings.load_profile(QUICK)
+        settings.load_profile(QUICK_PROFILE)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from hypothesis import settings
@@ -39,8 +41,10 @@ def test_a_run_cut_by_sigterm_prints_its_summary_so_far(tmp_path, workers):
                             env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
     out = b""
     # under xdist a result reaches the summary once the controller has printed it: wait for both
-    while not (started.exists() and re.search(rb"(?m)^\.F", out)) and (chunk := proc.stdout.read1(4096)):
-        out += chunk
+    deadline = time.monotonic() + 120
+    while not (started.exists() and re.search(rb"(?m)^\.F", out)) and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.1)[0]:
+            out += proc.stdout.read1(4096)
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=60)
     text = (out + rest).decode()

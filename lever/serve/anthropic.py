@@ -262,9 +262,10 @@ def _tools(tools) -> list[dict]:
                                               "offers client tools only ({name, description, input_schema})")
         if "input_schema" not in t:
             raise _refuse(f"tools[{i}].input_schema", "required, the JSON Schema of the tool's input")
-        f = {"name": t.get("name"), "parameters": t["input_schema"]}
-        out.append({"type": "function", "function": f | ({"description": t["description"]}
-                                                         if "description" in t else {})})
+        # in OpenAI's order (name, description, parameters): a template that prints the tools as JSON
+        # (Qwen's) must give the prompt OpenAI's route gives for the same tool
+        f = {"name": t.get("name")} | ({"description": t["description"]} if "description" in t else {})
+        out.append({"type": "function", "function": f | {"parameters": t["input_schema"]}})
     return out
 
 

@@ -8,7 +8,7 @@
 #    when missing (needs root); ziglang (the [test] extra) for the cross compiler.
 # 2. sysroot: Debian bookworm's arm64 python3.11 and the C/C++ runtime, extracted by mmdebstrap
 #    --variant=extract (no emulated maintainer scripts, no binfmt_misc needed): ~75 MB, ~10 s.
-# 3. wheels: pyproject.toml's dependencies plus pytest as manylinux aarch64 cp311 wheels from
+# 3. wheels: pyproject.toml's dependencies plus pytest and hypothesis (tests/conftest.py sizes the suite with it) as manylinux aarch64 cp311 wheels from
 #    PyPI, pip installed with --target into the cache: ~25 MB, ~20 s.
 # 4. native: CMakeLists.txt cross-built for aarch64 (toolchain.cmake, zig-cc), so its arm64
 #    branch (NEON sources, -march=armv8.2-a+dotprod+fp16, LEVER_HAVE_NEON) is the one used.
@@ -100,7 +100,7 @@ t=$SECONDS
 mapfile -t REQS < <("$HOST_PY" -c "
 import tomllib
 p = tomllib.load(open('$ROOT/pyproject.toml', 'rb'))['project']
-print('\n'.join(p['dependencies'] + ['pytest>=8', 'pytest-asyncio>=0.23']))")
+print('\n'.join(p['dependencies'] + ['pytest>=8', 'pytest-asyncio>=0.23', 'hypothesis>=6']))")
 want="${PLATFORMS[*]} ${REQS[*]}"
 if [ "$(cat "$CACHE/site.stamp" 2>/dev/null)" != "$want" ]; then
   rm -rf "$CACHE/site" "$CACHE/site.new" "$CACHE/site.stamp"

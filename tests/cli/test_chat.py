@@ -139,7 +139,10 @@ class Terminal:
         deadline = time.monotonic() + DEADLINE_S
         while self._read(deadline):
             pass
-        _, status = os.waitpid(self.pid, 0)
+        while (done := os.waitpid(self.pid, os.WNOHANG))[0] == 0:  # bounded: a chat that never ends fails
+            assert time.monotonic() < deadline + DEADLINE_S, f"lever chat did not exit: {self.seen[-500:]!r}"
+            time.sleep(0.05)
+        status = done[1]
         os.close(self.fd)
         return os.waitstatus_to_exitcode(status)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import attrs
 import pytest
@@ -22,9 +21,9 @@ from lever.model.tool_calls import BY_NAME, FORMATS, CallStream, ToolCall, check
 from lever.model.tools.lexing import WS, Pattern
 from lever.pipelines.text import TextStream
 from lever.shipped import shipped
+from tests.llama_templates import templates
 from tests.sizes import cases
 
-TEMPLATES = Path("/work/llama.cpp/src/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates")
 FAMILIES = {
     "hermes": ["NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
                "Qwen-Qwen2.5-7B-Instruct", "Qwen-QwQ-32B", "Qwen-Qwen3-0.6B", "MiMo-VL", "ibm-granite-granite-4.0"],
@@ -55,7 +54,7 @@ TEXT = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=6).ma
 @pytest.mark.parametrize("family, files", FAMILIES.items())
 def test_each_familys_template_is_detected_as_its_format(family, files):
     for f in files:
-        assert detect((TEMPLATES / f"{f}.jinja").read_text()).name == family, f
+        assert detect((templates() / f"{f}.jinja").read_text()).name == family, f
     assert detect(None).name == "generic"
 
 

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import openai
 import pytest
 
 from lever.model.tool_calls import BY_NAME, parse_calls
+from tests.llama_templates import templates
 from tests.serve.live import start_server, stop
 
-TEMPLATES = Path("/work/llama.cpp/src/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates")
 # family: (a template of it, how the model's reply begins in its format)
 FAMILIES = {
     "hermes": ("Qwen-Qwen2.5-7B-Instruct", '<tool_call>\n{"name": "get_weather", "arguments": {'),
@@ -43,7 +42,7 @@ REQUIRED = {"model": "x", "messages": ASK, "tools": [WEATHER], "tool_choice": "r
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def served(request):
-    proc, url = start_server(template=(TEMPLATES / f"{FAMILIES[request.param][0]}.jinja").read_text())
+    proc, url = start_server(template=(templates() / f"{FAMILIES[request.param][0]}.jinja").read_text())
     yield request.param, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     stop(proc)
 
