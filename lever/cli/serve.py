@@ -201,8 +201,10 @@ def main(args) -> int:
         from lever.serve import app
         from lever.serve.protocol import protocol_class
     except ImportError as e:
-        raise LeverError(f"lever serve needs the serve extra: pip install 'lever[serve]' "
-                         f"({e.name} is missing)") from None
+        # by the packages' names: PyPI's `lever` is another project, so `pip install 'lever[serve]'` would
+        # bring that one; from Lever's own checkout `pip install -e ".[serve]"` is the same
+        raise LeverError(f"lever serve needs starlette and uvicorn ({e.name} is missing): "
+                         f"pip install 'starlette>=0.37' 'uvicorn>=0.30'") from None
     from lever.api import load
 
     llm = _load(args, load)

@@ -42,7 +42,7 @@ def hub():
     try:
         import huggingface_hub
     except ImportError:
-        raise LeverError("pulling REPO/FILE needs huggingface_hub: pip install 'lever[hub]'") from None
+        raise LeverError("pulling REPO/FILE needs huggingface_hub: pip install 'huggingface_hub>=0.26'") from None
     return huggingface_hub
 
 
