@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -56,11 +57,18 @@ def pull_model(name: str) -> str:
         if os.environ.get("LEVER_NO_FETCH") == "1":
             _pulls[name] = "LEVER_NO_FETCH=1"
         else:
-            try:
-                pull(name, root=QWEN_DIR)
-                _pulls[name] = ""
-            except LeverError as e:
-                _pulls[name] = str(e)
+            deadline = time.monotonic() + 600
+            while True:
+                try:
+                    pull(name, root=QWEN_DIR)
+                    _pulls[name] = ""
+                except LeverError as e:
+                    # another worker's pull of the same files: wait for it rather than skip
+                    if "another pull is writing it" in str(e) and time.monotonic() < deadline:
+                        time.sleep(2)
+                        continue
+                    _pulls[name] = str(e)
+                break
     return _pulls[name]
 
 
